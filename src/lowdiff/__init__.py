@@ -1,0 +1,50 @@
+"""lowdiff: per-iteration checkpointing for PyTorch by reusing compressed gradients.
+
+Example:
+    >>> import lowdiff  # doctest: +SKIP
+    >>> ck = lowdiff.Checkpointer(model, optimizer, "runs/ckpt", compressor=lowdiff.TopK(ratio=0.01))  # doctest: +SKIP
+    >>> start = ck.resume()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from lowdiff.compressors import QSGD, ApproxTopK, Compressor, RandomK, TopK
+from lowdiff.engine.checkpointer import Checkpointer
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    CheckpointWorkerError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    LowDiffError,
+    NotACheckpointDirectoryError,
+    RecoveryError,
+    RecoveryWarning,
+)
+from lowdiff.inspect import DirectoryInfo, export, inspect_dir, verify_dir
+from lowdiff.recovery.replay import RecoveryStats, restore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ApproxTopK",
+    "CheckpointMismatchError",
+    "CheckpointWorkerError",
+    "Checkpointer",
+    "Compressor",
+    "CorruptCheckpointError",
+    "DirectoryInfo",
+    "DirectoryLockedError",
+    "LowDiffError",
+    "NotACheckpointDirectoryError",
+    "QSGD",
+    "RandomK",
+    "RecoveryError",
+    "RecoveryStats",
+    "RecoveryWarning",
+    "TopK",
+    "export",
+    "inspect_dir",
+    "restore",
+    "verify_dir",
+    "__version__",
+]

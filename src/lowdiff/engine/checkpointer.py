@@ -1,0 +1,589 @@
+"""``lowdiff.Checkpointer``: the training-side half of lowdiff.
+
+Call sequence (all on the training process)::
+
+    ck = Checkpointer(model, optimizer, "runs/ckpt", ...)   # validates, takes the directory lock
+    start = ck.resume()      # recovers (or prepares an empty directory), starts the
+                             # checkpointing process, writes the step-0 full checkpoint
+    for step in range(start, total):
+        ...; loss.backward()
+        ck.step()            # compress -> record -> decompress into .grad -> optimizer.step()
+                             # -> scheduler.step(); every full_every steps: stage a full checkpoint
+        optimizer.zero_grad()
+    ck.close()               # flush, wait until durable, stop the checkpointing process
+
+Strategies: ``"lowdiff"`` logs the compressed gradient of every step as a differential
+record; ``"none"`` keeps the same compression but writes nothing (the baseline without
+checkpointing).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime as _dt
+import os
+import shutil
+import time
+import uuid
+import warnings
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as tmp
+
+from lowdiff.compressors.base import Compressor
+from lowdiff.engine import state as st
+from lowdiff.engine.record import RecordLayout
+from lowdiff.engine.worker import WorkerConfig, acquire_flock, lock_holder, worker_main
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    CheckpointWorkerError,
+    DirectoryLockedError,
+    LowDiffError,
+    RecoveryWarning,
+)
+from lowdiff.format import codec, layout
+from lowdiff.format.atomic import remove_stale_temps
+from lowdiff.format.dtypes import dtype_name
+from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, plan, view_tensors
+from lowdiff.recovery.replay import RecoveryStats, check_compatible, recover
+from lowdiff.recovery.scan import check_directory, is_empty_dir
+
+STRATEGIES = ("lowdiff", "none")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class Checkpointer:
+    """Per-iteration checkpointing that reuses the compressed gradients training applies.
+
+    Args:
+        model: the model being trained (a plain module, or one wrapped in DDP).
+        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        directory: the checkpoint directory (created if missing). It must be empty or
+            a lowdiff checkpoint directory. Ignored by ``strategy="none"``.
+        strategy: ``"lowdiff"`` or ``"none"`` (same compression, no checkpointing).
+        compressor: the gradient compressor; default ``TopK(ratio=0.01)``.
+        full_every: f, a full checkpoint every f steps (and at step 0).
+        batch_size: b, records per file (one write per b steps).
+        scheduler: optional LR scheduler; ``step()`` steps it after the optimizer.
+        keep_full: full checkpoints to keep (records older than the oldest kept one are
+            deleted); None keeps everything.
+        max_inflight: records that may wait in shared memory for the checkpointing
+            process before ``step()`` blocks; default ``2 * batch_size + 2``.
+        start_timeout: seconds to wait for the checkpointing process to start, or for a
+            previous session's checkpointing process to finish writing.
+
+    Example:
+        >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
+        >>> start = ck.resume()  # doctest: +SKIP
+        >>> for step in range(start, 1000):  # doctest: +SKIP
+        ...     loss_fn(model, batch_for(step)).backward()
+        ...     ck.step()
+        ...     opt.zero_grad()
+        >>> ck.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        directory: str | os.PathLike[str] | None,
+        *,
+        strategy: str = "lowdiff",
+        compressor: Compressor | None = None,
+        full_every: int = 30,
+        batch_size: int = 3,
+        scheduler: Any | None = None,
+        keep_full: int | None = 2,
+        max_inflight: int | None = None,
+        start_timeout: float = 120.0,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+        if compressor is None:
+            from lowdiff.compressors import TopK
+
+            compressor = TopK(ratio=0.01)
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a lowdiff.Compressor, got {type(compressor).__name__}")
+        self.full_every = _check_int("full_every", full_every, 1)
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        if keep_full is not None:
+            _check_int("keep_full", keep_full, 1)
+        if max_inflight is not None:
+            _check_int("max_inflight", max_inflight, 1)
+        if scheduler is not None and not all(hasattr(scheduler, a) for a in ("step", "state_dict", "load_state_dict")):
+            raise TypeError(f"scheduler must be an LR scheduler (step/state_dict/load_state_dict), got {type(scheduler).__name__}")
+        if strategy != "none" and directory is None:
+            raise ValueError(f"strategy {strategy!r} needs a checkpoint directory, got None")
+
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.strategy, self.compressor, self.keep_full = strategy, compressor, keep_full
+        self.start_timeout = float(start_timeout)
+        self._params = st.optimizer_params(model, optimizer)
+        for info, p in self._params:
+            if p.is_sparse:
+                raise ValueError(f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only")
+        self._numels = [p.numel() for _, p in self._params]
+        self._buffer_names = st.buffer_names(model)
+        self._step = 0
+        self._started = False
+        self._closed = False
+        self._durable = -1
+        self._run_id = uuid.uuid4().hex
+        self.recovery_stats: RecoveryStats | None = None
+        self._stats: dict[str, float] = {
+            "steps": 0, "slot_wait_s": 0.0, "full_wait_s": 0.0, "full_copy_s": 0.0,
+            "fulls_requested": 0, "fulls_written": 0, "full_bytes": 0, "full_write_s": 0.0,
+            "record_send_s": 0.0,
+        }
+        self._proc: Any = None
+        self._req: Connection | None = None
+        self._res: Connection | None = None
+        self._worker_error: CheckpointWorkerError | None = None
+        self._staging: torch.Tensor | None = None
+        self._lock_fd: int | None = None
+        self.root: Path | None = None
+        if strategy != "none":
+            assert directory is not None
+            self.root = Path(directory)
+            check_directory(self.root)
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = acquire_flock(self.root / layout.LOCK_FILE, blocking=False)
+            if fd is None:
+                raise DirectoryLockedError(
+                    f"{self.root} is in use by another trainer ({lock_holder(self.root / layout.LOCK_FILE)}); "
+                    "two trainers cannot write to one checkpoint directory"
+                )
+            self._lock_fd = fd
+            self._rng_layout = st.RngLayout()
+            buffers = [(n, b.dtype, tuple(b.shape)) for n, b in st.get_buffers(model, self._buffer_names).items()]
+            self.layout = RecordLayout.build([i for i, _ in self._params], compressor, buffers, self._rng_layout)
+            ref = weakref.ref(self)
+            atexit.register(lambda: (c := ref()) is not None and c._close_at_exit())
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def step_count(self) -> int:
+        """Optimizer updates done so far (the step the live state is at)."""
+        return self._step
+
+    @property
+    def durable_step(self) -> int:
+        """Newest step whose state is recoverable from disk (-1 before the first write)."""
+        self._poll()
+        return self._durable
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counters and timings of this session (stall and copy times on the training side)."""
+        self._poll()
+        return dict(self._stats, durable_step=self._durable, record_row_bytes=getattr(self, "layout", None) and self.layout.row_bytes or 0)
+
+    def resume(self) -> int:
+        """Restore the newest recoverable state, or prepare an empty directory.
+
+        Restores model parameters and buffers, optimizer state, scheduler state and RNG
+        states. Files past the recovered step, and damaged files, are moved to
+        ``DIR/quarantine/`` (never deleted). The error-feedback residuals restart at zero.
+
+        Returns:
+            The recovered step (0 for an empty directory).
+        """
+        if self._started:
+            raise RuntimeError("resume() must be called once, before the first step()")
+        if self.strategy == "none":
+            self._started = True
+            return 0
+        assert self.root is not None
+        self._wait_for_previous_writer()
+        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+            remove_stale_temps(d)
+        if is_empty_dir(self.root):
+            self._start_fresh()
+            return 0
+        manifest = layout.read_manifest(self.root)
+        self._check_manifest(manifest)
+        stats = recover(self.root, self.model, self.optimizer, self.scheduler)
+        self.recovery_stats = stats
+        self._step = stats.step
+        self._durable = stats.step
+        self._quarantine_beyond(stats)
+        self.compressor.reset_state()
+        self._write_manifest()
+        self._launch_worker()
+        self._started = True
+        return self._step
+
+    def step(self, metric: float | None = None) -> None:
+        """Compress the gradients, log the record, and run the optimizer (and scheduler).
+
+        Args:
+            metric: passed to ``scheduler.step(metric)`` (for ReduceLROnPlateau).
+        """
+        if self._closed:
+            raise RuntimeError("step() after close()")
+        if not self._started:
+            self._start_implicit()
+        self._raise_worker_error()
+        t = self._step
+        payloads: list[dict[str, torch.Tensor] | None] = []
+        nograd: list[int] = []
+        with torch.no_grad():
+            for (info, p), numel in zip(self._params, self._numels, strict=True):
+                g = p.grad
+                if g is None:
+                    nograd.append(info.index)
+                    payloads.append(None)
+                    continue
+                if g.is_sparse:
+                    raise ValueError(f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only")
+                flat = g.detach().contiguous().view(-1)
+                payload = self.compressor.compress(flat, info.index, t)
+                dense = self.compressor.decompress(payload, numel, flat.dtype)
+                g.copy_(dense.view_as(g))
+                payloads.append(payload)
+        hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
+        self.optimizer.step()
+        if self.scheduler is not None:
+            if metric is None:
+                self.scheduler.step()
+            else:
+                self.scheduler.step(metric)
+        self._step = t + 1
+        self._stats["steps"] += 1
+        if self.strategy == "lowdiff":
+            assert hp is not None
+            self._emit_record(t, payloads, nograd, hp)
+            if self._step % self.full_every == 0:
+                self._emit_full(self._step)
+
+    def flush(self) -> int:
+        """Write the records waiting for a full batch and wait until they are durable.
+
+        Returns:
+            The newest durable step.
+        """
+        if self.strategy == "none" or not self._started or self._closed:
+            return self._durable
+        self._send(("flush",))
+        self._wait_reply("flushed")
+        return self._durable
+
+    def close(self) -> None:
+        """Flush everything, wait until it is durable and stop the checkpointing process."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._proc is not None:
+                self._send(("close",))
+                self._wait_reply("closed")
+                self._proc.join(self.start_timeout)
+        finally:
+            self._release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(Exception):
+                self.close()
+
+    # ------------------------------------------------------------------ session start
+    def _start_implicit(self) -> None:
+        if self.strategy == "none":
+            self._started = True
+            return
+        assert self.root is not None
+        self._wait_for_previous_writer()
+        if not is_empty_dir(self.root):
+            raise LowDiffError(
+                f"{self.root} already holds checkpoints; call ck.resume() before the first step() to continue "
+                "from them, or use a new directory"
+            )
+        self._start_fresh()
+
+    def _start_fresh(self) -> None:
+        assert self.root is not None
+        (self.root / layout.FULL_DIR).mkdir(exist_ok=True)
+        (self.root / layout.RECORDS_DIR).mkdir(exist_ok=True)
+        self._write_manifest()
+        self._launch_worker()
+        self._started = True
+        self._emit_full(self._step)
+
+    def _manifest_body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "strategy": self.strategy,
+            "compressor": self.compressor.spec(),
+            "optimizer": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
+            "scheduler": None if self.scheduler is None else f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}",
+            "record_layout": self.layout.to_json(),
+            "layout_id": self.layout.layout_id,
+            "full_every": self.full_every,
+            "batch_size": self.batch_size,
+            "keep_full": self.keep_full,
+            "torch": torch.__version__,
+            "updated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "run_id": self._run_id,
+        }
+
+    def _write_manifest(self) -> None:
+        assert self.root is not None
+        layout.write_manifest(self.root, self._manifest_body())
+
+    def _check_manifest(self, manifest: dict[str, Any]) -> None:
+        if manifest.get("strategy") != self.strategy:
+            raise CheckpointMismatchError(f"{self.root} was written by strategy {manifest.get('strategy')!r}, this Checkpointer uses {self.strategy!r}")
+        if manifest.get("compressor") != self.compressor.spec():
+            raise CheckpointMismatchError(
+                f"{self.root} was written with compressor {manifest.get('compressor')}, this Checkpointer uses "
+                f"{self.compressor.spec()}; resume with the same compressor settings"
+            )
+        check_compatible(manifest, self.model, self.optimizer)
+        if manifest.get("layout_id") != self.layout.layout_id:
+            raise CheckpointMismatchError(
+                f"{self.root}: the record layout differs (model buffers or CUDA devices changed since the "
+                "checkpoint was written)"
+            )
+        want = None if self.scheduler is None else f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}"
+        if manifest.get("scheduler") != want:
+            raise CheckpointMismatchError(f"{self.root} was written with scheduler {manifest.get('scheduler')}, got {want}")
+
+    def _wait_for_previous_writer(self) -> None:
+        """A killed trainer's checkpointing process may still be flushing: wait for it."""
+        assert self.root is not None
+        path = self.root / layout.WRITER_LOCK_FILE
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            fd = acquire_flock(path, blocking=False)
+            if fd is not None:
+                os.close(fd)
+                return
+            if time.monotonic() > deadline:
+                raise DirectoryLockedError(
+                    f"a checkpointing process ({lock_holder(path)}) is still writing to {self.root} after "
+                    f"{self.start_timeout:.0f} s"
+                )
+            time.sleep(0.05)
+
+    def _quarantine_beyond(self, stats: RecoveryStats) -> None:
+        """Move files that are damaged or lie past the recovered step out of the chain."""
+        assert self.root is not None
+        s = stats.step
+        move: list[Path] = [Path(p) for p, _ in stats.skipped]
+        for p in (self.root / layout.FULL_DIR).glob("full-*.safetensors"):
+            step = layout.parse_full_name(p.name)
+            if step is not None and step > s:
+                move.append(p)
+        for p in (self.root / layout.RECORDS_DIR).glob("rec-*.safetensors"):
+            r = layout.parse_records_name(p.name)
+            if r is not None and r[1] >= s:
+                move.append(p)
+        move = [p for p in dict.fromkeys(move) if p.exists()]
+        if not move:
+            return
+        dest = self.root / layout.QUARANTINE_DIR / _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") / self._run_id[:8]
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in move:
+            shutil.move(str(p), dest / f"{p.parent.name}--{p.name}")
+        warnings.warn(
+            f"lowdiff: moved {len(move)} file(s) that are damaged or past the recovered step {s} to {dest}",
+            RecoveryWarning,
+            stacklevel=3,
+        )
+
+    # ------------------------------------------------------------------ checkpointing process
+    def _launch_worker(self) -> None:
+        assert self.root is not None
+        ctx = tmp.get_context("spawn")
+        n_slots = self.layout and (self._max_inflight())
+        slots = torch.zeros((n_slots, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
+        self._slots = slots
+        self._slot_views = [self.layout.views(slots[i]) for i in range(n_slots)]
+        self._next_slot = 0
+        self._free = ctx.Semaphore(n_slots)
+        self._staging_free = ctx.Event()
+        self._staging_free.set()
+        req_r, req_w = ctx.Pipe(duplex=False)
+        res_r, res_w = ctx.Pipe(duplex=False)
+        cfg = WorkerConfig(str(self.root), self.batch_size, self.keep_full, self.layout.row_bytes, self.layout.layout_id, self._run_id)
+        self._proc = ctx.Process(
+            target=worker_main,
+            args=(cfg, slots, self._free, self._staging_free, req_r, res_w),
+            name="lowdiff-checkpointing",
+            daemon=False,
+        )
+        self._proc.start()
+        req_r.close()
+        res_w.close()
+        self._req, self._res = req_w, res_r
+        self._wait_reply("ready")
+
+    def _max_inflight(self) -> int:
+        return getattr(self, "_inflight_override", None) or 2 * self.batch_size + 2
+
+    def _poll(self) -> None:
+        if self._res is None:
+            return
+        try:
+            while self._res.poll():
+                self._handle(self._res.recv())
+        except (EOFError, OSError):
+            pass
+
+    def _handle(self, msg: tuple[Any, ...]) -> str:
+        kind = msg[0]
+        if kind in ("durable", "flushed", "closed"):
+            self._durable = max(self._durable, int(msg[1]))
+        elif kind == "full_done":
+            self._stats["fulls_written"] += 1
+            self._stats["full_bytes"] += msg[2]
+            self._stats["full_write_s"] += msg[3]
+        elif kind == "error":
+            _, name, text, tb = msg
+            self._worker_error = CheckpointWorkerError(f"the checkpointing process failed: {name}: {text}", tb)
+        return str(kind)
+
+    def _wait_reply(self, want: str) -> None:
+        assert self._res is not None
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self._res.poll(0.1):
+                try:
+                    kind = self._handle(self._res.recv())
+                except (EOFError, OSError):
+                    kind = "eof"
+                if kind == want:
+                    return
+                if kind in ("error", "eof"):
+                    self._raise_worker_error(force=True)
+            elif not self._proc.is_alive():
+                self._poll()
+                self._raise_worker_error(force=True)
+            if time.monotonic() > deadline:
+                raise CheckpointWorkerError(f"the checkpointing process did not answer {want!r} within {self.start_timeout:.0f} s")
+
+    def _raise_worker_error(self, force: bool = False) -> None:
+        self._poll()
+        if self._worker_error is not None:
+            err = self._worker_error
+            raise err
+        if self._proc is not None and (force or not self._proc.is_alive()) and not self._proc.is_alive():
+            raise CheckpointWorkerError(f"the checkpointing process exited unexpectedly (exit code {self._proc.exitcode})")
+        if force:
+            raise CheckpointWorkerError("the checkpointing process closed its connection")
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        assert self._req is not None
+        try:
+            self._req.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._raise_worker_error(force=True)
+
+    def _emit_record(self, t: int, payloads: list[dict[str, torch.Tensor] | None], nograd: list[int], hp: list[dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
+        while not self._free.acquire(timeout=0.5):
+            self._raise_worker_error()
+        t1 = time.perf_counter()
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._slot_views)
+        views = self._slot_views[slot]
+        for info, payload in zip((i for i, _ in self._params), payloads, strict=True):
+            if payload is None:
+                continue
+            for name, tensor in payload.items():
+                views[f"g{info.index}.{name}"].copy_(tensor)
+        for n, b in st.get_buffers(self.model, self._buffer_names).items():
+            views[f"buf.{n}"].copy_(b)
+        rng_t, rng_extra = st.capture_rng(self._rng_layout)
+        for k, v in rng_t.items():
+            views[k].copy_(v)
+        meta = codec.dumps(
+            {
+                "step": t,
+                "nograd": nograd,
+                "hp": hp,
+                "hp_after": st.capture_hparams(self.optimizer),
+                "sched": None if self.scheduler is None else self.scheduler.state_dict(),
+                "rng": rng_extra,
+            }
+        )
+        self._send(("record", slot, t, meta))
+        self._stats["slot_wait_s"] += t1 - t0
+        self._stats["record_send_s"] += time.perf_counter() - t1
+
+    def _emit_full(self, step: int) -> None:
+        msd, aliases = st.model_state(self.model)
+        otensors, ojson = st.optimizer_state_tensors(self.optimizer)
+        rng_t, rng_extra = st.capture_rng(self._rng_layout)
+        tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in msd.items()}
+        tensors.update(otensors)
+        tensors.update(rng_t)
+        entries, size = plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
+        t0 = time.perf_counter()
+        while not self._staging_free.wait(timeout=0.5):
+            self._raise_worker_error()
+        self._staging_free.clear()
+        t1 = time.perf_counter()
+        if self._staging is None or self._staging.numel() < size:
+            # grow with slack: optimizer state appears after the first step
+            self._staging = torch.empty(max(size, 1) + size // 8, dtype=torch.uint8).share_memory_()
+            self._send(("stage", self._staging))
+        views = view_tensors(entries, self._staging[:size])
+        with torch.no_grad():
+            for k, v in tensors.items():
+                views[k].copy_(v.detach())
+        t2 = time.perf_counter()
+        meta = {
+            "kind": "full",
+            "step": str(step),
+            "run_id": self._run_id,
+            "layout_id": self.layout.layout_id,
+            "model_aliases": codec.dumps(aliases),
+            "optim": ojson,
+            "scheduler": st.scheduler_state_json(self.scheduler),
+            "rng": codec.dumps(rng_extra),
+        }
+        entries_json = [[e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries]
+        self._send(("full", step, entries_json, meta))
+        self._stats["fulls_requested"] += 1
+        self._stats["full_wait_s"] += t1 - t0
+        self._stats["full_copy_s"] += t2 - t1
+
+    # ------------------------------------------------------------------ teardown
+    def _release(self) -> None:
+        for c in (self._req, self._res):
+            if c is not None:
+                with contextlib.suppress(OSError):
+                    c.close()
+        self._req = self._res = None
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _close_at_exit(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

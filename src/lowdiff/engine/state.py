@@ -1,0 +1,256 @@
+"""Capturing and restoring the pieces of training state that lowdiff checkpoints.
+
+Everything here runs in the training process (or a recovery process) and touches the
+user's live objects: the model, the optimizer, the LR scheduler and the RNGs. The rule
+that ties records and full checkpoints together is written down once:
+
+    Full checkpoint F holds the state after F optimizer updates ("step F").
+    Record t turns the state after t updates into the state after t + 1.
+
+A state consists of the model's parameters and persistent buffers, the optimizer's
+``state_dict()`` (including its step counters and per-group hyperparameters), the
+scheduler's ``state_dict()``, and the RNG states (torch CPU, CUDA when initialised,
+Python's ``random`` and NumPy's global generator).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lowdiff.errors import CheckpointMismatchError
+from lowdiff.format import codec
+
+# --------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter the optimizer updates, in optimizer order."""
+
+    index: int
+    """Position in the optimizer's flattened ``param_groups`` (its ``state_dict`` key)."""
+    name: str
+    """Name in ``model.named_parameters()``."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DDP / DataParallel style wrappers (their ``.module``)."""
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[ParamInfo, torch.nn.Parameter]]:
+    """Pair every optimizer parameter with its model name, in optimizer order.
+
+    Raises:
+        ValueError: a parameter the optimizer updates is not part of the model, or
+            appears twice in the optimizer.
+    """
+    names = {id(p): n for n, p in unwrap_model(model).named_parameters()}
+    out: list[tuple[ParamInfo, torch.nn.Parameter]] = []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError("the optimizer holds the same parameter twice")
+            seen.add(id(p))
+            if id(p) not in names:
+                raise ValueError(
+                    f"the optimizer updates a parameter of shape {tuple(p.shape)} that is not in the model; "
+                    "pass the model whose parameters the optimizer was built from"
+                )
+            out.append((ParamInfo(len(out), names[id(p)], tuple(p.shape), p.dtype), p))
+    return out
+
+
+def model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's ``state_dict`` without aliases, plus ``{alias: canonical name}``.
+
+    Tied weights (e.g. a language model's input embedding and output head) appear under
+    two names that share storage; they are stored once.
+    """
+    sd = unwrap_model(model).state_dict()
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, t in sd.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        if t.numel() and key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            unique[name] = t
+    return unique, aliases
+
+
+def buffer_names(model: torch.nn.Module) -> list[str]:
+    """Persistent buffers (those in ``state_dict``), which change in forward, not in the optimizer."""
+    m = unwrap_model(model)
+    sd_keys = set(m.state_dict().keys())
+    return [n for n, _ in m.named_buffers() if n in sd_keys]
+
+
+def get_buffers(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    m = unwrap_model(model)
+    all_b = dict(m.named_buffers())
+    return {n: all_b[n] for n in names}
+
+
+def set_buffers(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    m = unwrap_model(model)
+    all_b = dict(m.named_buffers())
+    with torch.no_grad():
+        for n, v in values.items():
+            if n not in all_b:
+                raise CheckpointMismatchError(f"the checkpoint has buffer {n!r}, the model has no such buffer")
+            if tuple(all_b[n].shape) != tuple(v.shape):
+                raise CheckpointMismatchError(f"buffer {n!r}: checkpoint shape {tuple(v.shape)}, model shape {tuple(all_b[n].shape)}")
+            all_b[n].copy_(v)
+
+
+# --------------------------------------------------------------------------- hyperparameters
+
+
+def capture_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Per-group hyperparameters (everything but ``params``), as live Python values."""
+    out = []
+    for g in optimizer.param_groups:
+        d = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            d[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+        out.append(d)
+    return out
+
+
+def apply_hparams(optimizer: torch.optim.Optimizer, hparams: list[dict[str, Any]]) -> None:
+    if len(hparams) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint has {len(hparams)} parameter groups, the optimizer has {len(optimizer.param_groups)}"
+        )
+    for g, hp in zip(optimizer.param_groups, hparams, strict=True):
+        for k, v in hp.items():
+            if isinstance(v, torch.Tensor) and isinstance(g.get(k), torch.Tensor):
+                g[k].copy_(v)  # keep tensor identity (capturable / compiled optimizers hold it)
+            else:
+                g[k] = v
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+class RngLayout:
+    """Which RNG states this process has, and how big each is (fixed for a session)."""
+
+    def __init__(self) -> None:
+        self.cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+        self.numpy = "numpy" in sys.modules
+
+    def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+            ("rng.torch", torch.uint8, tuple(torch.get_rng_state().shape)),
+            ("rng.python", torch.int64, (625,)),
+        ]
+        for d in range(self.cuda_devices):
+            specs.append((f"rng.cuda{d}", torch.uint8, tuple(torch.cuda.get_rng_state(d).shape)))
+        if self.numpy:
+            specs.append(("rng.numpy", torch.int64, (624,)))
+        return specs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cuda_devices": self.cuda_devices, "numpy": self.numpy}
+
+
+def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """RNG states as fixed-size tensors plus a few small JSON-able values."""
+    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
+    version, internal, gauss = random.getstate()
+    tensors["rng.python"] = torch.tensor(internal, dtype=torch.int64)
+    extra: dict[str, Any] = {"python": [version, gauss]}
+    for d in range(layout.cuda_devices):
+        tensors[f"rng.cuda{d}"] = torch.cuda.get_rng_state(d)
+    if layout.numpy:
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        tensors["rng.numpy"] = torch.from_numpy(keys.astype(np.int64))
+        extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
+    return tensors, extra
+
+
+def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
+    torch.set_rng_state(tensors["rng.torch"].clone())
+    version, gauss = extra["python"]
+    random.setstate((int(version), tuple(int(x) for x in tensors["rng.python"].tolist()), gauss))
+    d = 0
+    while f"rng.cuda{d}" in tensors:
+        if torch.cuda.is_available() and d < torch.cuda.device_count():
+            torch.cuda.set_rng_state(tensors[f"rng.cuda{d}"].clone(), d)
+        d += 1
+    if "rng.numpy" in tensors and "numpy" in extra:
+        import numpy as np
+
+        name, pos, has_gauss, cached = extra["numpy"]
+        np.random.set_state((name, tensors["rng.numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+# --------------------------------------------------------------------------- full state
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], str]:
+    """``optimizer.state_dict()`` as (tensors by name, JSON that references them)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def sink(path: str, t: torch.Tensor) -> str:
+        name = "optim/" + path.removeprefix("$.")
+        tensors[name] = t
+        return name
+
+    text = codec.dumps(optimizer.state_dict(), sink)
+    return tensors, text
+
+
+def scheduler_state_json(scheduler: Any | None) -> str:
+    return codec.dumps(None if scheduler is None else scheduler.state_dict())
+
+
+def state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole training state as a flat, alias-free ``{name: tensor}`` dict.
+
+    Meant for exact comparisons (``torch.equal`` on every entry): non-tensor values
+    (hyperparameters, scheduler state, Python RNG bookkeeping) are included as the
+    UTF-8 bytes of their canonical JSON, so equal bytes mean equal values.
+
+    Example:
+        >>> a = state_tensors(model, opt, sched)  # doctest: +SKIP
+        >>> all(torch.equal(a[k], b[k]) for k in a) and a.keys() == b.keys()  # doctest: +SKIP
+    """
+    out: dict[str, torch.Tensor] = {}
+    msd, aliases = model_state(model)
+    for k, v in msd.items():
+        out[f"model/{k}"] = v.detach().cpu()
+    otensors, ojson = optimizer_state_tensors(optimizer)
+    out.update({k: v.detach().cpu() for k, v in otensors.items()})
+    out["optim.json"] = _text_tensor(ojson)
+    out["scheduler.json"] = _text_tensor(scheduler_state_json(scheduler))
+    rt, rextra = capture_rng(RngLayout())
+    out.update(rt)
+    out["rng.json"] = _text_tensor(codec.dumps(rextra))
+    out["model.aliases.json"] = _text_tensor(codec.dumps(aliases))
+    return out
+
+
+def _text_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()

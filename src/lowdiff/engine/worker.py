@@ -1,0 +1,262 @@
+"""The checkpointing process: receives records and full-checkpoint requests, writes them.
+
+It is started with ``spawn`` by :class:`lowdiff.Checkpointer` and talks to the trainer
+over two pipes. The call sequence:
+
+0) (trainer) creates the shared record slots and the pipes, starts this process.
+1) (checkpointing) takes the directory's writer lock.
+2) (trainer, every step) acquires a free slot, writes the record row into it and sends
+   ``("record", slot, step, meta)``; for a CUDA run it sends the row as a CUDA tensor
+   instead (an IPC handle). (checkpointing) copies the row into its batch buffer (the
+   device-to-host copy happens here, and the CUDA memory is released right after),
+   frees the slot, and after ``batch_size`` records writes them as one file.
+3) (trainer, every ``full_every`` steps) copies the state into the shared staging
+   buffer and sends ``("full", ...)``; a thread of this process writes it while records
+   keep flowing, then signals that the staging buffer is free and applies retention.
+4) (trainer) ``("flush",)`` / ``("close",)``: write the partial batch, wait for the full
+   checkpoint in flight, answer with the durable step. ``close`` also ends the process.
+
+When the trainer dies without ``close`` (its end of the pipe closes, or this process is
+re-parented), the process drains every record already sent, writes them, finishes the
+full checkpoint in flight and exits. Every error is sent back to the trainer with its
+traceback and raised there on its next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.format import layout, sfile
+from lowdiff.format.dtypes import dtype_from_name
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    root: str
+    batch_size: int
+    keep_full: int | None
+    row_bytes: int
+    layout_id: str
+    run_id: str
+
+
+def acquire_flock(path: Path, *, blocking: bool) -> int | None:
+    """Take an exclusive ``flock`` on ``path``; returns the fd, or None when busy."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode())
+    return fd
+
+
+def lock_holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "unknown holder"
+    except OSError:
+        return "unknown holder"
+
+
+def retention(root: Path, keep_full: int | None) -> list[Path]:
+    """Delete full checkpoints beyond the newest ``keep_full`` and records no kept one needs."""
+    if keep_full is None:
+        return []
+    fulls = sorted(
+        (s, p) for p in (root / layout.FULL_DIR).glob("full-*.safetensors") if (s := layout.parse_full_name(p.name)) is not None
+    )
+    if len(fulls) <= keep_full:
+        return []
+    oldest_kept = fulls[-keep_full][0]
+    removed = [p for s, p in fulls if s < oldest_kept]
+    for p in (root / layout.RECORDS_DIR).glob("rec-*.safetensors"):
+        r = layout.parse_records_name(p.name)
+        if r is not None and r[1] < oldest_kept:
+            removed.append(p)
+    for p in removed:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return removed
+
+
+class _Writer:
+    def __init__(self, cfg: WorkerConfig, slots: torch.Tensor, free_slots: Any, staging_free: Any, results: Connection) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.root)
+        self.slots = slots
+        self.free_slots = free_slots
+        self.staging_free = staging_free
+        self.results = results
+        self.batch = torch.empty((cfg.batch_size, cfg.row_bytes), dtype=torch.uint8)
+        self.metas: list[str] = []
+        self.steps: list[int] = []
+        self.staging: torch.Tensor | None = None
+        self.full_thread: threading.Thread | None = None
+        self.full_error: BaseException | None = None
+        self.full_tb = ""
+        self.send_lock = threading.Lock()
+        self.durable = -1
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        with self.send_lock, contextlib.suppress(OSError):
+            self.results.send(msg)
+
+    # -- records --------------------------------------------------------------------------
+    def add_record(self, row: torch.Tensor, step: int, meta: str) -> None:
+        if self.steps and step != self.steps[-1] + 1:
+            raise RuntimeError(f"record for step {step} arrived after step {self.steps[-1]}: records must be contiguous")
+        n = len(self.steps)
+        self.batch[n].copy_(row)
+        self.steps.append(step)
+        self.metas.append(meta)
+        if len(self.steps) == self.cfg.batch_size:
+            self.write_batch()
+
+    def write_batch(self) -> None:
+        if not self.steps:
+            return
+        n, first, last = len(self.steps), self.steps[0], self.steps[-1]
+        entry = sfile.TensorEntry("records", torch.uint8, (n, self.cfg.row_bytes), 0, n * self.cfg.row_bytes)
+        meta = {
+            "kind": "records",
+            "first_step": str(first),
+            "last_step": str(last),
+            "n_records": str(n),
+            "layout_id": self.cfg.layout_id,
+            "run_id": self.cfg.run_id,
+            "records_meta": "[" + ",".join(self.metas) + "]",
+        }
+        sfile.write(layout.records_path(self.root, first, last), [entry], self.batch[:n].reshape(-1), meta)
+        self.steps.clear()
+        self.metas.clear()
+        self.durable = last + 1
+        self.send(("durable", last + 1))
+
+    # -- full checkpoints -------------------------------------------------------------------
+    def start_full(self, step: int, entries_json: list[Any], meta: dict[str, str]) -> None:
+        self.wait_full()
+        if self.staging is None:
+            raise RuntimeError("full checkpoint requested before a staging buffer was sent")
+        entries = [sfile.TensorEntry(n, dtype_from_name(dt), tuple(shape), a, b) for n, dt, shape, a, b in entries_json]
+        size = entries[-1].end if entries else 0
+        blob = self.staging[:size]
+        self.full_thread = threading.Thread(target=self._write_full, args=(step, entries, blob, meta), daemon=True)
+        self.full_thread.start()
+
+    def _write_full(self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]) -> None:
+        try:
+            t0 = time.perf_counter()
+            nbytes = sfile.write(layout.full_path(self.root, step), entries, blob, meta)
+            self.staging_free.set()
+            removed = retention(self.root, self.cfg.keep_full)
+            self.send(("full_done", step, nbytes, time.perf_counter() - t0, len(removed)))
+        except BaseException as e:  # noqa: BLE001 -- reported to the trainer
+            self.full_error = e
+            self.full_tb = traceback.format_exc()
+            self.staging_free.set()
+
+    def wait_full(self) -> None:
+        if self.full_thread is not None:
+            self.full_thread.join()
+            self.full_thread = None
+        if self.full_error is not None:
+            err, self.full_error = self.full_error, None
+            raise RuntimeError(f"writing a full checkpoint failed: {err!r}\n{self.full_tb}")
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def handle(self, msg: tuple[Any, ...]) -> bool:
+        """Handle one message; returns False when the process should stop."""
+        kind = msg[0]
+        if kind == "record":
+            _, slot, step, meta = msg
+            self.add_record(self.slots[slot], step, meta)
+            self.free_slots.release()
+        elif kind == "record_dev":
+            _, row, step, meta = msg
+            self.add_record(row, step, meta)  # device-to-host copy here
+            del row  # release the trainer's device memory right away
+        elif kind == "stage":
+            self.wait_full()
+            self.staging = msg[1]
+        elif kind == "full":
+            _, step, entries_json, meta = msg
+            self.start_full(step, entries_json, meta)
+        elif kind == "flush":
+            self.write_batch()
+            self.wait_full()
+            self.send(("flushed", self.durable))
+        elif kind == "close":
+            self.write_batch()
+            self.wait_full()
+            self.send(("closed", self.durable))
+            return False
+        else:
+            raise RuntimeError(f"unknown message {kind!r}")
+        return True
+
+
+def worker_main(
+    cfg: WorkerConfig,
+    slots: torch.Tensor,
+    free_slots: Any,
+    staging_free: Any,
+    requests: Connection,
+    results: Connection,
+) -> None:
+    """Entry point of the checkpointing process."""
+    torch.set_num_threads(1)  # leave the cores to training
+    w = _Writer(cfg, slots, free_slots, staging_free, results)
+    lock_fd = None
+    parent = os.getppid()
+    try:
+        lock_fd = acquire_flock(Path(cfg.root) / layout.WRITER_LOCK_FILE, blocking=True)
+        w.send(("ready", os.getpid()))
+        orphaned = False
+        while True:
+            if not requests.poll(0.5):
+                if os.getppid() != parent:
+                    orphaned = True
+                    break
+                continue
+            try:
+                msg = requests.recv()
+            except EOFError:
+                orphaned = True
+                break
+            if not w.handle(msg):
+                break
+        if orphaned:
+            # The trainer died without close(): keep every record it managed to send.
+            while True:
+                try:
+                    if not requests.poll(0):
+                        break
+                    msg = requests.recv()
+                except (EOFError, OSError):
+                    break
+                except Exception:  # noqa: BLE001 -- e.g. a staging buffer whose owner is gone
+                    continue
+                if msg[0] in ("record", "record_dev", "full", "stage"):
+                    w.handle(msg)
+            w.write_batch()
+            w.wait_full()
+    except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
+        w.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)

@@ -1,0 +1,52 @@
+"""The exception hierarchy of lowdiff.
+
+Every failure that lowdiff itself detects raises a subclass of :class:`LowDiffError`.
+Bad arguments at the API edge raise the built-in ``ValueError`` or ``TypeError``
+instead, naming the argument and the value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class LowDiffError(Exception):
+    """Base class of every error lowdiff raises on its own account."""
+
+
+class CorruptCheckpointError(LowDiffError):
+    """A checkpoint file is torn, truncated, corrupt or foreign. It is never loaded."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        self.path = Path(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+class CheckpointMismatchError(LowDiffError):
+    """The checkpoint does not fit the model, optimizer or compressor it is loaded into."""
+
+
+class RecoveryError(LowDiffError):
+    """The requested state cannot be recovered from what is on disk."""
+
+
+class NotACheckpointDirectoryError(LowDiffError):
+    """The directory holds something other than a lowdiff checkpoint."""
+
+
+class DirectoryLockedError(LowDiffError):
+    """Another trainer holds the checkpoint directory."""
+
+
+class CheckpointWorkerError(LowDiffError):
+    """The background checkpointing process failed; carries its original traceback."""
+
+    def __init__(self, message: str, remote_traceback: str = "") -> None:
+        self.remote_traceback = remote_traceback
+        text = message if not remote_traceback else f"{message}\n\n--- checkpointing process traceback ---\n{remote_traceback}"
+        super().__init__(text)
+
+
+class RecoveryWarning(UserWarning):
+    """Recovery passed over damaged files or fell back to an older point."""

@@ -1,0 +1,1 @@
+"""On-disk format: safetensors files with checksums, atomic publication, the manifest."""

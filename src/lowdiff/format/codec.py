@@ -1,0 +1,123 @@
+"""A JSON codec for the small, non-tensor state that travels with checkpoints.
+
+Optimizer ``param_groups``, scheduler ``state_dict()`` and RNG bookkeeping are nested
+Python values. lowdiff never pickles them: they are encoded as JSON with a few tagged
+forms so that decoding gives back exactly the same values and types:
+
+- tuples: ``{"__tuple__": [...]}``;
+- dicts whose keys are not all strings: ``{"__dict__": [[key, value], ...]}``;
+- non-finite floats: ``{"__float__": "nan" | "inf" | "-inf"}``;
+- tensors: either ``{"__tensor_ref__": name}`` when a tensor sink is given (the tensor is
+  stored in the safetensors payload under ``name``), or an inline
+  ``{"__tensor__": {"dtype", "shape", "b64"}}`` for small tensors.
+
+Floats round-trip exactly because JSON numbers are written with Python's shortest
+``repr``. Anything else (functions, arbitrary objects) is rejected with a ``TypeError``
+naming where in the tree it was found.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from lowdiff.format.dtypes import dtype_from_name, dtype_name
+
+_TAGS = {"__tuple__", "__dict__", "__float__", "__tensor__", "__tensor_ref__", "__str_dict__"}
+
+TensorSink = Callable[[str, torch.Tensor], str]
+TensorSource = Callable[[str], torch.Tensor]
+
+
+def encode(value: Any, sink: TensorSink | None = None, path: str = "$") -> Any:
+    """Turn ``value`` into a JSON-compatible tree (see the module docstring)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"__float__": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if sink is not None:
+            return {"__tensor_ref__": sink(path, t)}
+        t = t.cpu().contiguous()
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {
+            "__tensor__": {
+                "dtype": dtype_name(t.dtype),
+                "shape": list(t.shape),
+                "b64": base64.b64encode(raw).decode("ascii"),
+            }
+        }
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v, sink, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, sink, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) for k in value):
+            if any(k in _TAGS for k in value):
+                # a user dict that happens to use a tag name as a key: escape it
+                return {"__str_dict__": [[k, encode(v, sink, f"{path}.{k}")] for k, v in value.items()]}
+            return {k: encode(v, sink, f"{path}.{k}") for k, v in value.items()}
+        return {
+            "__dict__": [
+                [encode(k, None, f"{path}.<key>"), encode(v, sink, f"{path}[{k!r}]")]
+                for k, v in value.items()
+            ]
+        }
+    raise TypeError(f"lowdiff cannot store {type(value).__name__} at {path}: only numbers, strings, "
+                    "None, bools, lists, tuples, dicts and tensors are supported (no pickle)")
+
+
+def decode(tree: Any, source: TensorSource | None = None) -> Any:
+    """Inverse of :func:`encode`."""
+    if isinstance(tree, list):
+        return [decode(v, source) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if len(tree) == 1:
+        (tag, body), = tree.items()
+        if tag == "__tuple__":
+            return tuple(decode(v, source) for v in body)
+        if tag == "__dict__":
+            return {_hashable(decode(k, None)): decode(v, source) for k, v in body}
+        if tag == "__str_dict__":
+            return {k: decode(v, source) for k, v in body}
+        if tag == "__float__":
+            return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[body]
+        if tag == "__tensor_ref__":
+            if source is None:
+                raise ValueError("tensor reference without a tensor source")
+            return source(body)
+        if tag == "__tensor__":
+            dtype = dtype_from_name(body["dtype"])
+            raw = bytearray(base64.b64decode(body["b64"]))
+            shape = [int(s) for s in body["shape"]]
+            if not raw:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    return {k: decode(v, source) for k, v in tree.items()}
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        return tuple(_hashable(k) for k in key)
+    return key
+
+
+def dumps(value: Any, sink: TensorSink | None = None) -> str:
+    """``encode`` then compact, key-sorted JSON text."""
+    return json.dumps(encode(value, sink), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def loads(text: str, source: TensorSource | None = None) -> Any:
+    """Inverse of :func:`dumps`."""
+    return decode(json.loads(text), source)

@@ -1,0 +1,329 @@
+"""Recovery: load a full checkpoint, then replay records through the user's optimizer.
+
+Replay is pipelined: a reader thread reads, verifies and decodes the next record files
+(and decompresses their gradients) while the main thread runs ``optimizer.step()`` on
+the current one. The split of the time into read, decode and replay is reported in
+:class:`RecoveryStats` (the three overlap, so they add up to more than ``total_s``).
+
+Nothing is loaded before its checksum is verified. When a record file turns out to be
+damaged, recovery to "the newest step" stops at the last intact record and warns;
+recovery to an explicit step raises :class:`RecoveryError`.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.compressors.base import Compressor, compressor_from_spec
+from lowdiff.engine import state as st
+from lowdiff.engine.record import RecordLayout
+from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError, RecoveryError, RecoveryWarning
+from lowdiff.format import codec, sfile
+from lowdiff.recovery.scan import FileInfo, Plan, Scan, make_plan, scan
+
+
+@dataclass
+class RecoveryStats:
+    """What a recovery did and how long each part took (seconds)."""
+
+    full_step: int
+    step: int
+    records_replayed: int = 0
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    replay_s: float = 0.0
+    total_s: float = 0.0
+    bytes_read: int = 0
+    files_read: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """Damaged files passed over: (path, reason)."""
+    source: str = "disk"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def check_compatible(manifest: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> RecordLayout:
+    """Raise :class:`CheckpointMismatchError` unless model and optimizer fit the checkpoint."""
+    rl = RecordLayout.from_json(manifest["record_layout"])
+    want = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if manifest.get("optimizer") != want:
+        raise CheckpointMismatchError(
+            f"the checkpoint was written with optimizer {manifest.get('optimizer')}, got {want}"
+        )
+    try:
+        live = st.optimizer_params(model, optimizer)
+    except ValueError as e:
+        raise CheckpointMismatchError(str(e)) from None
+    problems = []
+    if len(live) != len(rl.params):
+        problems.append(f"the checkpoint has {len(rl.params)} optimized parameters, the optimizer has {len(live)}")
+    for (info, _), saved in zip(live, rl.params, strict=False):
+        if info.name != saved.name:
+            problems.append(f"parameter #{saved.index}: checkpoint name {saved.name!r}, model name {info.name!r}")
+        elif info.shape != saved.shape:
+            problems.append(f"parameter {saved.name!r}: checkpoint shape {list(saved.shape)}, model shape {list(info.shape)}")
+        elif info.dtype != saved.dtype:
+            problems.append(f"parameter {saved.name!r}: checkpoint dtype {saved.dtype}, model dtype {info.dtype}")
+        if len(problems) >= 8:
+            problems.append("...")
+            break
+    if problems:
+        raise CheckpointMismatchError("the model does not match the checkpoint: " + "; ".join(problems))
+    return rl
+
+
+def load_full(
+    info: FileInfo,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    stats: RecoveryStats,
+    *,
+    restore_rng: bool = True,
+) -> None:
+    """Verify a full checkpoint and load it into the live objects."""
+    t0 = time.perf_counter()
+    raw = sfile.read_raw(info.path)
+    t1 = time.perf_counter()
+    lf = sfile.decode(info.path, raw)
+    md = lf.metadata
+    aliases = json.loads(md["model_aliases"])
+    msd = {k[len("model/") :]: v for k, v in lf.tensors.items() if k.startswith("model/")}
+    for alias, canon in aliases.items():
+        msd[alias] = msd[canon]
+    osd = codec.loads(md["optim"], lambda name: lf.tensors[name].clone())
+    sched_state = codec.loads(md["scheduler"])
+    t2 = time.perf_counter()
+    target = st.unwrap_model(model)
+    try:
+        target.load_state_dict(msd, strict=True)
+    except RuntimeError as e:
+        raise CheckpointMismatchError(f"{info.path.name}: the model does not match the checkpoint: {e}") from None
+    try:
+        optimizer.load_state_dict(osd)
+    except (ValueError, KeyError) as e:
+        raise CheckpointMismatchError(f"{info.path.name}: the optimizer does not match the checkpoint: {e}") from None
+    _load_scheduler(scheduler, sched_state, info.path.name)
+    if restore_rng:
+        st.restore_rng({k: v for k, v in lf.tensors.items() if k.startswith("rng.")}, json.loads(md["rng"]))
+    t3 = time.perf_counter()
+    stats.read_s += t1 - t0
+    stats.decode_s += t2 - t1
+    stats.replay_s += t3 - t2
+    stats.bytes_read += len(raw)
+    stats.files_read += 1
+
+
+def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:
+    if scheduler is None:
+        return
+    if state is None:
+        raise CheckpointMismatchError(f"{where}: a scheduler was passed, but the checkpoint holds no scheduler state")
+    scheduler.load_state_dict(state)
+
+
+_END = object()
+
+
+class _Reader(threading.Thread):
+    """Reads, verifies and decodes records ahead of replay."""
+
+    def __init__(self, plan: Plan, rl: RecordLayout, layout_id: str, compressor: Compressor, devices: list[torch.device], stats: RecoveryStats) -> None:
+        super().__init__(daemon=True, name="lowdiff-recovery-reader")
+        self.plan, self.rl, self.layout_id, self.comp, self.devices, self.stats = plan, rl, layout_id, compressor, devices, stats
+        self.q: queue.Queue[Any] = queue.Queue(maxsize=8)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            start, end = self.plan.full.first_step, self.plan.target
+            for f in self.plan.record_files:
+                if self.stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                try:
+                    raw = sfile.read_raw(f.path)
+                    t1 = time.perf_counter()
+                    lf = sfile.decode(f.path, raw)
+                    if lf.metadata.get("layout_id") != self.layout_id:
+                        raise CorruptCheckpointError(f.path, "record layout differs from the manifest's")
+                    metas = json.loads(lf.metadata["records_meta"])
+                    rows = lf.tensors["records"]
+                    if len(metas) != f.n_records or tuple(rows.shape) != (f.n_records, self.rl.row_bytes):
+                        raise CorruptCheckpointError(f.path, "record table has the wrong shape")
+                except CorruptCheckpointError as e:
+                    self.q.put(("corrupt", e))
+                    return
+                self.stats.read_s += t1 - t0
+                self.stats.bytes_read += len(raw)
+                self.stats.files_read += 1
+                for j in range(f.n_records):
+                    step = f.first_step + j
+                    if step < start or step >= end:
+                        continue
+                    t2 = time.perf_counter()
+                    meta = codec.decode(metas[j])
+                    if meta["step"] != step:
+                        self.q.put(("corrupt", CorruptCheckpointError(f.path, f"record {j} says step {meta['step']}, expected {step}")))
+                        return
+                    views = self.rl.views(rows[j])
+                    nograd = set(meta["nograd"])
+                    grads: list[torch.Tensor | None] = []
+                    for k, p in enumerate(self.rl.params):
+                        if p.index in nograd:
+                            grads.append(None)
+                            continue
+                        numel = 1
+                        for s in p.shape:
+                            numel *= s
+                        g = self.comp.decompress(self.rl.payload(views, k), numel, p.dtype).view(p.shape)
+                        grads.append(g.to(self.devices[k], non_blocking=True))
+                    self.stats.decode_s += time.perf_counter() - t2
+                    self.q.put(("record", step, grads, meta, views))
+            self.q.put(_END)
+        except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread
+            self.q.put(("error", e))
+
+
+def replay(
+    root: Path,
+    sc: Scan,
+    plan: Plan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    *,
+    strict: bool,
+) -> RecoveryStats:
+    """Load ``plan.full`` and replay its records; see the module docstring."""
+    t_start = time.perf_counter()
+    manifest = sc.manifest
+    rl = check_compatible(manifest, model, optimizer)
+    compressor = compressor_from_spec(manifest["compressor"])
+    stats = RecoveryStats(full_step=plan.full.first_step, step=plan.full.first_step)
+    load_full(plan.full, model, optimizer, scheduler, stats)
+    if plan.target == plan.full.first_step:
+        stats.total_s = time.perf_counter() - t_start
+        return stats
+    live = [p for _, p in st.optimizer_params(model, optimizer)]
+    reader = _Reader(plan, rl, rl.layout_id, compressor, [p.device for p in live], stats)
+    reader.start()
+    last_meta: dict[str, Any] | None = None
+    last_views: dict[str, torch.Tensor] | None = None
+    expected = plan.full.first_step
+    try:
+        while True:
+            item = reader.q.get()
+            if item is _END:
+                break
+            if item[0] == "error":
+                raise item[1]
+            if item[0] == "corrupt":
+                err: CorruptCheckpointError = item[1]
+                if strict:
+                    raise RecoveryError(f"cannot reach step {plan.target}: {err}") from err
+                stats.skipped.append((str(err.path), err.reason))
+                warnings.warn(
+                    f"lowdiff: {err.path} is damaged ({err.reason}); recovering to step {expected}, "
+                    f"the last step before it",
+                    RecoveryWarning,
+                    stacklevel=3,
+                )
+                break
+            _, step, grads, meta, views = item
+            if step != expected:
+                raise RecoveryError(f"record chain broken: expected step {expected}, got {step}")
+            t0 = time.perf_counter()
+            for p, g in zip(live, grads, strict=True):
+                p.grad = g
+            st.apply_hparams(optimizer, codec.decode(meta["hp"]))
+            optimizer.step()
+            stats.replay_s += time.perf_counter() - t0
+            last_meta, last_views = meta, views
+            expected += 1
+            stats.records_replayed += 1
+    finally:
+        reader.stop.set()
+        # unblock the reader if it is waiting on a full queue
+        while reader.is_alive():
+            try:
+                reader.q.get_nowait()
+            except queue.Empty:
+                reader.join(0.05)
+    for p in live:
+        p.grad = None
+    if last_meta is not None and last_views is not None:
+        t0 = time.perf_counter()
+        st.apply_hparams(optimizer, codec.decode(last_meta["hp_after"]))
+        st.set_buffers(model, rl.buffer_values(last_views))
+        _load_scheduler(scheduler, codec.decode(last_meta["sched"]), "record")
+        st.restore_rng(rl.rng_tensors(last_views), last_meta["rng"])
+        stats.replay_s += time.perf_counter() - t0
+    stats.step = expected
+    stats.total_s = time.perf_counter() - t_start
+    return stats
+
+
+def recover(
+    root: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+    step: int | None = None,
+) -> RecoveryStats:
+    """Restore the live objects to ``step`` (None: the newest recoverable step)."""
+    root = Path(root)
+    sc = scan(root)
+    for p, why in sc.problems:
+        warnings.warn(f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=3)
+    bad: set[Path] = set()
+    skipped: list[tuple[str, str]] = [(str(p), why) for p, why in sc.problems]
+    while True:
+        plan = make_plan(sc, step, bad)
+        try:
+            stats = replay(root, sc, plan, model, optimizer, scheduler, strict=step is not None)
+        except CorruptCheckpointError as e:
+            # the full checkpoint itself is damaged: try the next plan without it
+            warnings.warn(f"lowdiff: {e}; falling back to an older full checkpoint", RecoveryWarning, stacklevel=3)
+            bad.add(e.path)
+            skipped.append((str(e.path), e.reason))
+            continue
+        stats.skipped = skipped + stats.skipped
+        return stats
+
+
+def restore(
+    directory: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+    step: int | None = None,
+) -> int:
+    """Restore model, optimizer, scheduler and RNG state to a recoverable step.
+
+    Args:
+        directory: a lowdiff checkpoint directory.
+        model: the model, built the same way as for training (same parameter names and shapes).
+        optimizer: an optimizer of the same type over ``model``'s parameters.
+        scheduler: the LR scheduler, if training used one.
+        step: any recoverable step; None picks the newest.
+
+    Returns:
+        The step restored (the number of optimizer updates the state has seen).
+
+    Example:
+        >>> step = lowdiff.restore("runs/ckpt", model, optimizer, step=120)  # doctest: +SKIP
+    """
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    return recover(directory, model, optimizer, scheduler, step).step
