@@ -159,12 +159,12 @@ class RngLayout:
     def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
             ("rng.torch", torch.uint8, tuple(torch.get_rng_state().shape)),
-            ("rng.python", torch.int64, (625,)),
+            ("rng.python", torch.uint32, (625,)),
         ]
         for d in range(self.cuda_devices):
             specs.append((f"rng.cuda{d}", torch.uint8, tuple(torch.cuda.get_rng_state(d).shape)))
         if self.numpy:
-            specs.append(("rng.numpy", torch.int64, (624,)))
+            specs.append(("rng.numpy", torch.uint32, (624,)))
         return specs
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,7 +175,7 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
     """RNG states as fixed-size tensors plus a few small JSON-able values."""
     tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
     version, internal, gauss = random.getstate()
-    tensors["rng.python"] = torch.tensor(internal, dtype=torch.int64)
+    tensors["rng.python"] = torch.tensor(internal, dtype=torch.int64).to(torch.uint32)
     extra: dict[str, Any] = {"python": [version, gauss]}
     for d in range(layout.cuda_devices):
         tensors[f"rng.cuda{d}"] = torch.cuda.get_rng_state(d)
@@ -183,7 +183,7 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
         import numpy as np
 
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        tensors["rng.numpy"] = torch.from_numpy(keys.astype(np.int64))
+        tensors["rng.numpy"] = torch.from_numpy(keys.astype(np.uint32))
         extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
     return tensors, extra
 
@@ -191,7 +191,7 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
 def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
     torch.set_rng_state(tensors["rng.torch"].clone())
     version, gauss = extra["python"]
-    random.setstate((int(version), tuple(int(x) for x in tensors["rng.python"].tolist()), gauss))
+    random.setstate((int(version), tuple(int(x) for x in tensors["rng.python"].to(torch.int64).tolist()), gauss))
     d = 0
     while f"rng.cuda{d}" in tensors:
         if torch.cuda.is_available() and d < torch.cuda.device_count():
@@ -201,7 +201,7 @@ def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -
         import numpy as np
 
         name, pos, has_gauss, cached = extra["numpy"]
-        np.random.set_state((name, tensors["rng.numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+        np.random.set_state((name, tensors["rng.numpy"].to(torch.int64).numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 # --------------------------------------------------------------------------- full state

@@ -49,7 +49,7 @@ def encode(value: Any, sink: TensorSink | None = None, path: str = "$") -> Any:
         if sink is not None:
             return {"__tensor_ref__": sink(path, t)}
         t = t.cpu().contiguous()
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return {
             "__tensor__": {
                 "dtype": dtype_name(t.dtype),

@@ -1,0 +1,6 @@
+"""``python -m lowdiff``."""
+
+from lowdiff.cli.main import entry
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,132 @@
+"""The ``lowdiff`` command line: ``demo``, ``inspect``, ``verify``, ``export``.
+
+Every command is a thin layer over the Python API, callable as ``main([...])``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from lowdiff.errors import LowDiffError
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from lowdiff.inspect import inspect_dir
+
+    info = inspect_dir(args.directory)
+    m = info.manifest
+    if args.json:
+        out = {
+            "directory": str(info.root),
+            "strategy": m.get("strategy"),
+            "compressor": m.get("compressor"),
+            "optimizer": m.get("optimizer"),
+            "parameters": info.n_parameters,
+            "recoverable": list(info.recoverable) if info.recoverable else None,
+            "full_checkpoints": [{"step": f.first_step, "bytes": f.nbytes, "path": str(f.path)} for f in info.full_checkpoints],
+            "record_files": [{"first_step": f.first_step, "last_step": f.last_step, "records": f.n_records, "bytes": f.nbytes, "path": str(f.path)} for f in info.record_files],
+            "bytes_per_record": info.bytes_per_record,
+            "problems": [{"path": str(p), "reason": r} for p, r in info.problems],
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"directory    {info.root}")
+    print(f"strategy     {m.get('strategy')}   compressor {m.get('compressor')}")
+    print(f"optimizer    {m.get('optimizer')}   parameters {info.n_parameters:,}")
+    print(f"settings     full_every={m.get('full_every')} batch_size={m.get('batch_size')} keep_full={m.get('keep_full')}")
+    rng = info.recoverable
+    print(f"recoverable  {'steps %d..%d' % rng if rng else 'nothing'}")
+    print(f"\nfull checkpoints ({len(info.full_checkpoints)}):")
+    for f in info.full_checkpoints:
+        print(f"  step {f.first_step:>8}  {_fmt_bytes(f.nbytes):>10}  {f.path.name}")
+    print(f"\nrecord files ({len(info.record_files)}, {info.n_records} records, {_fmt_bytes(info.bytes_per_record)} per record):")
+    shown = info.record_files if args.all or len(info.record_files) <= 12 else info.record_files[:5] + [None] + info.record_files[-5:]  # type: ignore[list-item]
+    for f in shown:
+        if f is None:
+            print(f"  ... {len(info.record_files) - 10} more (use --all)")
+            continue
+        print(f"  steps {f.first_step:>6}..{f.last_step:<6} {f.n_records:>3} records  {_fmt_bytes(f.nbytes):>10}  {f.path.name}")
+    if info.problems:
+        print(f"\nproblems ({len(info.problems)}):")
+        for p, r in info.problems:
+            print(f"  {p}: {r}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from lowdiff.inspect import verify_dir
+
+    checked, bad = verify_dir(args.directory)
+    for p, reason in bad:
+        print(f"BAD  {p}: {reason}")
+    print(f"{checked} file(s) checked, {len(bad)} bad")
+    return 1 if bad else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from lowdiff.inspect import export
+
+    step = export(args.directory, args.step, args.out)
+    print(f"exported the model state at step {step} to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lowdiff import __version__
+    from lowdiff.cli import demo
+
+    parser = argparse.ArgumentParser(prog="lowdiff", description="Per-iteration checkpointing for PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"lowdiff {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo.add_parser(sub)
+
+    p = sub.add_parser("inspect", help="list full checkpoints, record files and the recoverable range")
+    p.add_argument("directory", type=Path)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--all", action="store_true", help="list every record file")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad file")
+    p.add_argument("directory", type=Path)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("export", help="write the model state at a recoverable step as safetensors")
+    p.add_argument("directory", type=Path)
+    p.add_argument("--step", type=int, default=None, help="recoverable step (default: newest)")
+    p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    p.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"  # type: ignore[assignment]
+            return int(args.func(args))
+    except LowDiffError as e:
+        print(f"lowdiff {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lowdiff {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    raise SystemExit(main())

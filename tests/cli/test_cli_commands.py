@@ -1,0 +1,103 @@
+"""The CLI's inspect, verify and export commands, called through ``main([...])``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+import lowdiff
+from lowdiff.cli.main import main
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _model():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A checkpoint directory of 9 steps, plus the live model state after every step."""
+    d = tmp_path_factory.mktemp("cli") / "ck"
+    m, o = _model()
+    snaps = {0: {k: v.clone() for k, v in m.state_dict().items()}}
+    with lowdiff.Checkpointer(m, o, d, compressor=lowdiff.TopK(0.3), full_every=4, batch_size=2, keep_full=None) as ck:
+        ck.resume()
+        for i in range(9):
+            g = torch.Generator().manual_seed(i)
+            m(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+            ck.step()
+            o.zero_grad()
+            snaps[i + 1] = {k: v.clone() for k, v in m.state_dict().items()}
+    return d, snaps
+
+
+def test_inspect_text_and_json(trained, capsys):
+    d, _ = trained
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "recoverable  steps 0..9" in out and "full-000000000008.safetensors" in out
+    assert main(["inspect", str(d), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["recoverable"] == [0, 9]
+    assert [f["step"] for f in info["full_checkpoints"]] == [0, 4, 8]
+    assert sum(f["records"] for f in info["record_files"]) == 9
+
+
+@pytest.mark.parametrize("step", [0, 3, 4, 9, None])
+def test_export_matches_live_state(trained, tmp_path, step):
+    d, snaps = trained
+    out = tmp_path / "model.safetensors"
+    args = ["export", str(d), "--out", str(out)] + ([] if step is None else ["--step", str(step)])
+    assert main(args) == 0
+    got = safetensors.torch.load_file(str(out))
+    want = snaps[9 if step is None else step]
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_export_out_of_range_is_a_clear_error(trained, tmp_path, capsys):
+    d, _ = trained
+    assert main(["export", str(d), "--step", "42", "--out", str(tmp_path / "x.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "step 42 is not recoverable" in err and "0..9" in err
+
+
+def test_verify_names_each_bad_file(trained, tmp_path, capsys):
+    import shutil
+
+    d, _ = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy, ignore=shutil.ignore_patterns(".lowdiff*"))
+    assert main(["verify", str(copy)]) == 0
+    assert " 0 bad" in capsys.readouterr().out
+    rec = sorted((copy / "records").iterdir())[1]
+    raw = bytearray(rec.read_bytes())
+    raw[-3] ^= 0xFF
+    rec.write_bytes(bytes(raw))
+    full = sorted((copy / "full").iterdir())[0]
+    full.write_bytes(full.read_bytes()[:-10])
+    assert main(["verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert rec.name in out and full.name in out and " 2 bad" in out
+
+
+def test_foreign_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("hello")
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not a lowdiff checkpoint directory" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "lowdiff", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    for cmd in ("demo", "inspect", "verify", "export"):
+        assert cmd in r.stdout

@@ -1,0 +1,76 @@
+"""A real training job for the multi-process tests (run as a script, killed with SIGKILL).
+
+Usage: python job_script.py CONFIG_JSON
+Prints one line per finished step: ``step <n> <loss.hex()>`` (n = updates done so far).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+import numpy as np
+
+import safetensors.torch
+import torch
+
+import lowdiff
+from lowdiff.engine.state import state_tensors
+
+
+def build(seed: int = 0):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 8)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
+    return model, opt, sched
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+
+def dump(path: str, model, opt, sched) -> None:
+    safetensors.torch.save_file({k: v.contiguous().clone() for k, v in state_tensors(model, opt, sched).items()}, path)
+
+
+def main(cfg: dict) -> None:
+    torch.set_num_threads(1)
+    model, opt, sched = build()
+    comp = lowdiff.TopK(ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False))
+    ck = lowdiff.Checkpointer(
+        model, opt, cfg["dir"], strategy=cfg["strategy"], compressor=comp, scheduler=sched,
+        full_every=cfg.get("full_every", 10), batch_size=cfg.get("batch_size", 3), keep_full=cfg.get("keep_full", 2),
+    )
+    start = ck.resume()
+    print(f"resumed {start}", flush=True)
+    if cfg.get("dump_at_resume"):
+        dump(cfg["dump_at_resume"], model, opt, sched)
+    dumps = {int(k): v for k, v in cfg.get("dump_at", {}).items()}
+    for step in range(start, cfg["steps"]):
+        if step in dumps:
+            dump(dumps[step], model, opt, sched)
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ck.step()
+        opt.zero_grad()
+        print(f"step {step + 1} {loss.item().hex()}", flush=True)
+        if cfg.get("sleep"):
+            time.sleep(cfg["sleep"])
+    if cfg["steps"] in dumps:
+        dump(dumps[cfg["steps"]], model, opt, sched)
+    ck.close()
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,105 @@
+"""End to end: SIGKILL a real training process, restart it, compare with an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import lowdiff
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("job_script.py")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    src = str(Path(lowdiff.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(cfg: dict, kill_after: int | None = None) -> tuple[list[str], int]:
+    """Run the job; with ``kill_after``, SIGKILL it once it reports that many steps."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), json.dumps(cfg)], stdout=subprocess.PIPE, text=True, env=_env())
+    lines: list[str] = []
+    reported = 0
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.startswith("step "):
+                reported = int(line.split()[1])
+                if kill_after is not None and reported >= kill_after:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if kill_after is None:
+        assert proc.returncode == 0, lines[-5:]
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    return lines, reported
+
+
+def _losses(lines: list[str]) -> dict[int, str]:
+    return {int(p[1]): p[2] for p in (ln.split() for ln in lines) if p[0] == "step"}
+
+
+def _equal_states(a_path: Path, b_path: Path) -> list[str]:
+    a = safetensors.torch.load_file(str(a_path))
+    b = safetensors.torch.load_file(str(b_path))
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.parametrize("kill_after", [14, 23])
+def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_after):
+    steps = 30
+    ckdir = tmp_path / "ck"
+    base = {"dir": str(ckdir), "steps": steps, "strategy": "lowdiff", "full_every": 10, "batch_size": 4, "sleep": 0.01}
+    _, reported = _run(base, kill_after=kill_after)
+
+    # The orphaned checkpointing process flushes every record it received, then exits.
+    resumed = dict(base, dump_at_resume=str(tmp_path / "resumed.safetensors"), dump_at={steps: str(tmp_path / "final.safetensors")})
+    lines, _ = _run(resumed)
+    start = int(lines[0].split()[1])
+    assert start >= reported, f"records handed off before the kill were lost: resumed at {start}, trainer had reported {reported}"
+
+    ref_cfg = {
+        "dir": str(tmp_path / "unused"), "steps": steps, "strategy": "none",
+        "dump_at": {start: str(tmp_path / "ref_at_start.safetensors"), steps: str(tmp_path / "ref_final.safetensors")},
+    }
+    ref_lines, _ = _run(ref_cfg)
+
+    assert _equal_states(tmp_path / "resumed.safetensors", tmp_path / "ref_at_start.safetensors") == []
+    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref_final.safetensors") == []
+    ref_losses, got = _losses(ref_lines), _losses(lines)
+    assert {s: got[s] for s in got} == {s: ref_losses[s] for s in got}
+
+    info = lowdiff.inspect_dir(ckdir)
+    assert info.recoverable is not None and info.recoverable[1] == steps
+
+
+def test_sigkill_with_error_feedback_recovers_exact_state(tmp_path):
+    ckdir = tmp_path / "ck"
+    base = {"dir": str(ckdir), "steps": 20, "strategy": "lowdiff", "error_feedback": True, "full_every": 6, "batch_size": 3}
+    _, reported = _run(base, kill_after=11)
+    lines, _ = _run(dict(base, steps=0, dump_at_resume=str(tmp_path / "resumed.safetensors")))
+    start = int(lines[0].split()[1])
+    assert start >= reported
+    ref = {"dir": str(tmp_path / "u"), "steps": start, "strategy": "none", "error_feedback": True,
+           "dump_at": {start: str(tmp_path / "ref.safetensors")}}
+    _run(ref)
+    assert _equal_states(tmp_path / "resumed.safetensors", tmp_path / "ref.safetensors") == []
