@@ -103,9 +103,7 @@ def check_flat_grad(who: str, grad: torch.Tensor) -> None:
         raise TypeError(f"{who}: grad must be floating point, got {grad.dtype}")
 
 
-def check_payload(
-    who: str, payload: Mapping[str, torch.Tensor], fields: list[FieldSpec]
-) -> None:
+def check_payload(who: str, payload: Mapping[str, torch.Tensor], fields: list[FieldSpec]) -> None:
     """Raise ``ValueError`` unless ``payload`` holds every field of ``fields`` exactly.
 
     Extra keys are ignored; each listed field must be a 1-D tensor of the listed dtype and
@@ -115,7 +113,12 @@ def check_payload(
         t = payload.get(f.name)
         if t is None:
             raise ValueError(f"{who}: payload has no field {f.name!r}; has {sorted(payload)}")
-        if not isinstance(t, torch.Tensor) or t.dtype != f.dtype or t.dim() != 1 or t.numel() != f.numel:
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != f.dtype
+            or t.dim() != 1
+            or t.numel() != f.numel
+        ):
             got = (
                 f"{t.dtype} shape {tuple(t.shape)}"
                 if isinstance(t, torch.Tensor)
@@ -153,7 +156,7 @@ class Compressor(ABC):
     ) -> torch.Tensor:
         """Dense 1-D gradient of ``numel`` elements of ``dtype``; pure and deterministic."""
 
-    def reset_state(self) -> None:
+    def reset_state(self) -> None:  # noqa: B027 - optional hook; stateless compressors keep it
         """Drop all error-feedback residuals (called at recovery)."""
 
     def __repr__(self) -> str:

@@ -140,6 +140,11 @@ class Checkpointer:
             if p.is_sparse:
                 raise ValueError(f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only")
         self._numels = [p.numel() for _, p in self._params]
+        devices = {p.device for _, p in self._params}
+        if len(devices) > 1:
+            raise ValueError(f"all optimized parameters must be on one device, found {sorted(map(str, devices))}")
+        dev = next(iter(devices), torch.device("cpu"))
+        self._record_device: torch.device | None = None if dev.type == "cpu" else dev
         self._buffer_names = st.buffer_names(model)
         self._step = 0
         self._started = False
@@ -507,9 +512,16 @@ class Checkpointer:
         while not self._free.acquire(timeout=0.5):
             self._raise_worker_error()
         t1 = time.perf_counter()
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._slot_views)
-        views = self._slot_views[slot]
+        device = self._record_device
+        if device is None:
+            slot = self._next_slot
+            self._next_slot = (slot + 1) % len(self._slot_views)
+            views = self._slot_views[slot]
+        else:
+            # Accelerator training: build the row on the device and hand over an IPC
+            # handle; the checkpointing process does the device-to-host copy and frees it.
+            row = torch.empty(self.layout.row_bytes, dtype=torch.uint8, device=device)
+            views = self.layout.views(row)
         for info, payload in zip((i for i, _ in self._params), payloads, strict=True):
             if payload is None:
                 continue
@@ -530,7 +542,12 @@ class Checkpointer:
                 "rng": rng_extra,
             }
         )
-        self._send(("record", slot, t, meta))
+        if device is None:
+            self._send(("record", slot, t, meta))
+        else:
+            # no stream sync: sharing a CUDA tensor records an event the receiver waits on
+            self._send(("record_dev", row, t, meta))
+            del row
         self._stats["slot_wait_s"] += t1 - t0
         self._stats["record_send_s"] += time.perf_counter() - t1
 

@@ -153,7 +153,9 @@ class RngLayout:
     """Which RNG states this process has, and how big each is (fixed for a session)."""
 
     def __init__(self) -> None:
-        self.cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+        # Only the current device: touching every device would create a CUDA context on
+        # each of them in every rank of a multi-GPU job.
+        self.cuda = bool(torch.cuda.is_available())
         self.numpy = "numpy" in sys.modules
 
     def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
@@ -161,14 +163,14 @@ class RngLayout:
             ("rng.torch", torch.uint8, tuple(torch.get_rng_state().shape)),
             ("rng.python", torch.uint32, (625,)),
         ]
-        for d in range(self.cuda_devices):
-            specs.append((f"rng.cuda{d}", torch.uint8, tuple(torch.cuda.get_rng_state(d).shape)))
+        if self.cuda:
+            specs.append(("rng.cuda", torch.uint8, tuple(torch.cuda.get_rng_state().shape)))
         if self.numpy:
             specs.append(("rng.numpy", torch.uint32, (624,)))
         return specs
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cuda_devices": self.cuda_devices, "numpy": self.numpy}
+        return {"cuda": self.cuda, "numpy": self.numpy}
 
 
 def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -177,8 +179,8 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
     version, internal, gauss = random.getstate()
     tensors["rng.python"] = torch.tensor(internal, dtype=torch.int64).to(torch.uint32)
     extra: dict[str, Any] = {"python": [version, gauss]}
-    for d in range(layout.cuda_devices):
-        tensors[f"rng.cuda{d}"] = torch.cuda.get_rng_state(d)
+    if layout.cuda:
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
     if layout.numpy:
         import numpy as np
 
@@ -192,11 +194,8 @@ def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -
     torch.set_rng_state(tensors["rng.torch"].clone())
     version, gauss = extra["python"]
     random.setstate((int(version), tuple(int(x) for x in tensors["rng.python"].to(torch.int64).tolist()), gauss))
-    d = 0
-    while f"rng.cuda{d}" in tensors:
-        if torch.cuda.is_available() and d < torch.cuda.device_count():
-            torch.cuda.set_rng_state(tensors[f"rng.cuda{d}"].clone(), d)
-        d += 1
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"].cpu().clone())
     if "rng.numpy" in tensors and "numpy" in extra:
         import numpy as np
 

@@ -189,6 +189,7 @@ class _Writer:
             _, row, step, meta = msg
             self.add_record(row, step, meta)  # device-to-host copy here
             del row  # release the trainer's device memory right away
+            self.free_slots.release()
         elif kind == "stage":
             self.wait_full()
             self.staging = msg[1]
