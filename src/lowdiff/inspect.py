@@ -15,7 +15,7 @@ from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
 from lowdiff.recovery.replay import RecoveryStats, recover
-from lowdiff.recovery.scan import FileInfo, make_plan, recoverable_range, scan
+from lowdiff.recovery.scan import FileInfo, make_plan, recoverable_intervals, recoverable_range, scan
 
 
 @dataclass
@@ -27,7 +27,10 @@ class DirectoryInfo:
     full_checkpoints: list[FileInfo]
     record_files: list[FileInfo]
     recoverable: tuple[int, int] | None
+    """(oldest, newest) recoverable step; see ``recoverable_intervals`` for gaps."""
     problems: list[tuple[Path, str]] = field(default_factory=list)
+    recoverable_intervals: list[tuple[int, int]] = field(default_factory=list)
+    """Every recoverable step lies in one of these inclusive intervals."""
 
     @property
     def n_records(self) -> int:
@@ -66,7 +69,7 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
         (0, 240)
     """
     sc = scan(path)
-    return DirectoryInfo(sc.root, sc.manifest, sc.fulls, sc.records, recoverable_range(sc), sc.problems)
+    return DirectoryInfo(sc.root, sc.manifest, sc.fulls, sc.records, recoverable_range(sc), sc.problems, recoverable_intervals(sc))
 
 
 def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
@@ -159,7 +162,7 @@ def rebuild(path: str | Path, step: int | None) -> tuple[torch.nn.Module, torch.
     for g in osd["param_groups"]:
         hp = {k: v for k, v in g.items() if k != "params"}
         groups.append({"params": [ordered[i] for i in g["params"]], **hp})
-    optimizer = cls(groups)
+    optimizer = cls(groups)  # type: ignore[call-arg]  # torch.optim classes default their hyperparameters
     stats = recover(root, model, optimizer, None, step)
     return model, optimizer, stats
 

@@ -24,6 +24,7 @@ def _fmt_bytes(n: float) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from lowdiff.inspect import inspect_dir
+    from lowdiff.recovery.scan import FileInfo
 
     info = inspect_dir(args.directory)
     m = info.manifest
@@ -35,6 +36,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "optimizer": m.get("optimizer"),
             "parameters": info.n_parameters,
             "recoverable": list(info.recoverable) if info.recoverable else None,
+            "recoverable_intervals": [list(i) for i in info.recoverable_intervals],
             "full_checkpoints": [{"step": f.first_step, "bytes": f.nbytes, "path": str(f.path)} for f in info.full_checkpoints],
             "record_files": [{"first_step": f.first_step, "last_step": f.last_step, "records": f.n_records, "bytes": f.nbytes, "path": str(f.path)} for f in info.record_files],
             "bytes_per_record": info.bytes_per_record,
@@ -46,18 +48,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"strategy     {m.get('strategy')}   compressor {m.get('compressor')}")
     print(f"optimizer    {m.get('optimizer')}   parameters {info.n_parameters:,}")
     print(f"settings     full_every={m.get('full_every')} batch_size={m.get('batch_size')} keep_full={m.get('keep_full')}")
-    rng = info.recoverable
-    print(f"recoverable  {'steps %d..%d' % rng if rng else 'nothing'}")
+    iv = info.recoverable_intervals
+    print(f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}")
     print(f"\nfull checkpoints ({len(info.full_checkpoints)}):")
     for f in info.full_checkpoints:
         print(f"  step {f.first_step:>8}  {_fmt_bytes(f.nbytes):>10}  {f.path.name}")
     print(f"\nrecord files ({len(info.record_files)}, {info.n_records} records, {_fmt_bytes(info.bytes_per_record)} per record):")
-    shown = info.record_files if args.all or len(info.record_files) <= 12 else info.record_files[:5] + [None] + info.record_files[-5:]  # type: ignore[list-item]
-    for f in shown:
-        if f is None:
-            print(f"  ... {len(info.record_files) - 10} more (use --all)")
+    files = info.record_files
+    shown: list[FileInfo | None] = list(files) if args.all or len(files) <= 12 else [*files[:5], None, *files[-5:]]
+    for rf in shown:
+        if rf is None:
+            print(f"  ... {len(files) - 10} more (use --all)")
             continue
-        print(f"  steps {f.first_step:>6}..{f.last_step:<6} {f.n_records:>3} records  {_fmt_bytes(f.nbytes):>10}  {f.path.name}")
+        print(f"  steps {rf.first_step:>6}..{rf.last_step:<6} {rf.n_records:>3} records  {_fmt_bytes(rf.nbytes):>10}  {rf.path.name}")
     if info.problems:
         print(f"\nproblems ({len(info.problems)}):")
         for p, r in info.problems:

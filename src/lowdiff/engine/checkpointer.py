@@ -109,10 +109,7 @@ class Checkpointer:
         max_inflight: int | None = None,
         start_timeout: float = 120.0,
     ) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        st.check_training_objects(model, optimizer, scheduler)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
         if compressor is None:
@@ -127,14 +124,13 @@ class Checkpointer:
             _check_int("keep_full", keep_full, 1)
         if max_inflight is not None:
             _check_int("max_inflight", max_inflight, 1)
-        if scheduler is not None and not all(hasattr(scheduler, a) for a in ("step", "state_dict", "load_state_dict")):
-            raise TypeError(f"scheduler must be an LR scheduler (step/state_dict/load_state_dict), got {type(scheduler).__name__}")
         if strategy != "none" and directory is None:
             raise ValueError(f"strategy {strategy!r} needs a checkpoint directory, got None")
 
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.strategy, self.compressor, self.keep_full = strategy, compressor, keep_full
         self.start_timeout = float(start_timeout)
+        self.max_inflight = max_inflight
         self._params = st.optimizer_params(model, optimizer)
         for info, p in self._params:
             if p.is_sparse:
@@ -180,7 +176,7 @@ class Checkpointer:
             buffers = [(n, b.dtype, tuple(b.shape)) for n, b in st.get_buffers(model, self._buffer_names).items()]
             self.layout = RecordLayout.build([i for i, _ in self._params], compressor, buffers, self._rng_layout)
             ref = weakref.ref(self)
-            atexit.register(lambda: (c := ref()) is not None and c._close_at_exit())
+            atexit.register(_close_at_exit, ref)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -409,7 +405,7 @@ class Checkpointer:
         move = [p for p in dict.fromkeys(move) if p.exists()]
         if not move:
             return
-        dest = self.root / layout.QUARANTINE_DIR / _dt.datetime.now().strftime("%Y%m%d-%H%M%S-") / self._run_id[:8]
+        dest = self.root / layout.QUARANTINE_DIR / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + self._run_id[:8])
         dest.mkdir(parents=True, exist_ok=True)
         for p in move:
             shutil.move(str(p), dest / f"{p.parent.name}--{p.name}")
@@ -423,7 +419,7 @@ class Checkpointer:
     def _launch_worker(self) -> None:
         assert self.root is not None
         ctx = tmp.get_context("spawn")
-        n_slots = self.layout and (self._max_inflight())
+        n_slots = self._max_inflight()
         slots = torch.zeros((n_slots, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
         self._slots = slots
         self._slot_views = [self.layout.views(slots[i]) for i in range(n_slots)]
@@ -447,7 +443,7 @@ class Checkpointer:
         self._wait_reply("ready")
 
     def _max_inflight(self) -> int:
-        return getattr(self, "_inflight_override", None) or 2 * self.batch_size + 2
+        return self.max_inflight or 2 * self.batch_size + 2
 
     def _poll(self) -> None:
         if self._res is None:
@@ -604,3 +600,16 @@ class Checkpointer:
     def _close_at_exit(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+    def __del__(self) -> None:
+        # Dropped without close(): closing the pipe makes the checkpointing process flush
+        # what it received and exit, and the directory lock is given back.
+        with contextlib.suppress(Exception):
+            self._release()
+
+
+def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    """Interpreter exit without close(): flush what is pending so nothing is lost."""
+    ck = ref()
+    if ck is not None:
+        ck._close_at_exit()

@@ -26,6 +26,32 @@ import torch
 from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import codec
 
+# --------------------------------------------------------------------------- arguments
+
+
+def check_training_objects(model: Any, optimizer: Any, scheduler: Any | None) -> None:
+    """Reject arguments that are not a model, an optimizer and an LR scheduler of it.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if scheduler is None:
+        return
+    if isinstance(scheduler, torch.optim.Optimizer) or not all(
+        callable(getattr(scheduler, a, None)) for a in ("step", "state_dict", "load_state_dict")
+    ):
+        raise TypeError(
+            f"scheduler must be an LR scheduler (with step, state_dict and load_state_dict), got {type(scheduler).__name__}"
+        )
+    attached = getattr(scheduler, "optimizer", optimizer)
+    if attached is not optimizer:
+        raise ValueError("scheduler is attached to a different optimizer than the one passed")
+
+
 # --------------------------------------------------------------------------- parameters
 
 
@@ -184,8 +210,8 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
     if layout.numpy:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        tensors["rng.numpy"] = torch.from_numpy(keys.astype(np.uint32))
+        name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+        tensors["rng.numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32))
         extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
     return tensors, extra
 
@@ -204,6 +230,27 @@ def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -
 
 
 # --------------------------------------------------------------------------- full state
+
+
+def match_param_layout(osd: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Give per-parameter optimizer state the memory layout of its parameter.
+
+    Files hold tensors in standard (contiguous) layout. Optimizers create their state
+    with ``zeros_like(param)``, i.e. in the parameter's layout (channels_last, ...), and
+    fused kernels rely on it, so state loaded for a non-contiguous parameter is copied
+    back into that layout.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, entry in osd.get("state", {}).items():
+        if not isinstance(idx, int) or not 0 <= idx < len(params) or not isinstance(entry, dict):
+            continue
+        p = params[idx]
+        if p.is_contiguous():
+            continue
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.shape == p.shape and v.is_contiguous():
+                entry[k] = torch.empty_like(p, dtype=v.dtype, device=v.device).copy_(v)
+    return osd
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], str]:

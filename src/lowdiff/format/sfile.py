@@ -116,7 +116,7 @@ def _as_buffer(blob: torch.Tensor | bytes | bytearray | memoryview) -> memoryvie
     if isinstance(blob, torch.Tensor):
         if blob.dtype != torch.uint8 or blob.dim() != 1 or not blob.is_contiguous():
             raise ValueError("data blob must be a contiguous 1-D uint8 tensor")
-        return memoryview(blob.numpy()) if blob.numel() else memoryview(b"")
+        return memoryview(blob.numpy()) if blob.numel() else memoryview(b"")  # type: ignore[arg-type]
     return memoryview(blob)
 
 
@@ -206,16 +206,16 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
             if any(s < 0 for s in shape):
                 raise ValueError("negative dimension")
             entries.append(TensorEntry(str(name), dtype, shape, start, end))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(path, f"bad tensor entry in header ({e})") from None
-    entries.sort(key=lambda e: (e.start, e.end))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptCheckpointError(path, f"bad tensor entry in header ({err})") from None
+    entries.sort(key=lambda x: (x.start, x.end))
     data_len = file_size - 8 - n
     pos = 0
-    for e in entries:
-        isz = itemsize(e.dtype)
-        if e.start != pos or e.end - e.start != e.numel * isz or e.start % isz:
-            raise CorruptCheckpointError(path, f"tensor {e.name!r} has inconsistent offsets")
-        pos = e.end
+    for ent in entries:
+        isz = itemsize(ent.dtype)
+        if ent.start != pos or ent.end - ent.start != ent.numel * isz or ent.start % isz:
+            raise CorruptCheckpointError(path, f"tensor {ent.name!r} has inconsistent offsets")
+        pos = ent.end
     if pos != data_len:
         raise CorruptCheckpointError(path, f"data section should be {pos} bytes, file has {data_len} (truncated or padded)")
     return Header(path, meta, entries, n, file_size)

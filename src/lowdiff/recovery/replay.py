@@ -26,7 +26,12 @@ import torch
 from lowdiff.compressors.base import Compressor, compressor_from_spec
 from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
-from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError, RecoveryError, RecoveryWarning
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    RecoveryError,
+    RecoveryWarning,
+)
 from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import FileInfo, Plan, Scan, make_plan, scan
 
@@ -110,7 +115,7 @@ def load_full(
     except RuntimeError as e:
         raise CheckpointMismatchError(f"{info.path.name}: the model does not match the checkpoint: {e}") from None
     try:
-        optimizer.load_state_dict(osd)
+        optimizer.load_state_dict(st.match_param_layout(osd, optimizer))
     except (ValueError, KeyError) as e:
         raise CheckpointMismatchError(f"{info.path.name}: the optimizer does not match the checkpoint: {e}") from None
     _load_scheduler(scheduler, sched_state, info.path.name)
@@ -245,7 +250,9 @@ def replay(
                 raise RecoveryError(f"record chain broken: expected step {expected}, got {step}")
             t0 = time.perf_counter()
             for p, g in zip(live, grads, strict=True):
-                p.grad = g
+                # the gradient gets its parameter's strides, as in training (fused
+                # kernels read memory in layout order)
+                p.grad = g if g is None or p.is_contiguous() else torch.empty_like(p).copy_(g)
             st.apply_hparams(optimizer, codec.decode(meta["hp"]))
             optimizer.step()
             stats.replay_s += time.perf_counter() - t0
@@ -282,6 +289,7 @@ def recover(
     step: int | None = None,
 ) -> RecoveryStats:
     """Restore the live objects to ``step`` (None: the newest recoverable step)."""
+    st.check_training_objects(model, optimizer, scheduler)
     root = Path(root)
     sc = scan(root)
     for p, why in sc.problems:
@@ -289,7 +297,13 @@ def recover(
     bad: set[Path] = set()
     skipped: list[tuple[str, str]] = [(str(p), why) for p, why in sc.problems]
     while True:
-        plan = make_plan(sc, step, bad)
+        try:
+            plan = make_plan(sc, step, bad)
+        except RecoveryError as e:
+            if not bad:
+                raise
+            damaged = "; ".join(f"{Path(p).name}: {why}" for p, why in skipped)
+            raise RecoveryError(f"{e} (damaged: {damaged})") from None
         try:
             stats = replay(root, sc, plan, model, optimizer, scheduler, strict=step is not None)
         except CorruptCheckpointError as e:

@@ -10,6 +10,7 @@ checkpoint (a batch ``[29, 31]`` serves ``F = 30`` from its second record on).
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,7 +120,7 @@ def _header_info(p: Path, kind: str) -> FileInfo:
     return FileInfo(p, "records", rng[0], rng[1], hdr.file_size, n)
 
 
-def chain_from(s: Scan, start: int, exclude: set[Path] = frozenset()) -> tuple[int, list[FileInfo]]:  # type: ignore[assignment]
+def chain_from(s: Scan, start: int, exclude: AbstractSet[Path] = frozenset()) -> tuple[int, list[FileInfo]]:
     """Follow records from ``start`` without a gap; returns (reachable step, files used)."""
     step, used = start, []
     by_first = sorted((f for f in s.records if f.path not in exclude), key=lambda f: (f.first_step, -f.last_step))
@@ -135,16 +136,30 @@ def chain_from(s: Scan, start: int, exclude: set[Path] = frozenset()) -> tuple[i
     return step, used
 
 
-def recoverable_range(s: Scan, exclude: set[Path] = frozenset()) -> tuple[int, int] | None:  # type: ignore[assignment]
-    """(oldest, newest) recoverable step by headers alone, or None."""
-    fulls = [f for f in s.fulls if f.path not in exclude]
-    if not fulls:
-        return None
-    hi = max(chain_from(s, f.first_step, exclude)[0] for f in fulls)
-    return fulls[0].first_step, hi
+def recoverable_intervals(s: Scan, exclude: AbstractSet[Path] = frozenset()) -> list[tuple[int, int]]:
+    """Recoverable steps as sorted, disjoint inclusive intervals (by headers alone)."""
+    spans = sorted((f.first_step, chain_from(s, f.first_step, exclude)[0]) for f in s.fulls if f.path not in exclude)
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
-def make_plan(s: Scan, target: int | None, exclude: set[Path] = frozenset()) -> Plan:  # type: ignore[assignment]
+def recoverable_range(s: Scan, exclude: AbstractSet[Path] = frozenset()) -> tuple[int, int] | None:
+    """(oldest, newest) recoverable step by headers alone, or None. See also
+    :func:`recoverable_intervals`: steps inside a gap between the two are not recoverable."""
+    iv = recoverable_intervals(s, exclude)
+    return (iv[0][0], iv[-1][1]) if iv else None
+
+
+def describe_intervals(iv: list[tuple[int, int]]) -> str:
+    return ", ".join(f"{lo}..{hi}" for lo, hi in iv) if iv else "none"
+
+
+def make_plan(s: Scan, target: int | None, exclude: AbstractSet[Path] = frozenset()) -> Plan:
     """Choose the full checkpoint and records that reach ``target`` (None: the newest step)."""
     fulls = [f for f in s.fulls if f.path not in exclude]
     if not fulls:
@@ -158,8 +173,8 @@ def make_plan(s: Scan, target: int | None, exclude: set[Path] = frozenset()) -> 
         return Plan(f, reach, files)
     candidates = [o for o in options if o[1].first_step <= target <= o[0]]
     if not candidates:
-        rng = recoverable_range(s, exclude)
-        have = f"recoverable steps are {rng[0]}..{rng[1]}" if rng else "nothing is recoverable"
+        iv = recoverable_intervals(s, exclude)
+        have = f"recoverable steps are {describe_intervals(iv)}" if iv else "nothing is recoverable"
         raise RecoveryError(f"{s.root}: step {target} is not recoverable; {have}" + _problems_suffix(s))
     _, f, files = max(candidates, key=lambda o: o[1].first_step)
     return Plan(f, target, [r for r in files if r.first_step < target])

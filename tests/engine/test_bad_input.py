@@ -1,0 +1,357 @@
+"""Every bad input gets a clear error that names the problem."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import lowdiff
+
+N_STEPS = 5
+RATIO = 0.25
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _build(hidden: int = 16) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = MLP(hidden)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    return model, opt, sched
+
+
+def _ck(
+    model: nn.Module, opt: Any, directory: Any, sched: Any = None, **kw: Any
+) -> lowdiff.Checkpointer:
+    kw.setdefault("compressor", lowdiff.TopK(ratio=RATIO))
+    kw.setdefault("full_every", 4)
+    kw.setdefault("batch_size", 3)
+    kw.setdefault("keep_full", None)
+    return lowdiff.Checkpointer(model, opt, directory, scheduler=sched, **kw)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A valid checkpoint directory (MLP, Adam, StepLR, TopK(0.25)) holding steps 0..5."""
+    d = tmp_path_factory.mktemp("ckpt")
+    model, opt, sched = _build()
+    ck = _ck(model, opt, d, sched)
+    try:
+        assert ck.resume() == 0
+        for step in range(N_STEPS):
+            g = torch.Generator().manual_seed(step)
+            ((model(torch.randn(6, 8, generator=g)) - 1.0) ** 2).mean().backward()
+            ck.step()
+            opt.zero_grad()
+    finally:
+        ck.close()
+    assert lowdiff.inspect_dir(d).recoverable == (0, N_STEPS)
+    return d
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with the bytes of the files (None for directories)."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+        for p in sorted(root.rglob("*"))
+        if p.name not in (".lowdiff.lock", ".lowdiff.writer.lock")
+    }
+
+
+# ----------------------------------------------------------------------------- constructor
+
+BAD_ARGS: list[tuple[str, Callable[[nn.Module, Any, Any, Path], Any], type[Exception], str]] = [
+    ("strategy", lambda m, o, s, d: _ck(m, o, d, strategy="fast"), ValueError, "strategy"),
+    ("strategy-case", lambda m, o, s, d: _ck(m, o, d, strategy="LowDiff"), ValueError, "strategy"),
+    ("full_every=0", lambda m, o, s, d: _ck(m, o, d, full_every=0), ValueError, "full_every"),
+    ("full_every=2.5", lambda m, o, s, d: _ck(m, o, d, full_every=2.5), TypeError, "full_every"),
+    ("full_every=True", lambda m, o, s, d: _ck(m, o, d, full_every=True), TypeError, "full_every"),
+    ("batch_size=-1", lambda m, o, s, d: _ck(m, o, d, batch_size=-1), ValueError, "batch_size"),
+    ("batch_size=0", lambda m, o, s, d: _ck(m, o, d, batch_size=0), ValueError, "batch_size"),
+    ("keep_full=0", lambda m, o, s, d: _ck(m, o, d, keep_full=0), ValueError, "keep_full"),
+    ("keep_full=str", lambda m, o, s, d: _ck(m, o, d, keep_full="2"), TypeError, "keep_full"),
+    ("max_inflight=0", lambda m, o, s, d: _ck(m, o, d, max_inflight=0), ValueError, "max_inflight"),
+    ("compressor-str", lambda m, o, s, d: _ck(m, o, d, compressor="topk"), TypeError, "compressor"),
+    (
+        "compressor-class",
+        lambda m, o, s, d: _ck(m, o, d, compressor=lowdiff.TopK),
+        TypeError,
+        "compressor",
+    ),
+    ("model-dict", lambda m, o, s, d: _ck(m.state_dict(), o, d), TypeError, "model"),
+    ("model-none", lambda m, o, s, d: _ck(None, o, d), TypeError, "model"),
+    ("optimizer-list", lambda m, o, s, d: _ck(m, [o], d), TypeError, "optimizer"),
+    ("scheduler-object", lambda m, o, s, d: _ck(m, o, d, object()), TypeError, "scheduler"),
+    ("scheduler-optimizer", lambda m, o, s, d: _ck(m, o, d, "StepLR"), TypeError, "scheduler"),
+    ("directory-none", lambda m, o, s, d: _ck(m, o, None), ValueError, "directory"),
+]
+
+
+@pytest.mark.parametrize(
+    "make, exc, match", [a[1:] for a in BAD_ARGS], ids=[a[0] for a in BAD_ARGS]
+)
+def test_invalid_constructor_argument(
+    tmp_path: Path, make: Any, exc: type[Exception], match: str
+) -> None:
+    model, opt, sched = _build()
+    target = tmp_path / "ckpt"
+    with pytest.raises(exc, match=match):
+        make(model, opt, sched, target)
+    # nothing was created on the way to the error
+    assert not target.exists()
+
+
+def test_invalid_compressor_arguments() -> None:
+    with pytest.raises(ValueError, match="ratio"):
+        lowdiff.TopK(ratio=0.0)
+    with pytest.raises(ValueError, match="ratio"):
+        lowdiff.RandomK(ratio=1.5)
+    with pytest.raises(TypeError, match="error_feedback"):
+        lowdiff.ApproxTopK(ratio=0.1, error_feedback="yes")
+    with pytest.raises(ValueError, match="bits"):
+        lowdiff.QSGD(bits=4)
+    with pytest.raises(ValueError, match="bucket_size"):
+        lowdiff.QSGD(bucket_size=0)
+
+
+def test_strategy_none_accepts_no_directory_and_creates_nothing(tmp_path: Path) -> None:
+    model, opt, _ = _build()
+    ck = lowdiff.Checkpointer(model, opt, tmp_path / "unused", strategy="none")
+    assert ck.resume() == 0
+    ck.close()
+    assert not (tmp_path / "unused").exists()
+
+
+def test_optimizer_with_parameter_not_in_model(tmp_path: Path) -> None:
+    model, _, _ = _build()
+    stranger = nn.Parameter(torch.zeros(3, 5))
+    opt = torch.optim.SGD([*model.parameters(), stranger], lr=0.1)
+    for strategy in ("lowdiff", "none"):
+        with pytest.raises(ValueError, match=r"\(3, 5\).*not in the model"):
+            _ck(model, opt, tmp_path / strategy, strategy=strategy)
+    assert not (tmp_path / "lowdiff").exists()
+
+
+def test_sparse_gradient_is_rejected_naming_the_parameter() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = lowdiff.Checkpointer(model, opt, None, strategy="none", compressor=lowdiff.TopK(0.5))
+    ck.resume()
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"'0\.weight'.*sparse"):
+        ck.step()
+    assert torch.equal(model[0].weight, before)
+    ck.close()
+
+
+# ----------------------------------------------------------------------------- directories
+
+
+def test_directory_holding_other_files(tmp_path: Path) -> None:
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "notes.txt").write_text("my data\n")
+    (d / "data").mkdir()
+    before = sorted(p.name for p in d.rglob("*"))
+    model, opt, _ = _build()
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="notes.txt"):
+        _ck(model, opt, d)
+    with pytest.raises(
+        lowdiff.NotACheckpointDirectoryError, match="not a lowdiff checkpoint directory"
+    ):
+        lowdiff.restore(d, model, opt)
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError):
+        lowdiff.inspect_dir(d)
+    # nothing was created in it: no lock files, no sub-directories
+    assert sorted(p.name for p in d.rglob("*")) == before
+    assert (d / "notes.txt").read_text() == "my data\n"
+
+
+def test_path_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "ckpt"
+    f.write_bytes(b"not a directory")
+    model, opt, _ = _build()
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="is a file"):
+        _ck(model, opt, f)
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError):
+        lowdiff.restore(f, model, opt)
+    assert f.read_bytes() == b"not a directory"
+
+
+def test_restore_from_missing_or_empty_directory(tmp_path: Path) -> None:
+    model, opt, _ = _build()
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError):
+        lowdiff.restore(tmp_path / "missing", model, opt)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="lowdiff.json"):
+        lowdiff.restore(tmp_path / "empty", model, opt)
+    assert not (tmp_path / "missing").exists()
+
+
+def test_two_checkpointers_on_one_directory(tmp_path: Path) -> None:
+    m1, o1, _ = _build()
+    m2, o2, _ = _build()
+    first = _ck(m1, o1, tmp_path)
+    try:
+        with pytest.raises(lowdiff.DirectoryLockedError, match="pid=") as info:
+            _ck(m2, o2, tmp_path)
+        assert f"pid={os.getpid()}" in str(info.value)
+        assert str(tmp_path) in str(info.value)
+    finally:
+        first.close()
+    # once the first one is closed the directory is free again
+    second = _ck(m2, o2, tmp_path)
+    second.close()
+
+
+@pytest.mark.multiprocess
+def test_manifest_deleted(ckpt_dir: Path, tmp_path: Path) -> None:
+    d = tmp_path / "copy"
+    shutil.copytree(ckpt_dir, d)
+    (d / "lowdiff.json").unlink()
+    model, opt, sched = _build()
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="manifest was deleted"):
+        lowdiff.restore(d, model, opt, sched)
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="manifest was deleted"):
+        _ck(model, opt, d, sched)
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError):
+        lowdiff.inspect_dir(d)
+
+
+# ----------------------------------------------------------------------------- mismatches
+
+
+class Renamed(nn.Module):
+    """The same layers as MLP, under different names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)
+        )
+
+
+def _adam_steplr(model: nn.Module) -> tuple[nn.Module, Any, Any]:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+
+
+MISMATCHES: list[
+    tuple[str, Callable[[], tuple[nn.Module, Any, Any]], dict[str, Any], list[str]]
+] = [
+    ("shape", lambda: _build(hidden=17), {}, ["'net.0.weight'", "[16, 8]", "[17, 8]"]),
+    ("names", lambda: _adam_steplr(Renamed()), {}, ["'net.0.weight'", "'layers.0.weight'"]),
+    (
+        "optimizer-type",
+        lambda: (lambda m: (m, torch.optim.SGD(m.parameters(), lr=0.1), None))(MLP()),
+        {},
+        ["Adam", "SGD"],
+    ),
+    (
+        "compressor-ratio",
+        _build,
+        {"compressor": lowdiff.TopK(ratio=0.5)},
+        ["compressor", "0.25", "0.5"],
+    ),
+    (
+        "compressor-kind",
+        _build,
+        {"compressor": lowdiff.RandomK(ratio=RATIO)},
+        ["compressor", "topk", "randomk"],
+    ),
+    ("scheduler-missing", lambda: _build()[:2] + (None,), {}, ["scheduler", "StepLR"]),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "make, kw, needles", [m[1:] for m in MISMATCHES], ids=[m[0] for m in MISMATCHES]
+)
+def test_resume_mismatch(ckpt_dir: Path, make: Any, kw: dict[str, Any], needles: list[str]) -> None:
+    before = _tree(ckpt_dir)
+    model, opt, sched = make()
+    ck = _ck(model, opt, ckpt_dir, sched, **kw)
+    try:
+        with pytest.raises(lowdiff.CheckpointMismatchError) as info:
+            ck.resume()
+    finally:
+        ck.close()
+    for needle in needles:
+        assert needle in str(info.value), f"{needle!r} not in {info.value}"
+    # a refused resume changes nothing on disk
+    assert _tree(ckpt_dir) == before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("which", ["shape", "names", "optimizer-type"])
+def test_restore_mismatch(ckpt_dir: Path, which: str) -> None:
+    _, make, _, needles = next(m for m in MISMATCHES if m[0] == which)
+    model, opt, sched = make()
+    with pytest.raises(lowdiff.CheckpointMismatchError) as info:
+        lowdiff.restore(ckpt_dir, model, opt, sched)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+# ----------------------------------------------------------------------------- restore(step=...)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("step", [N_STEPS + 1, 1000])
+def test_restore_step_out_of_range(ckpt_dir: Path, step: int) -> None:
+    model, opt, sched = _build()
+    with pytest.raises(
+        lowdiff.RecoveryError, match=rf"step {step} is not recoverable.*0\.\.{N_STEPS}"
+    ):
+        lowdiff.restore(ckpt_dir, model, opt, sched, step=step)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("step", [-1, 2.0, True, "3"])
+def test_restore_step_invalid(ckpt_dir: Path, step: Any) -> None:
+    model, opt, sched = _build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="step"):
+        lowdiff.restore(ckpt_dir, model, opt, sched, step=step)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_optimizer_passed_as_scheduler_is_rejected(tmp_path: Path) -> None:
+    model, opt, _ = _build()
+    with pytest.raises(TypeError, match="scheduler"):
+        _ck(model, opt, tmp_path / "ckpt", opt)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("which", ["model-none", "model-state-dict", "scheduler-object"])
+def test_restore_rejects_bad_arguments(ckpt_dir: Path, which: str) -> None:
+    model, opt, sched = _build()
+    args: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched}
+    if which == "model-none":
+        args["model"] = None
+    elif which == "model-state-dict":
+        args["model"] = model.state_dict()
+    else:
+        args["scheduler"] = object()
+    name = which.split("-")[0]
+    with pytest.raises(TypeError, match=name):
+        lowdiff.restore(ckpt_dir, **args)
