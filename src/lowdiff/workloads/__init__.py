@@ -1,0 +1,12 @@
+"""Reproducible demo workloads: real text, real models, a real training job.
+
+- :mod:`lowdiff.workloads.text`: a byte-level corpus built from the running Python's own
+  standard-library source, with deterministic ``(seed, step)`` batches;
+- :mod:`lowdiff.workloads.models`: small GPT-2-style byte LMs built from configs;
+- :mod:`lowdiff.workloads.train`: the checkpointed training job
+  (``python -m lowdiff.workloads.train --config CONFIG.json``) that ``lowdiff demo`` runs.
+
+Submodules are imported on demand; ``transformers`` is only needed by ``models``.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,51 @@
+"""End-to-end test of ``lowdiff demo --quick``: a real SIGKILL, a real resume, exact state."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from lowdiff.cli.demo import add_parser, kill_target, run_demo
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lowdiff")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["demo", *argv])
+
+
+def test_parser_defaults_and_choices() -> None:
+    args = _parse([])
+    assert args.strategy == "lowdiff" and args.compressor == "topk" and args.ratio == 0.01
+    assert args.func is run_demo
+    with pytest.raises(SystemExit):
+        _parse(["--strategy", "lowdiff+"])
+
+
+def test_kill_target_is_seeded_and_mid_run() -> None:
+    targets = {kill_target(seed, 200) for seed in range(50)}
+    assert min(targets) >= 80 and max(targets) <= 160
+    assert len(targets) > 5
+    assert kill_target(3, 200) == kill_target(3, 200)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_quick_demo_recovers_bit_identical_state(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    args = _parse(
+        ["--quick", "--no-progress", "--json", str(report_path), "--out-dir", str(tmp_path / "out")]
+    )
+    rc = run_demo(args)
+    report = json.loads(report_path.read_text())
+    state = report["state_check"]
+    assert state["bit_identical"], state
+    assert rc == 0
+    kill = report["kill"]
+    assert kill["kill_step"] is not None and kill["killed_returncode"] != 0
+    assert kill["recovered_step"] >= kill["kill_step"] - report["batch_size"]
+    assert report["storage"]["records"] > 0
+    assert report["recovery"] is not None
