@@ -19,5 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_static_check(tool, args):
     if importlib.util.find_spec(tool) is None:
         pytest.skip(f"{tool} is not installed (pip install -e '.[dev]')")
-    r = subprocess.run([sys.executable, "-m", tool, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", tool, *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, f"{tool} failed:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"

@@ -44,7 +44,11 @@ class CheckpointWorkerError(LowDiffError):
 
     def __init__(self, message: str, remote_traceback: str = "") -> None:
         self.remote_traceback = remote_traceback
-        text = message if not remote_traceback else f"{message}\n\n--- checkpointing process traceback ---\n{remote_traceback}"
+        text = (
+            message
+            if not remote_traceback
+            else f"{message}\n\n--- checkpointing process traceback ---\n{remote_traceback}"
+        )
         super().__init__(text)
 
 

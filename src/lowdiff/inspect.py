@@ -15,7 +15,13 @@ from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
 from lowdiff.recovery.replay import RecoveryStats, recover
-from lowdiff.recovery.scan import FileInfo, make_plan, recoverable_intervals, recoverable_range, scan
+from lowdiff.recovery.scan import (
+    FileInfo,
+    make_plan,
+    recoverable_intervals,
+    recoverable_range,
+    scan,
+)
 
 
 @dataclass
@@ -45,7 +51,9 @@ class DirectoryInfo:
     @property
     def bytes_per_full(self) -> float:
         """Mean bytes of the full checkpoints taken after optimizer state exists."""
-        sized = [f.nbytes for f in self.full_checkpoints if f.first_step > 0] or [f.nbytes for f in self.full_checkpoints]
+        sized = [f.nbytes for f in self.full_checkpoints if f.first_step > 0] or [
+            f.nbytes for f in self.full_checkpoints
+        ]
         return sum(sized) / len(sized) if sized else 0.0
 
     @property
@@ -69,7 +77,15 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
         (0, 240)
     """
     sc = scan(path)
-    return DirectoryInfo(sc.root, sc.manifest, sc.fulls, sc.records, recoverable_range(sc), sc.problems, recoverable_intervals(sc))
+    return DirectoryInfo(
+        sc.root,
+        sc.manifest,
+        sc.fulls,
+        sc.records,
+        recoverable_range(sc),
+        sc.problems,
+        recoverable_intervals(sc),
+    )
 
 
 def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
@@ -91,7 +107,12 @@ def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
         sc_problems = sc.problems
         files = [f.path for f in sc.fulls + sc.records]
     except CorruptCheckpointError:
-        files = [p for d in (layout.FULL_DIR, layout.RECORDS_DIR) for p in sorted((root / d).glob("*")) if not p.name.startswith(TMP_PREFIX)]
+        files = [
+            p
+            for d in (layout.FULL_DIR, layout.RECORDS_DIR)
+            for p in sorted((root / d).glob("*"))
+            if not p.name.startswith(TMP_PREFIX)
+        ]
     bad.extend(sc_problems)
     seen = {p for p, _ in bad}
     for p in files:
@@ -106,7 +127,9 @@ def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
     return checked, bad
 
 
-def _set_path(root: torch.nn.Module, name: str, value: torch.Tensor | torch.nn.Parameter, is_param: bool) -> None:
+def _set_path(
+    root: torch.nn.Module, name: str, value: torch.Tensor | torch.nn.Parameter, is_param: bool
+) -> None:
     *parents, leaf = name.split(".")
     mod = root
     for part in parents:
@@ -134,7 +157,9 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     return obj
 
 
-def rebuild(path: str | Path, step: int | None) -> tuple[torch.nn.Module, torch.optim.Optimizer, RecoveryStats]:
+def rebuild(
+    path: str | Path, step: int | None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, RecoveryStats]:
     """Rebuild a stand-in model and optimizer from the checkpoint alone and restore ``step``."""
     root = Path(path)
     sc = scan(root)

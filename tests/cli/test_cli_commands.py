@@ -28,7 +28,9 @@ def trained(tmp_path_factory):
     d = tmp_path_factory.mktemp("cli") / "ck"
     m, o = _model()
     snaps = {0: {k: v.clone() for k, v in m.state_dict().items()}}
-    with lowdiff.Checkpointer(m, o, d, compressor=lowdiff.TopK(0.3), full_every=4, batch_size=2, keep_full=None) as ck:
+    with lowdiff.Checkpointer(
+        m, o, d, compressor=lowdiff.TopK(0.3), full_every=4, batch_size=2, keep_full=None
+    ) as ck:
         ck.resume()
         for i in range(9):
             g = torch.Generator().manual_seed(i)
@@ -97,7 +99,9 @@ def test_foreign_directory_is_refused(tmp_path, capsys):
 
 
 def test_python_dash_m_entry_point():
-    r = subprocess.run([sys.executable, "-m", "lowdiff", "--help"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "lowdiff", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0
     for cmd in ("demo", "inspect", "verify", "export"):
         assert cmd in r.stdout

@@ -10,7 +10,11 @@ from lowdiff.format import codec, layout
 
 
 def test_manifest_round_trip_and_any_byte_change_is_detected(tmp_path):
-    body = {"format": "lowdiff", "compressor": {"kind": "topk", "ratio": 0.01}, "n": [1, 2.5, None, True]}
+    body = {
+        "format": "lowdiff",
+        "compressor": {"kind": "topk", "ratio": 0.01},
+        "n": [1, 2.5, None, True],
+    }
     layout.write_manifest(tmp_path, body)
     assert layout.read_manifest(tmp_path) == body
     raw = (tmp_path / layout.MANIFEST).read_bytes()

@@ -41,7 +41,14 @@ def test_round_trip_and_official_reader(tmp_path):
 
 
 def test_layout_is_aligned_and_contiguous():
-    entries, size = sfile.plan([("a", torch.uint8, (3,)), ("b", torch.float64, (2,)), ("c", torch.int16, (5,)), ("d", torch.float32, (1,))])
+    entries, size = sfile.plan(
+        [
+            ("a", torch.uint8, (3,)),
+            ("b", torch.float64, (2,)),
+            ("c", torch.int16, (5,)),
+            ("d", torch.float32, (1,)),
+        ]
+    )
     assert [e.name for e in entries] == ["b", "d", "c", "a"]
     pos = 0
     for e in entries:

@@ -24,7 +24,11 @@ def build(seed: int = 0):
     np.random.seed(seed)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 8)
+        torch.nn.Linear(32, 64),
+        torch.nn.BatchNorm1d(64),
+        torch.nn.GELU(),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(64, 8),
     )
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.8)
@@ -37,16 +41,27 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dump(path: str, model, opt, sched) -> None:
-    safetensors.torch.save_file({k: v.contiguous().clone() for k, v in state_tensors(model, opt, sched).items()}, path)
+    safetensors.torch.save_file(
+        {k: v.contiguous().clone() for k, v in state_tensors(model, opt, sched).items()}, path
+    )
 
 
 def main(cfg: dict) -> None:
     torch.set_num_threads(1)
     model, opt, sched = build()
-    comp = lowdiff.TopK(ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False))
+    comp = lowdiff.TopK(
+        ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False)
+    )
     ck = lowdiff.Checkpointer(
-        model, opt, cfg["dir"], strategy=cfg["strategy"], compressor=comp, scheduler=sched,
-        full_every=cfg.get("full_every", 10), batch_size=cfg.get("batch_size", 3), keep_full=cfg.get("keep_full", 2),
+        model,
+        opt,
+        cfg["dir"],
+        strategy=cfg["strategy"],
+        compressor=comp,
+        scheduler=sched,
+        full_every=cfg.get("full_every", 10),
+        batch_size=cfg.get("batch_size", 3),
+        keep_full=cfg.get("keep_full", 2),
     )
     start = ck.resume()
     print(f"resumed {start}", flush=True)

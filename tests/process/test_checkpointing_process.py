@@ -80,7 +80,9 @@ def test_dead_checkpointing_process_is_reported(tmp_path):
     _train(model, opt, ck, 2)
     os.kill(ck._proc.pid, signal.SIGKILL)
     ck._proc.join(10)
-    with pytest.raises(lowdiff.CheckpointWorkerError, match="exited unexpectedly|closed its connection"):
+    with pytest.raises(
+        lowdiff.CheckpointWorkerError, match="exited unexpectedly|closed its connection"
+    ):
         _train(model, opt, ck, 10)
     ck._release()
 
@@ -89,7 +91,9 @@ def test_context_manager_closes(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with lowdiff.Checkpointer(model, opt, tmp_path / "ck", compressor=lowdiff.RandomK(0.5), batch_size=3) as ck:
+    with lowdiff.Checkpointer(
+        model, opt, tmp_path / "ck", compressor=lowdiff.RandomK(0.5), batch_size=3
+    ) as ck:
         ck.resume()
         _train_small(model, opt, ck)
     assert not ck._proc.is_alive()

@@ -17,14 +17,21 @@ pytestmark = [
 
 def _build():
     torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
+    m = torch.nn.Sequential(
+        torch.nn.Linear(64, 128),
+        torch.nn.BatchNorm1d(128),
+        torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    ).cuda()
     return m, torch.optim.Adam(m.parameters(), lr=1e-3)
 
 
 def test_cuda_records_replay_exactly(tmp_path):
     m, o = _build()
     snaps = {}
-    with lowdiff.Checkpointer(m, o, tmp_path / "ck", compressor=lowdiff.TopK(0.05), full_every=5, batch_size=3) as ck:
+    with lowdiff.Checkpointer(
+        m, o, tmp_path / "ck", compressor=lowdiff.TopK(0.05), full_every=5, batch_size=3
+    ) as ck:
         ck.resume()
         for i in range(12):
             g = torch.Generator(device="cuda").manual_seed(i)

@@ -29,7 +29,12 @@ def _env() -> dict[str, str]:
 
 def _run(cfg: dict, kill_after: int | None = None) -> tuple[list[str], int]:
     """Run the job; with ``kill_after``, SIGKILL it once it reports that many steps."""
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), json.dumps(cfg)], stdout=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     lines: list[str] = []
     reported = 0
     try:
@@ -68,22 +73,42 @@ def _equal_states(a_path: Path, b_path: Path) -> list[str]:
 def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_after):
     steps = 30
     ckdir = tmp_path / "ck"
-    base = {"dir": str(ckdir), "steps": steps, "strategy": "lowdiff", "full_every": 10, "batch_size": 4, "sleep": 0.01}
+    base = {
+        "dir": str(ckdir),
+        "steps": steps,
+        "strategy": "lowdiff",
+        "full_every": 10,
+        "batch_size": 4,
+        "sleep": 0.01,
+    }
     _, reported = _run(base, kill_after=kill_after)
 
     # The orphaned checkpointing process flushes every record it received, then exits.
-    resumed = dict(base, dump_at_resume=str(tmp_path / "resumed.safetensors"), dump_at={steps: str(tmp_path / "final.safetensors")})
+    resumed = dict(
+        base,
+        dump_at_resume=str(tmp_path / "resumed.safetensors"),
+        dump_at={steps: str(tmp_path / "final.safetensors")},
+    )
     lines, _ = _run(resumed)
     start = int(lines[0].split()[1])
-    assert start >= reported, f"records handed off before the kill were lost: resumed at {start}, trainer had reported {reported}"
+    assert start >= reported, (
+        f"records handed off before the kill were lost: resumed at {start}, trainer had reported {reported}"
+    )
 
     ref_cfg = {
-        "dir": str(tmp_path / "unused"), "steps": steps, "strategy": "none",
-        "dump_at": {start: str(tmp_path / "ref_at_start.safetensors"), steps: str(tmp_path / "ref_final.safetensors")},
+        "dir": str(tmp_path / "unused"),
+        "steps": steps,
+        "strategy": "none",
+        "dump_at": {
+            start: str(tmp_path / "ref_at_start.safetensors"),
+            steps: str(tmp_path / "ref_final.safetensors"),
+        },
     }
     ref_lines, _ = _run(ref_cfg)
 
-    assert _equal_states(tmp_path / "resumed.safetensors", tmp_path / "ref_at_start.safetensors") == []
+    assert (
+        _equal_states(tmp_path / "resumed.safetensors", tmp_path / "ref_at_start.safetensors") == []
+    )
     assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref_final.safetensors") == []
     ref_losses, got = _losses(ref_lines), _losses(lines)
     assert {s: got[s] for s in got} == {s: ref_losses[s] for s in got}
@@ -94,12 +119,24 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_after):
 
 def test_sigkill_with_error_feedback_recovers_exact_state(tmp_path):
     ckdir = tmp_path / "ck"
-    base = {"dir": str(ckdir), "steps": 20, "strategy": "lowdiff", "error_feedback": True, "full_every": 6, "batch_size": 3}
+    base = {
+        "dir": str(ckdir),
+        "steps": 20,
+        "strategy": "lowdiff",
+        "error_feedback": True,
+        "full_every": 6,
+        "batch_size": 3,
+    }
     _, reported = _run(base, kill_after=11)
     lines, _ = _run(dict(base, steps=0, dump_at_resume=str(tmp_path / "resumed.safetensors")))
     start = int(lines[0].split()[1])
     assert start >= reported
-    ref = {"dir": str(tmp_path / "u"), "steps": start, "strategy": "none", "error_feedback": True,
-           "dump_at": {start: str(tmp_path / "ref.safetensors")}}
+    ref = {
+        "dir": str(tmp_path / "u"),
+        "steps": start,
+        "strategy": "none",
+        "error_feedback": True,
+        "dump_at": {start: str(tmp_path / "ref.safetensors")},
+    }
     _run(ref)
     assert _equal_states(tmp_path / "resumed.safetensors", tmp_path / "ref.safetensors") == []

@@ -37,8 +37,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "parameters": info.n_parameters,
             "recoverable": list(info.recoverable) if info.recoverable else None,
             "recoverable_intervals": [list(i) for i in info.recoverable_intervals],
-            "full_checkpoints": [{"step": f.first_step, "bytes": f.nbytes, "path": str(f.path)} for f in info.full_checkpoints],
-            "record_files": [{"first_step": f.first_step, "last_step": f.last_step, "records": f.n_records, "bytes": f.nbytes, "path": str(f.path)} for f in info.record_files],
+            "full_checkpoints": [
+                {"step": f.first_step, "bytes": f.nbytes, "path": str(f.path)}
+                for f in info.full_checkpoints
+            ],
+            "record_files": [
+                {
+                    "first_step": f.first_step,
+                    "last_step": f.last_step,
+                    "records": f.n_records,
+                    "bytes": f.nbytes,
+                    "path": str(f.path),
+                }
+                for f in info.record_files
+            ],
             "bytes_per_record": info.bytes_per_record,
             "problems": [{"path": str(p), "reason": r} for p, r in info.problems],
         }
@@ -47,20 +59,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"directory    {info.root}")
     print(f"strategy     {m.get('strategy')}   compressor {m.get('compressor')}")
     print(f"optimizer    {m.get('optimizer')}   parameters {info.n_parameters:,}")
-    print(f"settings     full_every={m.get('full_every')} batch_size={m.get('batch_size')} keep_full={m.get('keep_full')}")
+    print(
+        f"settings     full_every={m.get('full_every')} batch_size={m.get('batch_size')} keep_full={m.get('keep_full')}"
+    )
     iv = info.recoverable_intervals
-    print(f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}")
+    print(
+        f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
+    )
     print(f"\nfull checkpoints ({len(info.full_checkpoints)}):")
     for f in info.full_checkpoints:
         print(f"  step {f.first_step:>8}  {_fmt_bytes(f.nbytes):>10}  {f.path.name}")
-    print(f"\nrecord files ({len(info.record_files)}, {info.n_records} records, {_fmt_bytes(info.bytes_per_record)} per record):")
+    print(
+        f"\nrecord files ({len(info.record_files)}, {info.n_records} records, {_fmt_bytes(info.bytes_per_record)} per record):"
+    )
     files = info.record_files
-    shown: list[FileInfo | None] = list(files) if args.all or len(files) <= 12 else [*files[:5], None, *files[-5:]]
+    shown: list[FileInfo | None] = (
+        list(files) if args.all or len(files) <= 12 else [*files[:5], None, *files[-5:]]
+    )
     for rf in shown:
         if rf is None:
             print(f"  ... {len(files) - 10} more (use --all)")
             continue
-        print(f"  steps {rf.first_step:>6}..{rf.last_step:<6} {rf.n_records:>3} records  {_fmt_bytes(rf.nbytes):>10}  {rf.path.name}")
+        print(
+            f"  steps {rf.first_step:>6}..{rf.last_step:<6} {rf.n_records:>3} records  {_fmt_bytes(rf.nbytes):>10}  {rf.path.name}"
+        )
     if info.problems:
         print(f"\nproblems ({len(info.problems)}):")
         for p, r in info.problems:
@@ -90,12 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     from lowdiff import __version__
     from lowdiff.cli import demo
 
-    parser = argparse.ArgumentParser(prog="lowdiff", description="Per-iteration checkpointing for PyTorch training.")
+    parser = argparse.ArgumentParser(
+        prog="lowdiff", description="Per-iteration checkpointing for PyTorch training."
+    )
     parser.add_argument("--version", action="version", version=f"lowdiff {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(sub)
 
-    p = sub.add_parser("inspect", help="list full checkpoints, record files and the recoverable range")
+    p = sub.add_parser(
+        "inspect", help="list full checkpoints, record files and the recoverable range"
+    )
     p.add_argument("directory", type=Path)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--all", action="store_true", help="list every record file")

@@ -111,13 +111,17 @@ class Checkpointer:
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+            raise ValueError(
+                f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}"
+            )
         if compressor is None:
             from lowdiff.compressors import TopK
 
             compressor = TopK(ratio=0.01)
         if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a lowdiff.Compressor, got {type(compressor).__name__}")
+            raise TypeError(
+                f"compressor must be a lowdiff.Compressor, got {type(compressor).__name__}"
+            )
         self.full_every = _check_int("full_every", full_every, 1)
         self.batch_size = _check_int("batch_size", batch_size, 1)
         if keep_full is not None:
@@ -134,11 +138,15 @@ class Checkpointer:
         self._params = st.optimizer_params(model, optimizer)
         for info, p in self._params:
             if p.is_sparse:
-                raise ValueError(f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only")
+                raise ValueError(
+                    f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only"
+                )
         self._numels = [p.numel() for _, p in self._params]
         devices = {p.device for _, p in self._params}
         if len(devices) > 1:
-            raise ValueError(f"all optimized parameters must be on one device, found {sorted(map(str, devices))}")
+            raise ValueError(
+                f"all optimized parameters must be on one device, found {sorted(map(str, devices))}"
+            )
         dev = next(iter(devices), torch.device("cpu"))
         self._record_device: torch.device | None = None if dev.type == "cpu" else dev
         self._buffer_names = st.buffer_names(model)
@@ -149,8 +157,14 @@ class Checkpointer:
         self._run_id = uuid.uuid4().hex
         self.recovery_stats: RecoveryStats | None = None
         self._stats: dict[str, float] = {
-            "steps": 0, "slot_wait_s": 0.0, "full_wait_s": 0.0, "full_copy_s": 0.0,
-            "fulls_requested": 0, "fulls_written": 0, "full_bytes": 0, "full_write_s": 0.0,
+            "steps": 0,
+            "slot_wait_s": 0.0,
+            "full_wait_s": 0.0,
+            "full_copy_s": 0.0,
+            "fulls_requested": 0,
+            "fulls_written": 0,
+            "full_bytes": 0,
+            "full_write_s": 0.0,
             "record_send_s": 0.0,
         }
         self._proc: Any = None
@@ -173,8 +187,13 @@ class Checkpointer:
                 )
             self._lock_fd = fd
             self._rng_layout = st.RngLayout()
-            buffers = [(n, b.dtype, tuple(b.shape)) for n, b in st.get_buffers(model, self._buffer_names).items()]
-            self.layout = RecordLayout.build([i for i, _ in self._params], compressor, buffers, self._rng_layout)
+            buffers = [
+                (n, b.dtype, tuple(b.shape))
+                for n, b in st.get_buffers(model, self._buffer_names).items()
+            ]
+            self.layout = RecordLayout.build(
+                [i for i, _ in self._params], compressor, buffers, self._rng_layout
+            )
             ref = weakref.ref(self)
             atexit.register(_close_at_exit, ref)
 
@@ -194,7 +213,11 @@ class Checkpointer:
     def stats(self) -> dict[str, float]:
         """Counters and timings of this session (stall and copy times on the training side)."""
         self._poll()
-        return dict(self._stats, durable_step=self._durable, record_row_bytes=getattr(self, "layout", None) and self.layout.row_bytes or 0)
+        return dict(
+            self._stats,
+            durable_step=self._durable,
+            record_row_bytes=getattr(self, "layout", None) and self.layout.row_bytes or 0,
+        )
 
     def resume(self) -> int:
         """Restore the newest recoverable state, or prepare an empty directory.
@@ -253,7 +276,9 @@ class Checkpointer:
                     payloads.append(None)
                     continue
                 if g.is_sparse:
-                    raise ValueError(f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only")
+                    raise ValueError(
+                        f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only"
+                    )
                 flat = g.detach().contiguous().view(-1)
                 payload = self.compressor.compress(flat, info.index, t)
                 dense = self.compressor.decompress(payload, numel, flat.dtype)
@@ -339,7 +364,9 @@ class Checkpointer:
             "strategy": self.strategy,
             "compressor": self.compressor.spec(),
             "optimizer": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
-            "scheduler": None if self.scheduler is None else f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}",
+            "scheduler": None
+            if self.scheduler is None
+            else f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}",
             "record_layout": self.layout.to_json(),
             "layout_id": self.layout.layout_id,
             "full_every": self.full_every,
@@ -356,7 +383,9 @@ class Checkpointer:
 
     def _check_manifest(self, manifest: dict[str, Any]) -> None:
         if manifest.get("strategy") != self.strategy:
-            raise CheckpointMismatchError(f"{self.root} was written by strategy {manifest.get('strategy')!r}, this Checkpointer uses {self.strategy!r}")
+            raise CheckpointMismatchError(
+                f"{self.root} was written by strategy {manifest.get('strategy')!r}, this Checkpointer uses {self.strategy!r}"
+            )
         if manifest.get("compressor") != self.compressor.spec():
             raise CheckpointMismatchError(
                 f"{self.root} was written with compressor {manifest.get('compressor')}, this Checkpointer uses "
@@ -368,9 +397,15 @@ class Checkpointer:
                 f"{self.root}: the record layout differs (model buffers or CUDA devices changed since the "
                 "checkpoint was written)"
             )
-        want = None if self.scheduler is None else f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}"
+        want = (
+            None
+            if self.scheduler is None
+            else f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}"
+        )
         if manifest.get("scheduler") != want:
-            raise CheckpointMismatchError(f"{self.root} was written with scheduler {manifest.get('scheduler')}, got {want}")
+            raise CheckpointMismatchError(
+                f"{self.root} was written with scheduler {manifest.get('scheduler')}, got {want}"
+            )
 
     def _wait_for_previous_writer(self) -> None:
         """A killed trainer's checkpointing process may still be flushing: wait for it."""
@@ -405,7 +440,11 @@ class Checkpointer:
         move = [p for p in dict.fromkeys(move) if p.exists()]
         if not move:
             return
-        dest = self.root / layout.QUARANTINE_DIR / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + self._run_id[:8])
+        dest = (
+            self.root
+            / layout.QUARANTINE_DIR
+            / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + self._run_id[:8])
+        )
         dest.mkdir(parents=True, exist_ok=True)
         for p in move:
             shutil.move(str(p), dest / f"{p.parent.name}--{p.name}")
@@ -429,7 +468,14 @@ class Checkpointer:
         self._staging_free.set()
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
-        cfg = WorkerConfig(str(self.root), self.batch_size, self.keep_full, self.layout.row_bytes, self.layout.layout_id, self._run_id)
+        cfg = WorkerConfig(
+            str(self.root),
+            self.batch_size,
+            self.keep_full,
+            self.layout.row_bytes,
+            self.layout.layout_id,
+            self._run_id,
+        )
         self._proc = ctx.Process(
             target=worker_main,
             args=(cfg, slots, self._free, self._staging_free, req_r, res_w),
@@ -464,7 +510,9 @@ class Checkpointer:
             self._stats["full_write_s"] += msg[3]
         elif kind == "error":
             _, name, text, tb = msg
-            self._worker_error = CheckpointWorkerError(f"the checkpointing process failed: {name}: {text}", tb)
+            self._worker_error = CheckpointWorkerError(
+                f"the checkpointing process failed: {name}: {text}", tb
+            )
         return str(kind)
 
     def _wait_reply(self, want: str) -> None:
@@ -484,15 +532,23 @@ class Checkpointer:
                 self._poll()
                 self._raise_worker_error(force=True)
             if time.monotonic() > deadline:
-                raise CheckpointWorkerError(f"the checkpointing process did not answer {want!r} within {self.start_timeout:.0f} s")
+                raise CheckpointWorkerError(
+                    f"the checkpointing process did not answer {want!r} within {self.start_timeout:.0f} s"
+                )
 
     def _raise_worker_error(self, force: bool = False) -> None:
         self._poll()
         if self._worker_error is not None:
             err = self._worker_error
             raise err
-        if self._proc is not None and (force or not self._proc.is_alive()) and not self._proc.is_alive():
-            raise CheckpointWorkerError(f"the checkpointing process exited unexpectedly (exit code {self._proc.exitcode})")
+        if (
+            self._proc is not None
+            and (force or not self._proc.is_alive())
+            and not self._proc.is_alive()
+        ):
+            raise CheckpointWorkerError(
+                f"the checkpointing process exited unexpectedly (exit code {self._proc.exitcode})"
+            )
         if force:
             raise CheckpointWorkerError("the checkpointing process closed its connection")
 
@@ -503,7 +559,13 @@ class Checkpointer:
         except (BrokenPipeError, ConnectionResetError, OSError):
             self._raise_worker_error(force=True)
 
-    def _emit_record(self, t: int, payloads: list[dict[str, torch.Tensor] | None], nograd: list[int], hp: list[dict[str, Any]]) -> None:
+    def _emit_record(
+        self,
+        t: int,
+        payloads: list[dict[str, torch.Tensor] | None],
+        nograd: list[int],
+        hp: list[dict[str, Any]],
+    ) -> None:
         t0 = time.perf_counter()
         while not self._free.acquire(timeout=0.5):
             self._raise_worker_error()
@@ -579,7 +641,9 @@ class Checkpointer:
             "scheduler": st.scheduler_state_json(self.scheduler),
             "rng": codec.dumps(rng_extra),
         }
-        entries_json = [[e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries]
+        entries_json = [
+            [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries
+        ]
         self._send(("full", step, entries_json, meta))
         self._stats["fulls_requested"] += 1
         self._stats["full_wait_s"] += t1 - t0

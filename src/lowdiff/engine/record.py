@@ -75,15 +75,29 @@ class RecordLayout:
             "fields": [[[f.name, dtype_name(f.dtype), f.numel] for f in fs] for fs in self.fields],
             "buffers": [[n, dtype_name(dt), list(shape)] for n, dt, shape in self.buffers],
             "rng": self.rng,
-            "entries": [[e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in self.entries],
+            "entries": [
+                [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in self.entries
+            ],
         }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RecordLayout:
-        params = [ParamInfo(int(i), str(n), tuple(int(s) for s in shape), dtype_from_name(dt)) for i, n, shape, dt in d["params"]]
-        fields = [[FieldSpec(str(n), dtype_from_name(dt), int(k)) for n, dt, k in fs] for fs in d["fields"]]
-        buffers = [(str(n), dtype_from_name(dt), tuple(int(s) for s in shape)) for n, dt, shape in d["buffers"]]
-        entries = [TensorEntry(str(n), dtype_from_name(dt), tuple(int(s) for s in shape), int(a), int(b)) for n, dt, shape, a, b in d["entries"]]
+        params = [
+            ParamInfo(int(i), str(n), tuple(int(s) for s in shape), dtype_from_name(dt))
+            for i, n, shape, dt in d["params"]
+        ]
+        fields = [
+            [FieldSpec(str(n), dtype_from_name(dt), int(k)) for n, dt, k in fs]
+            for fs in d["fields"]
+        ]
+        buffers = [
+            (str(n), dtype_from_name(dt), tuple(int(s) for s in shape))
+            for n, dt, shape in d["buffers"]
+        ]
+        entries = [
+            TensorEntry(str(n), dtype_from_name(dt), tuple(int(s) for s in shape), int(a), int(b))
+            for n, dt, shape, a, b in d["entries"]
+        ]
         return cls(params, fields, buffers, dict(d["rng"]), entries, int(d["row_bytes"]))
 
     @property

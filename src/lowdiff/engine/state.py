@@ -38,7 +38,9 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any | None) ->
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
     if scheduler is None:
         return
     if isinstance(scheduler, torch.optim.Optimizer) or not all(
@@ -74,7 +76,9 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[ParamInfo, torch.nn.Parameter]]:
+def optimizer_params(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[tuple[ParamInfo, torch.nn.Parameter]]:
     """Pair every optimizer parameter with its model name, in optimizer order.
 
     Raises:
@@ -109,7 +113,14 @@ def model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
     for name, t in sd.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            tuple(t.stride()),
+            t.dtype,
+            t.device,
+        )
         if t.numel() and key in seen:
             aliases[name] = seen[key]
         else:
@@ -137,9 +148,13 @@ def set_buffers(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
     with torch.no_grad():
         for n, v in values.items():
             if n not in all_b:
-                raise CheckpointMismatchError(f"the checkpoint has buffer {n!r}, the model has no such buffer")
+                raise CheckpointMismatchError(
+                    f"the checkpoint has buffer {n!r}, the model has no such buffer"
+                )
             if tuple(all_b[n].shape) != tuple(v.shape):
-                raise CheckpointMismatchError(f"buffer {n!r}: checkpoint shape {tuple(v.shape)}, model shape {tuple(all_b[n].shape)}")
+                raise CheckpointMismatchError(
+                    f"buffer {n!r}: checkpoint shape {tuple(v.shape)}, model shape {tuple(all_b[n].shape)}"
+                )
             all_b[n].copy_(v)
 
 
@@ -219,14 +234,24 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
 def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
     torch.set_rng_state(tensors["rng.torch"].clone())
     version, gauss = extra["python"]
-    random.setstate((int(version), tuple(int(x) for x in tensors["rng.python"].to(torch.int64).tolist()), gauss))
+    random.setstate(
+        (int(version), tuple(int(x) for x in tensors["rng.python"].to(torch.int64).tolist()), gauss)
+    )
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"].cpu().clone())
     if "rng.numpy" in tensors and "numpy" in extra:
         import numpy as np
 
         name, pos, has_gauss, cached = extra["numpy"]
-        np.random.set_state((name, tensors["rng.numpy"].to(torch.int64).numpy().astype(np.uint32), pos, has_gauss, cached))
+        np.random.set_state(
+            (
+                name,
+                tensors["rng.numpy"].to(torch.int64).numpy().astype(np.uint32),
+                pos,
+                has_gauss,
+                cached,
+            )
+        )
 
 
 # --------------------------------------------------------------------------- full state
@@ -253,7 +278,9 @@ def match_param_layout(osd: dict[str, Any], optimizer: torch.optim.Optimizer) ->
     return osd
 
 
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], str]:
+def optimizer_state_tensors(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[dict[str, torch.Tensor], str]:
     """``optimizer.state_dict()`` as (tensors by name, JSON that references them)."""
     tensors: dict[str, torch.Tensor] = {}
 

@@ -77,7 +77,9 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
     if keep_full is None:
         return []
     fulls = sorted(
-        (s, p) for p in (root / layout.FULL_DIR).glob("full-*.safetensors") if (s := layout.parse_full_name(p.name)) is not None
+        (s, p)
+        for p in (root / layout.FULL_DIR).glob("full-*.safetensors")
+        if (s := layout.parse_full_name(p.name)) is not None
     )
     if len(fulls) <= keep_full:
         return []
@@ -94,7 +96,14 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
 
 
 class _Writer:
-    def __init__(self, cfg: WorkerConfig, slots: torch.Tensor, free_slots: Any, staging_free: Any, results: Connection) -> None:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        slots: torch.Tensor,
+        free_slots: Any,
+        staging_free: Any,
+        results: Connection,
+    ) -> None:
         self.cfg = cfg
         self.root = Path(cfg.root)
         self.slots = slots
@@ -118,7 +127,9 @@ class _Writer:
     # -- records --------------------------------------------------------------------------
     def add_record(self, row: torch.Tensor, step: int, meta: str) -> None:
         if self.steps and step != self.steps[-1] + 1:
-            raise RuntimeError(f"record for step {step} arrived after step {self.steps[-1]}: records must be contiguous")
+            raise RuntimeError(
+                f"record for step {step} arrived after step {self.steps[-1]}: records must be contiguous"
+            )
         n = len(self.steps)
         self.batch[n].copy_(row)
         self.steps.append(step)
@@ -130,7 +141,9 @@ class _Writer:
         if not self.steps:
             return
         n, first, last = len(self.steps), self.steps[0], self.steps[-1]
-        entry = sfile.TensorEntry("records", torch.uint8, (n, self.cfg.row_bytes), 0, n * self.cfg.row_bytes)
+        entry = sfile.TensorEntry(
+            "records", torch.uint8, (n, self.cfg.row_bytes), 0, n * self.cfg.row_bytes
+        )
         meta = {
             "kind": "records",
             "first_step": str(first),
@@ -140,7 +153,9 @@ class _Writer:
             "run_id": self.cfg.run_id,
             "records_meta": "[" + ",".join(self.metas) + "]",
         }
-        sfile.write(layout.records_path(self.root, first, last), [entry], self.batch[:n].reshape(-1), meta)
+        sfile.write(
+            layout.records_path(self.root, first, last), [entry], self.batch[:n].reshape(-1), meta
+        )
         self.steps.clear()
         self.metas.clear()
         self.durable = last + 1
@@ -151,13 +166,20 @@ class _Writer:
         self.wait_full()
         if self.staging is None:
             raise RuntimeError("full checkpoint requested before a staging buffer was sent")
-        entries = [sfile.TensorEntry(n, dtype_from_name(dt), tuple(shape), a, b) for n, dt, shape, a, b in entries_json]
+        entries = [
+            sfile.TensorEntry(n, dtype_from_name(dt), tuple(shape), a, b)
+            for n, dt, shape, a, b in entries_json
+        ]
         size = entries[-1].end if entries else 0
         blob = self.staging[:size]
-        self.full_thread = threading.Thread(target=self._write_full, args=(step, entries, blob, meta), daemon=True)
+        self.full_thread = threading.Thread(
+            target=self._write_full, args=(step, entries, blob, meta), daemon=True
+        )
         self.full_thread.start()
 
-    def _write_full(self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]) -> None:
+    def _write_full(
+        self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]
+    ) -> None:
         try:
             t0 = time.perf_counter()
             nbytes = sfile.write(layout.full_path(self.root, step), entries, blob, meta)

@@ -65,7 +65,9 @@ def encode(value: Any, sink: TensorSink | None = None, path: str = "$") -> Any:
         if all(isinstance(k, str) for k in value):
             if any(k in _TAGS for k in value):
                 # a user dict that happens to use a tag name as a key: escape it
-                return {"__str_dict__": [[k, encode(v, sink, f"{path}.{k}")] for k, v in value.items()]}
+                return {
+                    "__str_dict__": [[k, encode(v, sink, f"{path}.{k}")] for k, v in value.items()]
+                }
             return {k: encode(v, sink, f"{path}.{k}") for k, v in value.items()}
         return {
             "__dict__": [
@@ -73,8 +75,10 @@ def encode(value: Any, sink: TensorSink | None = None, path: str = "$") -> Any:
                 for k, v in value.items()
             ]
         }
-    raise TypeError(f"lowdiff cannot store {type(value).__name__} at {path}: only numbers, strings, "
-                    "None, bools, lists, tuples, dicts and tensors are supported (no pickle)")
+    raise TypeError(
+        f"lowdiff cannot store {type(value).__name__} at {path}: only numbers, strings, "
+        "None, bools, lists, tuples, dicts and tensors are supported (no pickle)"
+    )
 
 
 def decode(tree: Any, source: TensorSource | None = None) -> Any:
@@ -84,7 +88,7 @@ def decode(tree: Any, source: TensorSource | None = None) -> Any:
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
-        (tag, body), = tree.items()
+        ((tag, body),) = tree.items()
         if tag == "__tuple__":
             return tuple(decode(v, source) for v in body)
         if tag == "__dict__":

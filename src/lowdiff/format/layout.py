@@ -65,12 +65,16 @@ def _canonical(obj: Any) -> bytes:
 
 
 def _body_hash(body: Any) -> str:
-    return "xxh3:" + xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    )
 
 
 def write_manifest(root: Path, body: dict[str, Any]) -> None:
     """Publish the manifest atomically, with its checksum."""
-    write_bytes_atomic(root / MANIFEST, _canonical({"checksum": _body_hash(body), "lowdiff_manifest": body}))
+    write_bytes_atomic(
+        root / MANIFEST, _canonical({"checksum": _body_hash(body), "lowdiff_manifest": body})
+    )
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
@@ -91,7 +95,9 @@ def read_manifest(root: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(path, "checksum mismatch")
     if _canonical(obj) != raw:
         # equal values but different bytes: something rewrote the file
-        raise CorruptCheckpointError(path, "bytes differ from the canonical form (modified after writing)")
+        raise CorruptCheckpointError(
+            path, "bytes differ from the canonical form (modified after writing)"
+        )
     if not isinstance(body, dict):
         raise CorruptCheckpointError(path, "manifest body is not an object")
     return body

@@ -103,7 +103,11 @@ def _header_bytes(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -
     meta[_CHECKSUM_KEY] = _PLACEHOLDER
     header: dict[str, object] = {"__metadata__": meta}
     for e in entries:
-        header[e.name] = {"dtype": dtype_name(e.dtype), "shape": list(e.shape), "data_offsets": [e.start, e.end]}
+        header[e.name] = {
+            "dtype": dtype_name(e.dtype),
+            "shape": list(e.shape),
+            "data_offsets": [e.start, e.end],
+        }
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     return raw + b" " * (-len(raw) % 8)
 
@@ -150,7 +154,9 @@ def write(
     return len(prefix) + len(final_header) + data.nbytes
 
 
-def write_tensors(path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
+def write_tensors(
+    path: str | Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> int:
     """Pack ``tensors`` and publish them atomically; returns the file size."""
     entries, blob = pack(tensors)
     return write(path, entries, blob, metadata)
@@ -173,17 +179,24 @@ class Header:
 
 def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
     if file_size < 8 or len(head) < 8:
-        raise CorruptCheckpointError(path, f"truncated: {file_size} bytes is too short for a header")
+        raise CorruptCheckpointError(
+            path, f"truncated: {file_size} bytes is too short for a header"
+        )
     (n,) = struct.unpack("<Q", head[:8])
     if n > MAX_HEADER_BYTES or n > file_size - 8:
-        raise CorruptCheckpointError(path, f"header length field says {n} bytes, file has {file_size} (truncated or not a lowdiff file)")
+        raise CorruptCheckpointError(
+            path,
+            f"header length field says {n} bytes, file has {file_size} (truncated or not a lowdiff file)",
+        )
     raw = head[8 : 8 + n]
     if len(raw) != n:
         raise CorruptCheckpointError(path, "truncated header")
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(path, f"header is not valid JSON ({e.__class__.__name__})") from None
+        raise CorruptCheckpointError(
+            path, f"header is not valid JSON ({e.__class__.__name__})"
+        ) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(path, "header is not a JSON object")
     meta = header.pop("__metadata__", None)
@@ -196,7 +209,10 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
     except ValueError:
         raise CorruptCheckpointError(path, "missing or bad format_version") from None
     if version > FORMAT_VERSION:
-        raise CorruptCheckpointError(path, f"format version {version} is newer than this lowdiff understands ({FORMAT_VERSION}); upgrade lowdiff")
+        raise CorruptCheckpointError(
+            path,
+            f"format version {version} is newer than this lowdiff understands ({FORMAT_VERSION}); upgrade lowdiff",
+        )
     entries = []
     try:
         for name, info in header.items():
@@ -217,7 +233,9 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
             raise CorruptCheckpointError(path, f"tensor {ent.name!r} has inconsistent offsets")
         pos = ent.end
     if pos != data_len:
-        raise CorruptCheckpointError(path, f"data section should be {pos} bytes, file has {data_len} (truncated or padded)")
+        raise CorruptCheckpointError(
+            path, f"data section should be {pos} bytes, file has {data_len} (truncated or padded)"
+        )
     return Header(path, meta, entries, n, file_size)
 
 
@@ -240,7 +258,11 @@ def read_header(path: str | Path) -> Header:
 def verify_bytes(path: Path, data: bytes | bytearray | memoryview) -> Header:
     """Validate the structure and the whole-file checksum of ``data`` (the file's bytes)."""
     mv = memoryview(data)
-    hdr = _parse_header(path, bytes(mv[: 8 + min(len(mv) - 8, MAX_HEADER_BYTES)]) if len(mv) >= 8 else bytes(mv), len(mv))
+    hdr = _parse_header(
+        path,
+        bytes(mv[: 8 + min(len(mv) - 8, MAX_HEADER_BYTES)]) if len(mv) >= 8 else bytes(mv),
+        len(mv),
+    )
     expected = hdr.metadata.get(_CHECKSUM_KEY, "")
     raw = bytes(mv[8 : 8 + hdr.header_len])
     field = _checksum_field(expected)
@@ -251,7 +273,9 @@ def verify_bytes(path: Path, data: bytes | bytearray | memoryview) -> Header:
     h.update(raw.replace(field, _checksum_field(_PLACEHOLDER), 1))
     h.update(mv[8 + hdr.header_len :])
     if h.hexdigest() != expected:
-        raise CorruptCheckpointError(path, f"checksum mismatch (stored {expected}, computed {h.hexdigest()})")
+        raise CorruptCheckpointError(
+            path, f"checksum mismatch (stored {expected}, computed {h.hexdigest()})"
+        )
     return hdr
 
 

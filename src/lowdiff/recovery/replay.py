@@ -57,7 +57,9 @@ class RecoveryStats:
         return dict(self.__dict__)
 
 
-def check_compatible(manifest: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> RecordLayout:
+def check_compatible(
+    manifest: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> RecordLayout:
     """Raise :class:`CheckpointMismatchError` unless model and optimizer fit the checkpoint."""
     rl = RecordLayout.from_json(manifest["record_layout"])
     want = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
@@ -71,19 +73,29 @@ def check_compatible(manifest: dict[str, Any], model: torch.nn.Module, optimizer
         raise CheckpointMismatchError(str(e)) from None
     problems = []
     if len(live) != len(rl.params):
-        problems.append(f"the checkpoint has {len(rl.params)} optimized parameters, the optimizer has {len(live)}")
+        problems.append(
+            f"the checkpoint has {len(rl.params)} optimized parameters, the optimizer has {len(live)}"
+        )
     for (info, _), saved in zip(live, rl.params, strict=False):
         if info.name != saved.name:
-            problems.append(f"parameter #{saved.index}: checkpoint name {saved.name!r}, model name {info.name!r}")
+            problems.append(
+                f"parameter #{saved.index}: checkpoint name {saved.name!r}, model name {info.name!r}"
+            )
         elif info.shape != saved.shape:
-            problems.append(f"parameter {saved.name!r}: checkpoint shape {list(saved.shape)}, model shape {list(info.shape)}")
+            problems.append(
+                f"parameter {saved.name!r}: checkpoint shape {list(saved.shape)}, model shape {list(info.shape)}"
+            )
         elif info.dtype != saved.dtype:
-            problems.append(f"parameter {saved.name!r}: checkpoint dtype {saved.dtype}, model dtype {info.dtype}")
+            problems.append(
+                f"parameter {saved.name!r}: checkpoint dtype {saved.dtype}, model dtype {info.dtype}"
+            )
         if len(problems) >= 8:
             problems.append("...")
             break
     if problems:
-        raise CheckpointMismatchError("the model does not match the checkpoint: " + "; ".join(problems))
+        raise CheckpointMismatchError(
+            "the model does not match the checkpoint: " + "; ".join(problems)
+        )
     return rl
 
 
@@ -113,14 +125,20 @@ def load_full(
     try:
         target.load_state_dict(msd, strict=True)
     except RuntimeError as e:
-        raise CheckpointMismatchError(f"{info.path.name}: the model does not match the checkpoint: {e}") from None
+        raise CheckpointMismatchError(
+            f"{info.path.name}: the model does not match the checkpoint: {e}"
+        ) from None
     try:
         optimizer.load_state_dict(st.match_param_layout(osd, optimizer))
     except (ValueError, KeyError) as e:
-        raise CheckpointMismatchError(f"{info.path.name}: the optimizer does not match the checkpoint: {e}") from None
+        raise CheckpointMismatchError(
+            f"{info.path.name}: the optimizer does not match the checkpoint: {e}"
+        ) from None
     _load_scheduler(scheduler, sched_state, info.path.name)
     if restore_rng:
-        st.restore_rng({k: v for k, v in lf.tensors.items() if k.startswith("rng.")}, json.loads(md["rng"]))
+        st.restore_rng(
+            {k: v for k, v in lf.tensors.items() if k.startswith("rng.")}, json.loads(md["rng"])
+        )
     t3 = time.perf_counter()
     stats.read_s += t1 - t0
     stats.decode_s += t2 - t1
@@ -133,7 +151,9 @@ def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:
     if scheduler is None:
         return
     if state is None:
-        raise CheckpointMismatchError(f"{where}: a scheduler was passed, but the checkpoint holds no scheduler state")
+        raise CheckpointMismatchError(
+            f"{where}: a scheduler was passed, but the checkpoint holds no scheduler state"
+        )
     scheduler.load_state_dict(state)
 
 
@@ -143,9 +163,24 @@ _END = object()
 class _Reader(threading.Thread):
     """Reads, verifies and decodes records ahead of replay."""
 
-    def __init__(self, plan: Plan, rl: RecordLayout, layout_id: str, compressor: Compressor, devices: list[torch.device], stats: RecoveryStats) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        rl: RecordLayout,
+        layout_id: str,
+        compressor: Compressor,
+        devices: list[torch.device],
+        stats: RecoveryStats,
+    ) -> None:
         super().__init__(daemon=True, name="lowdiff-recovery-reader")
-        self.plan, self.rl, self.layout_id, self.comp, self.devices, self.stats = plan, rl, layout_id, compressor, devices, stats
+        self.plan, self.rl, self.layout_id, self.comp, self.devices, self.stats = (
+            plan,
+            rl,
+            layout_id,
+            compressor,
+            devices,
+            stats,
+        )
         self.q: queue.Queue[Any] = queue.Queue(maxsize=8)
         self.stop = threading.Event()
 
@@ -161,10 +196,15 @@ class _Reader(threading.Thread):
                     t1 = time.perf_counter()
                     lf = sfile.decode(f.path, raw)
                     if lf.metadata.get("layout_id") != self.layout_id:
-                        raise CorruptCheckpointError(f.path, "record layout differs from the manifest's")
+                        raise CorruptCheckpointError(
+                            f.path, "record layout differs from the manifest's"
+                        )
                     metas = json.loads(lf.metadata["records_meta"])
                     rows = lf.tensors["records"]
-                    if len(metas) != f.n_records or tuple(rows.shape) != (f.n_records, self.rl.row_bytes):
+                    if len(metas) != f.n_records or tuple(rows.shape) != (
+                        f.n_records,
+                        self.rl.row_bytes,
+                    ):
                         raise CorruptCheckpointError(f.path, "record table has the wrong shape")
                 except CorruptCheckpointError as e:
                     self.q.put(("corrupt", e))
@@ -179,7 +219,14 @@ class _Reader(threading.Thread):
                     t2 = time.perf_counter()
                     meta = codec.decode(metas[j])
                     if meta["step"] != step:
-                        self.q.put(("corrupt", CorruptCheckpointError(f.path, f"record {j} says step {meta['step']}, expected {step}")))
+                        self.q.put(
+                            (
+                                "corrupt",
+                                CorruptCheckpointError(
+                                    f.path, f"record {j} says step {meta['step']}, expected {step}"
+                                ),
+                            )
+                        )
                         return
                     views = self.rl.views(rows[j])
                     nograd = set(meta["nograd"])
@@ -191,7 +238,9 @@ class _Reader(threading.Thread):
                         numel = 1
                         for s in p.shape:
                             numel *= s
-                        g = self.comp.decompress(self.rl.payload(views, k), numel, p.dtype).view(p.shape)
+                        g = self.comp.decompress(self.rl.payload(views, k), numel, p.dtype).view(
+                            p.shape
+                        )
                         grads.append(g.to(self.devices[k], non_blocking=True))
                     self.stats.decode_s += time.perf_counter() - t2
                     self.q.put(("record", step, grads, meta, views))
@@ -293,7 +342,9 @@ def recover(
     root = Path(root)
     sc = scan(root)
     for p, why in sc.problems:
-        warnings.warn(f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=3)
+        warnings.warn(
+            f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=3
+        )
     bad: set[Path] = set()
     skipped: list[tuple[str, str]] = [(str(p), why) for p, why in sc.problems]
     while True:
@@ -308,7 +359,11 @@ def recover(
             stats = replay(root, sc, plan, model, optimizer, scheduler, strict=step is not None)
         except CorruptCheckpointError as e:
             # the full checkpoint itself is damaged: try the next plan without it
-            warnings.warn(f"lowdiff: {e}; falling back to an older full checkpoint", RecoveryWarning, stacklevel=3)
+            warnings.warn(
+                f"lowdiff: {e}; falling back to an older full checkpoint",
+                RecoveryWarning,
+                stacklevel=3,
+            )
             bad.add(e.path)
             skipped.append((str(e.path), e.reason))
             continue

@@ -64,7 +64,9 @@ def check_directory(root: Path) -> None:
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     hint = ""
     if (root / layout.FULL_DIR).exists() or (root / layout.RECORDS_DIR).exists():
-        hint = f" It has lowdiff's sub-directories but no {layout.MANIFEST}: the manifest was deleted."
+        hint = (
+            f" It has lowdiff's sub-directories but no {layout.MANIFEST}: the manifest was deleted."
+        )
     raise NotACheckpointDirectoryError(
         f"{root} is not empty and holds no {layout.MANIFEST}: it is not a lowdiff checkpoint directory "
         f"(found: {shown}).{hint} Use an empty or new directory."
@@ -78,7 +80,9 @@ def scan(root: str | Path) -> Scan:
         raise NotACheckpointDirectoryError(f"{root} does not exist or is not a directory")
     check_directory(root)
     if not (root / layout.MANIFEST).exists():
-        raise NotACheckpointDirectoryError(f"{root} holds no lowdiff checkpoint (no {layout.MANIFEST})")
+        raise NotACheckpointDirectoryError(
+            f"{root} holds no lowdiff checkpoint (no {layout.MANIFEST})"
+        )
     out = Scan(root, layout.read_manifest(root))
     for sub, kind in ((layout.FULL_DIR, "full"), (layout.RECORDS_DIR, "records")):
         d = root / sub
@@ -112,7 +116,11 @@ def _header_info(p: Path, kind: str) -> FileInfo:
         raise CorruptCheckpointError(p, "unexpected file name in records/ (a foreign file?)")
     hdr = sfile.read_header(p)
     md = hdr.metadata
-    if hdr.kind != "records" or md.get("first_step") != str(rng[0]) or md.get("last_step") != str(rng[1]):
+    if (
+        hdr.kind != "records"
+        or md.get("first_step") != str(rng[0])
+        or md.get("last_step") != str(rng[1])
+    ):
         raise CorruptCheckpointError(p, "metadata does not match the file name")
     n = rng[1] - rng[0] + 1
     if md.get("n_records") != str(n):
@@ -120,10 +128,14 @@ def _header_info(p: Path, kind: str) -> FileInfo:
     return FileInfo(p, "records", rng[0], rng[1], hdr.file_size, n)
 
 
-def chain_from(s: Scan, start: int, exclude: AbstractSet[Path] = frozenset()) -> tuple[int, list[FileInfo]]:
+def chain_from(
+    s: Scan, start: int, exclude: AbstractSet[Path] = frozenset()
+) -> tuple[int, list[FileInfo]]:
     """Follow records from ``start`` without a gap; returns (reachable step, files used)."""
     step, used = start, []
-    by_first = sorted((f for f in s.records if f.path not in exclude), key=lambda f: (f.first_step, -f.last_step))
+    by_first = sorted(
+        (f for f in s.records if f.path not in exclude), key=lambda f: (f.first_step, -f.last_step)
+    )
     progressed = True
     while progressed:
         progressed = False
@@ -136,9 +148,15 @@ def chain_from(s: Scan, start: int, exclude: AbstractSet[Path] = frozenset()) ->
     return step, used
 
 
-def recoverable_intervals(s: Scan, exclude: AbstractSet[Path] = frozenset()) -> list[tuple[int, int]]:
+def recoverable_intervals(
+    s: Scan, exclude: AbstractSet[Path] = frozenset()
+) -> list[tuple[int, int]]:
     """Recoverable steps as sorted, disjoint inclusive intervals (by headers alone)."""
-    spans = sorted((f.first_step, chain_from(s, f.first_step, exclude)[0]) for f in s.fulls if f.path not in exclude)
+    spans = sorted(
+        (f.first_step, chain_from(s, f.first_step, exclude)[0])
+        for f in s.fulls
+        if f.path not in exclude
+    )
     merged: list[tuple[int, int]] = []
     for lo, hi in spans:
         if merged and lo <= merged[-1][1] + 1:
@@ -175,7 +193,9 @@ def make_plan(s: Scan, target: int | None, exclude: AbstractSet[Path] = frozense
     if not candidates:
         iv = recoverable_intervals(s, exclude)
         have = f"recoverable steps are {describe_intervals(iv)}" if iv else "nothing is recoverable"
-        raise RecoveryError(f"{s.root}: step {target} is not recoverable; {have}" + _problems_suffix(s))
+        raise RecoveryError(
+            f"{s.root}: step {target} is not recoverable; {have}" + _problems_suffix(s)
+        )
     _, f, files = max(candidates, key=lambda o: o[1].first_step)
     return Plan(f, target, [r for r in files if r.first_step < target])
 
