@@ -467,6 +467,7 @@ def format_report(r: dict[str, Any]) -> str:
         r["overhead"],
         r["machine"],
     )
+    wc = r.get("recovery_worst_case") or {}
     mismatch = st["mismatched_keys"] + st["only_in_recovered"] + st["only_in_reference"]
     rows: list[tuple[str, str]] = [
         ("model", f"{m['name']} ({m['n_params']:,} parameters)"),
@@ -515,6 +516,13 @@ def format_report(r: dict[str, Any]) -> str:
             f"decode {_fmt(rc.get('decode_s'), '.3f', ' s')}, replay {_fmt(rc.get('replay_s'), '.3f', ' s')} "
             f"({rc.get('records_replayed', 'n/a')} record(s) replayed on the full checkpoint of "
             f"step {rc.get('full_step', 'n/a')})",
+        ),
+        (
+            "recovery time, worst case",
+            f"{_fmt(wc.get('total_s'), '.3f', ' s')}: read {_fmt(wc.get('read_s'), '.3f', ' s')}, "
+            f"decode {_fmt(wc.get('decode_s'), '.3f', ' s')}, replay {_fmt(wc.get('replay_s'), '.3f', ' s')} "
+            f"({wc.get('records_replayed', 'n/a')} record(s) replayed on the full checkpoint of "
+            f"step {wc.get('full_step', 'n/a')}, to step {wc.get('step', 'n/a')})",
         ),
         (
             "overhead vs none (median step)",
@@ -741,6 +749,15 @@ def orchestrate(s: DemoSettings) -> dict[str, Any]:
         fresh_run = run_child("d-uninterrupted", cfg, out, env, children, follow)
         _require_ok(fresh_run)
         fresh = _read_json(res_fresh)
+        # (e) the longest replay the retained files allow, timed in this process
+        progress.phase("e) worst-case recovery")
+        from lowdiff.workloads.train import TrainConfig, probe_recovery
+
+        torch_threads_before = _torch_threads(s.threads)
+        try:
+            worst = probe_recovery(TrainConfig(**cfg), ck_fresh)
+        finally:
+            _torch_threads(torch_threads_before)
     finally:
         progress.close()
         children.kill_all()
@@ -776,11 +793,20 @@ def orchestrate(s: DemoSettings) -> dict[str, Any]:
         },
         "storage": storage_stats(ck_fresh, int(fresh["n_params"]), s.compressor),
         "recovery": resumed["recovery"],
+        "recovery_worst_case": worst,
         "overhead": overhead_stats(reference, fresh),
         "machine": machine_info(s.threads),
         "out_dir": str(out),
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def _torch_threads(n: int) -> int:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return before
 
 
 def _sigterm_as_interrupt() -> Any:

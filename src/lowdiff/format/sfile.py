@@ -148,10 +148,23 @@ def write(
     h.update(data)
     final_header = header.replace(_checksum_field(_PLACEHOLDER), _checksum_field(h.hexdigest()), 1)
     with atomic_open(path) as f:
-        f.write(prefix)
-        f.write(final_header)
-        f.write(data)
+        _writev_all(
+            f.fileno(),
+            [memoryview(prefix), memoryview(final_header), data.cast("B") if data.nbytes else data],
+        )
     return len(prefix) + len(final_header) + data.nbytes
+
+
+def _writev_all(fd: int, parts: list[memoryview]) -> None:
+    """Write all parts with as few system calls as possible (one, unless the kernel cuts it short)."""
+    parts = [p for p in parts if p.nbytes]
+    while parts:
+        n = os.writev(fd, parts)
+        while parts and n >= parts[0].nbytes:
+            n -= parts[0].nbytes
+            parts.pop(0)
+        if parts and n:
+            parts[0] = parts[0][n:]
 
 
 def write_tensors(

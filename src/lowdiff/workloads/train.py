@@ -187,6 +187,33 @@ def evaluate(model: torch.nn.Module, cfg: TrainConfig) -> float:
     return sum(losses) / len(losses)
 
 
+def build_training_objects(cfg: TrainConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The job's model, optimizer and LR scheduler, built exactly as training builds them."""
+    model = models.build_model(cfg.model, cfg.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return model, optimizer, build_scheduler(optimizer, cfg)
+
+
+def probe_recovery(cfg: TrainConfig, directory: str | Path) -> dict[str, Any] | None:
+    """Time a recovery with the most records to replay that ``directory`` allows.
+
+    That is the step just before a full checkpoint, replayed from the one before it
+    (``full_every - 1`` records), which bounds the recovery time of any failure.
+    """
+    import lowdiff
+    from lowdiff.recovery.replay import recover
+
+    info = lowdiff.inspect_dir(directory)
+    if not info.full_checkpoints or info.recoverable is None:
+        return None
+    fulls = [f.first_step for f in info.full_checkpoints]
+    base = fulls[-2] if len(fulls) >= 2 else fulls[-1]
+    target = min(base + cfg.full_every - 1, info.recoverable[1])
+    model, optimizer, scheduler = build_training_objects(cfg)
+    stats = recover(directory, model, optimizer, scheduler, step=target)
+    return _recovery_dict(stats)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) the job described by ``cfg`` and return its result dict."""
     import lowdiff
@@ -202,10 +229,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     np.random.seed(cfg.seed % (1 << 32))
     corpus = text.load_corpus()
 
-    model = models.build_model(cfg.model, cfg.seed)
+    model, optimizer, scheduler = build_training_objects(cfg)
     n_params = models.count_parameters(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = build_scheduler(optimizer, cfg)
     ck = lowdiff.Checkpointer(
         model,
         optimizer,
