@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from lowdiff.compressors import QSGD, ApproxTopK, Compressor, RandomK, TopK
+from lowdiff.compressors import QSGD, ApproxTopK, Compressor, NoCompression, RandomK, TopK
 from lowdiff.engine.checkpointer import Checkpointer
 from lowdiff.errors import (
     CheckpointMismatchError,
@@ -35,6 +35,7 @@ __all__ = [
     "DirectoryInfo",
     "DirectoryLockedError",
     "LowDiffError",
+    "NoCompression",
     "NotACheckpointDirectoryError",
     "QSGD",
     "RandomK",

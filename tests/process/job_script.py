@@ -40,6 +40,22 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
 
 
+def _count_file_reads() -> list[int]:
+    """Count every read of a checkpoint file (data or header) from now on."""
+    from lowdiff.format import sfile
+
+    count = [0]
+    for name in ("read_raw", "read_header"):
+        orig = getattr(sfile, name)
+
+        def wrapped(*a, _orig=orig, **k):
+            count[0] += 1
+            return _orig(*a, **k)
+
+        setattr(sfile, name, wrapped)
+    return count
+
+
 def dump(path: str, model, opt, sched) -> None:
     safetensors.torch.save_file(
         {k: v.contiguous().clone() for k, v in state_tensors(model, opt, sched).items()}, path
@@ -49,9 +65,20 @@ def dump(path: str, model, opt, sched) -> None:
 def main(cfg: dict) -> None:
     torch.set_num_threads(1)
     model, opt, sched = build()
-    comp = lowdiff.TopK(
-        ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False)
-    )
+    extra: dict = {}
+    if cfg["strategy"] == "lowdiff+":
+        comp = None
+        extra = {
+            "max_lag": cfg.get("max_lag", 2),
+            "persist_every": cfg.get("persist_every", "auto"),
+            "idle_timeout": cfg.get("idle_timeout", 60.0),
+        }
+    elif cfg.get("uncompressed"):
+        comp = lowdiff.NoCompression()
+    else:
+        comp = lowdiff.TopK(
+            ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False)
+        )
     ck = lowdiff.Checkpointer(
         model,
         opt,
@@ -62,9 +89,13 @@ def main(cfg: dict) -> None:
         full_every=cfg.get("full_every", 10),
         batch_size=cfg.get("batch_size", 3),
         keep_full=cfg.get("keep_full", 2),
+        **extra,
     )
+    reads = _count_file_reads()
     start = ck.resume()
+    rs = ck.recovery_stats
     print(f"resumed {start}", flush=True)
+    print(f"recovery {rs.source if rs else 'none'} {reads[0]}", flush=True)
     if cfg.get("dump_at_resume"):
         dump(cfg["dump_at_resume"], model, opt, sched)
     dumps = {int(k): v for k, v in cfg.get("dump_at", {}).items()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 from lowdiff.compressors.base import (
     Compressor,
     FieldSpec,
+    NoCompression,
     compressor_from_spec,
     index_dtype_for,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "ApproxTopK",
     "Compressor",
     "FieldSpec",
+    "NoCompression",
     "RandomK",
     "TopK",
     "compressor_from_spec",

@@ -180,3 +180,31 @@ def compressor_from_spec(spec: Mapping[str, Any]) -> Compressor:
         raise ValueError(f"unknown compressor kind {kind!r}; known: {sorted(_REGISTRY)}")
     kwargs = {k: v for k, v in spec.items() if k != "kind"}
     return _REGISTRY[kind](**kwargs)
+
+
+@register
+class NoCompression(Compressor):
+    """The identity "compressor": the payload is the dense gradient itself.
+
+    Used by ``strategy="lowdiff+"``, whose records are uncompressed gradient snapshots.
+
+    Example:
+        >>> NoCompression().fields(10, torch.float32)
+        [FieldSpec(name='values', dtype=torch.float32, numel=10)]
+    """
+
+    kind = "none"
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def fields(self, numel: int, dtype: torch.dtype) -> list[FieldSpec]:
+        return [FieldSpec("values", dtype, numel)]
+
+    def compress(self, grad: torch.Tensor, key: int, step: int) -> dict[str, torch.Tensor]:
+        return {"values": grad}
+
+    def decompress(
+        self, payload: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return payload["values"].to(dtype).clone()

@@ -35,9 +35,12 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-from lowdiff.compressors.base import Compressor
+from lowdiff.compressors.base import Compressor, NoCompression
+from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
+from lowdiff.engine.replica_worker import ReplicaConfig, optimizer_class, replica_worker_main
+from lowdiff.engine.snapshot import GradSnapshotter
 from lowdiff.engine.worker import WorkerConfig, acquire_flock, lock_holder, worker_main
 from lowdiff.errors import (
     CheckpointMismatchError,
@@ -50,10 +53,10 @@ from lowdiff.format import codec, layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.dtypes import dtype_name
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, plan, view_tensors
-from lowdiff.recovery.replay import RecoveryStats, check_compatible, recover
+from lowdiff.recovery.replay import RecoveryStats, apply_full_state, check_compatible, recover
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 
-STRATEGIES = ("lowdiff", "none")
+STRATEGIES = ("lowdiff", "lowdiff+", "none")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -108,13 +111,32 @@ class Checkpointer:
         keep_full: int | None = 2,
         max_inflight: int | None = None,
         start_timeout: float = 120.0,
+        max_lag: int = 2,
+        persist_every: int | str = "auto",
+        idle_timeout: float = 300.0,
+        replica_threads: int = 1,
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
         if strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}"
             )
-        if compressor is None:
+        if strategy == "lowdiff+":
+            if compressor is not None:
+                raise ValueError(
+                    "strategy 'lowdiff+' is for training without compression; pass compressor=None"
+                )
+            compressor = NoCompression()
+            _check_int("max_lag", max_lag, 1)
+            if persist_every != "auto":
+                _check_int("persist_every", persist_every, 1)
+            if not isinstance(idle_timeout, (int, float)) or idle_timeout < 0:
+                raise ValueError(
+                    f"idle_timeout must be a number of seconds >= 0, got {idle_timeout!r}"
+                )
+            _check_int("replica_threads", replica_threads, 1)
+            optimizer_class(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        elif compressor is None:
             from lowdiff.compressors import TopK
 
             compressor = TopK(ratio=0.01)
@@ -135,6 +157,9 @@ class Checkpointer:
         self.strategy, self.compressor, self.keep_full = strategy, compressor, keep_full
         self.start_timeout = float(start_timeout)
         self.max_inflight = max_inflight
+        self.max_lag, self.persist_every = max_lag, persist_every
+        self.idle_timeout, self.replica_threads = float(idle_timeout), replica_threads
+        self._snap: GradSnapshotter | None = None
         self._params = st.optimizer_params(model, optimizer)
         for info, p in self._params:
             if p.is_sparse:
@@ -154,6 +179,7 @@ class Checkpointer:
         self._started = False
         self._closed = False
         self._durable = -1
+        self._merged = -1
         self._run_id = uuid.uuid4().hex
         self.recovery_stats: RecoveryStats | None = None
         self._stats: dict[str, float] = {
@@ -166,6 +192,8 @@ class Checkpointer:
             "full_bytes": 0,
             "full_write_s": 0.0,
             "record_send_s": 0.0,
+            "lag_wait_s": 0.0,
+            "snapshot_finish_s": 0.0,
         }
         self._proc: Any = None
         self._req: Connection | None = None
@@ -235,6 +263,8 @@ class Checkpointer:
             self._started = True
             return 0
         assert self.root is not None
+        if self.strategy == "lowdiff+" and self._resume_from_memory():
+            return self._step
         self._wait_for_previous_writer()
         for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
             remove_stale_temps(d)
@@ -252,6 +282,8 @@ class Checkpointer:
         self._write_manifest()
         self._launch_worker()
         self._started = True
+        if self.strategy == "lowdiff+":
+            self._emit_full(self._step, kind="init")
         return self._step
 
     def step(self, metric: float | None = None) -> None:
@@ -265,6 +297,9 @@ class Checkpointer:
         if not self._started:
             self._start_implicit()
         self._raise_worker_error()
+        if self.strategy == "lowdiff+":
+            self._step_plus(metric)
+            return
         t = self._step
         payloads: list[dict[str, torch.Tensor] | None] = []
         nograd: list[int] = []
@@ -355,7 +390,7 @@ class Checkpointer:
         self._write_manifest()
         self._launch_worker()
         self._started = True
-        self._emit_full(self._step)
+        self._emit_full(self._step, kind="init" if self.strategy == "lowdiff+" else "full")
 
     def _manifest_body(self) -> dict[str, Any]:
         return {
@@ -458,8 +493,10 @@ class Checkpointer:
     def _launch_worker(self) -> None:
         assert self.root is not None
         ctx = tmp.get_context("spawn")
-        n_slots = self._max_inflight()
+        n_slots = self.max_lag if self.strategy == "lowdiff+" else self._max_inflight()
         slots = torch.zeros((n_slots, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
+        if self.strategy == "lowdiff+" and self._record_device is not None:
+            _pin(slots)
         self._slots = slots
         self._slot_views = [self.layout.views(slots[i]) for i in range(n_slots)]
         self._next_slot = 0
@@ -468,16 +505,32 @@ class Checkpointer:
         self._staging_free.set()
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
-        cfg = WorkerConfig(
-            str(self.root),
-            self.batch_size,
-            self.keep_full,
-            self.layout.row_bytes,
-            self.layout.layout_id,
-            self._run_id,
-        )
+        target: Any
+        cfg: Any
+        if self.strategy == "lowdiff+":
+            target = replica_worker_main
+            cfg = ReplicaConfig(
+                str(self.root),
+                self._run_id,
+                self.layout.to_json(),
+                f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
+                self.persist_every,
+                self.keep_full,
+                self.idle_timeout,
+                self.replica_threads,
+            )
+        else:
+            target = worker_main
+            cfg = WorkerConfig(
+                str(self.root),
+                self.batch_size,
+                self.keep_full,
+                self.layout.row_bytes,
+                self.layout.layout_id,
+                self._run_id,
+            )
         self._proc = ctx.Process(
-            target=worker_main,
+            target=target,
             args=(cfg, slots, self._free, self._staging_free, req_r, res_w),
             name="lowdiff-checkpointing",
             daemon=False,
@@ -487,6 +540,15 @@ class Checkpointer:
         res_w.close()
         self._req, self._res = req_w, res_r
         self._wait_reply("ready")
+        if self.strategy == "lowdiff+":
+            if self._snap is not None:
+                self._snap.close()
+            self._snap = GradSnapshotter(
+                self._params,
+                [slots[i] for i in range(n_slots)],
+                self._slot_views,
+                self._acquire_slot,
+            )
 
     def _max_inflight(self) -> int:
         return self.max_inflight or 2 * self.batch_size + 2
@@ -504,6 +566,8 @@ class Checkpointer:
         kind = msg[0]
         if kind in ("durable", "flushed", "closed"):
             self._durable = max(self._durable, int(msg[1]))
+        elif kind == "merged":
+            self._merged = max(self._merged, int(msg[1]))
         elif kind == "full_done":
             self._stats["fulls_written"] += 1
             self._stats["full_bytes"] += msg[2]
@@ -609,7 +673,7 @@ class Checkpointer:
         self._stats["slot_wait_s"] += t1 - t0
         self._stats["record_send_s"] += time.perf_counter() - t1
 
-    def _emit_full(self, step: int) -> None:
+    def _emit_full(self, step: int, kind: str = "full") -> None:
         msd, aliases = st.model_state(self.model)
         otensors, ojson = st.optimizer_state_tensors(self.optimizer)
         rng_t, rng_extra = st.capture_rng(self._rng_layout)
@@ -644,13 +708,112 @@ class Checkpointer:
         entries_json = [
             [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries
         ]
-        self._send(("full", step, entries_json, meta))
+        self._send((kind, step, entries_json, meta))
         self._stats["fulls_requested"] += 1
         self._stats["full_wait_s"] += t1 - t0
         self._stats["full_copy_s"] += t2 - t1
 
+    # ------------------------------------------------------------------ lowdiff+
+    def _acquire_slot(self) -> int:
+        """A free snapshot slot; waits while the replica lags ``max_lag`` steps behind."""
+        t0 = time.perf_counter()
+        while not self._free.acquire(timeout=0.5):
+            self._raise_worker_error()
+        self._stats["lag_wait_s"] += time.perf_counter() - t0
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % len(self._slot_views)
+        return slot
+
+    def _step_plus(self, metric: float | None) -> None:
+        """LowDiff+ step: finish the layer-wise snapshot, update, hand the step over."""
+        assert self._snap is not None
+        t = self._step
+        t0 = time.perf_counter()
+        try:
+            slot, nograd = self._snap.finish()
+        except BaseException:
+            held = self._snap.abandon()
+            if held is not None:
+                self._free.release()
+            raise
+        t1 = time.perf_counter()
+        hp = st.capture_hparams(self.optimizer)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            if metric is None:
+                self.scheduler.step()
+            else:
+                self.scheduler.step(metric)
+        self._step = t + 1
+        self._stats["steps"] += 1
+        t2 = time.perf_counter()
+        views = self._slot_views[slot]
+        for n, b in st.get_buffers(self.model, self._buffer_names).items():
+            views[f"buf.{n}"].copy_(b)
+        rng_t, rng_extra = st.capture_rng(self._rng_layout)
+        for k, v in rng_t.items():
+            views[k].copy_(v)
+        meta = codec.dumps(
+            {
+                "step": t,
+                "nograd": nograd,
+                "hp": hp,
+                "hp_after": st.capture_hparams(self.optimizer),
+                "sched": None if self.scheduler is None else self.scheduler.state_dict(),
+                "rng": rng_extra,
+            }
+        )
+        self._send(("step", slot, t, meta))
+        self._stats["snapshot_finish_s"] += t1 - t0
+        self._stats["record_send_s"] += time.perf_counter() - t2
+
+    def _resume_from_memory(self) -> bool:
+        """Restore from a live replica left by a crashed trainer; False when there is none."""
+        assert self.root is not None
+        t0 = time.perf_counter()
+        live, why = rp.find_live_replica(
+            self.root, self.layout.layout_id, wait_s=self.start_timeout
+        )
+        if live is None:
+            self._memory_miss_reason = why
+            return False
+        try:
+            manifest = layout.read_manifest(self.root)
+            self._check_manifest(manifest)
+            stats = RecoveryStats(full_step=live.step, step=live.step, source="memory")
+            t1 = time.perf_counter()
+            stats.read_s = t1 - t0
+            apply_full_state(
+                live.tensors(),
+                live.doc["meta"],
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                stats,
+                where="replica in memory",
+            )
+            stats.total_s = time.perf_counter() - t0
+        finally:
+            # the old checkpointing process persists what it has not yet and exits
+            live.release_owner(self.start_timeout)
+        self.recovery_stats = stats
+        self._step = stats.step
+        self._durable = -1
+        self._wait_for_previous_writer()
+        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+            remove_stale_temps(d)
+        self._write_manifest()
+        self._launch_worker()
+        self._started = True
+        self._emit_full(self._step, kind="init")
+        return True
+
     # ------------------------------------------------------------------ teardown
     def _release(self) -> None:
+        if self._snap is not None:
+            with contextlib.suppress(Exception):
+                self._snap.close()
+            self._snap = None
         for c in (self._req, self._res):
             if c is not None:
                 with contextlib.suppress(OSError):
@@ -677,3 +840,14 @@ def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
     ck = ref()
     if ck is not None:
         ck._close_at_exit()
+
+
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock shared host memory so CUDA copies into it run asynchronously."""
+    with contextlib.suppress(Exception):
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            warnings.warn(
+                "lowdiff: could not pin the snapshot buffers; copies will be synchronous",
+                stacklevel=3,
+            )

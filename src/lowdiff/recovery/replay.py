@@ -113,12 +113,39 @@ def load_full(
     raw = sfile.read_raw(info.path)
     t1 = time.perf_counter()
     lf = sfile.decode(info.path, raw)
-    md = lf.metadata
+    stats.read_s += t1 - t0
+    stats.bytes_read += len(raw)
+    stats.files_read += 1
+    apply_full_state(
+        lf.tensors,
+        lf.metadata,
+        model,
+        optimizer,
+        scheduler,
+        stats,
+        where=info.path.name,
+        restore_rng=restore_rng,
+    )
+
+
+def apply_full_state(
+    tensors: dict[str, torch.Tensor],
+    md: dict[str, str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    stats: RecoveryStats,
+    *,
+    where: str,
+    restore_rng: bool = True,
+) -> None:
+    """Load a full state (tensors + metadata, from a file or from the replica in memory)."""
+    t1 = time.perf_counter()
     aliases = json.loads(md["model_aliases"])
-    msd = {k[len("model/") :]: v for k, v in lf.tensors.items() if k.startswith("model/")}
+    msd = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
     for alias, canon in aliases.items():
         msd[alias] = msd[canon]
-    osd = codec.loads(md["optim"], lambda name: lf.tensors[name].clone())
+    osd = codec.loads(md["optim"], lambda name: tensors[name].clone())
     sched_state = codec.loads(md["scheduler"])
     t2 = time.perf_counter()
     target = st.unwrap_model(model)
@@ -126,25 +153,22 @@ def load_full(
         target.load_state_dict(msd, strict=True)
     except RuntimeError as e:
         raise CheckpointMismatchError(
-            f"{info.path.name}: the model does not match the checkpoint: {e}"
+            f"{where}: the model does not match the checkpoint: {e}"
         ) from None
     try:
         optimizer.load_state_dict(st.match_param_layout(osd, optimizer))
     except (ValueError, KeyError) as e:
         raise CheckpointMismatchError(
-            f"{info.path.name}: the optimizer does not match the checkpoint: {e}"
+            f"{where}: the optimizer does not match the checkpoint: {e}"
         ) from None
-    _load_scheduler(scheduler, sched_state, info.path.name)
+    _load_scheduler(scheduler, sched_state, where)
     if restore_rng:
         st.restore_rng(
-            {k: v for k, v in lf.tensors.items() if k.startswith("rng.")}, json.loads(md["rng"])
+            {k: v for k, v in tensors.items() if k.startswith("rng.")}, json.loads(md["rng"])
         )
     t3 = time.perf_counter()
-    stats.read_s += t1 - t0
     stats.decode_s += t2 - t1
     stats.replay_s += t3 - t2
-    stats.bytes_read += len(raw)
-    stats.files_read += 1
 
 
 def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:

@@ -1,0 +1,279 @@
+"""The CPU-resident replica of LowDiff+ in named shared memory.
+
+The checkpointing process of ``strategy="lowdiff+"`` owns two named shared-memory
+segments:
+
+- the *arena*: the model's state-dict tensors (parameters and buffers), the replica
+  optimizer's state tensors and the RNG states, laid out like the data section of a
+  full checkpoint (:func:`lowdiff.format.sfile.plan`). The replica's tensors are views
+  into it and are updated in place by every merge;
+- the *control block*: a small header (magic, sequence number, state, step) and a JSON
+  document describing the arena (its segment name, tensor entries) and the metadata of
+  the merged step, in exactly the form a full checkpoint's metadata takes.
+
+A descriptor file ``DIR/.lowdiff.replica.json`` names the segments, the run and the
+process that owns them. A new trainer started on the same directory uses it to find a
+live replica after a training crash, checks that the owner is alive and that run and
+step match, and copies the state from memory without reading any checkpoint file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.errors import LowDiffError
+from lowdiff.format.atomic import write_bytes_atomic
+from lowdiff.format.dtypes import dtype_from_name, dtype_name
+from lowdiff.format.sfile import TensorEntry, view_tensors
+
+DESCRIPTOR = ".lowdiff.replica.json"
+_MAGIC = b"LDREPL01"
+_HDR = struct.Struct("<8sqqqq")  # magic, seq, state, step, json_len
+CTL_BYTES = 4 << 20
+
+STATE_INIT, STATE_RUNNING, STATE_ORPHANED, STATE_CLOSED = 0, 1, 2, 3
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    # Python's resource tracker would unlink the segment when the process that opened it
+    # exits; the replica must outlive the trainer, so lowdiff unlinks it explicitly.
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+
+
+def create_segment(name: str, size: int) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
+    _untrack(shm)
+    return shm
+
+
+def attach_segment(name: str) -> shared_memory.SharedMemory:
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    _untrack(shm)
+    return shm
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment's name (the memory goes once every mapping is closed)."""
+    import _posixshmem  # the segments are untracked, so SharedMemory.unlink() would double-unregister
+
+    with contextlib.suppress(FileNotFoundError, OSError):
+        _posixshmem.shm_unlink("/" + name.lstrip("/"))
+
+
+def segment_tensor(shm: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    assert shm.buf is not None
+    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+
+
+def entries_to_json(entries: list[TensorEntry]) -> list[list[Any]]:
+    return [[e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries]
+
+
+def entries_from_json(items: list[list[Any]]) -> list[TensorEntry]:
+    return [
+        TensorEntry(str(n), dtype_from_name(dt), tuple(int(s) for s in shape), int(a), int(b))
+        for n, dt, shape, a, b in items
+    ]
+
+
+class ControlBlock:
+    """Header + JSON in a named segment; written by the owner, read by a new trainer."""
+
+    def __init__(self, shm: shared_memory.SharedMemory) -> None:
+        self.shm = shm
+
+    @property
+    def _buf(self) -> memoryview:
+        buf = self.shm.buf
+        assert buf is not None
+        return buf
+
+    def write(self, state: int, step: int, doc: dict[str, Any]) -> None:
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        if _HDR.size + len(raw) > self.shm.size:
+            raise LowDiffError(
+                f"replica metadata of {len(raw)} bytes does not fit the control block"
+            )
+        buf = self._buf
+        _, seq, _, _, _ = _HDR.unpack_from(buf, 0)
+        # seqlock: an odd sequence number means "being written"
+        _HDR.pack_into(buf, 0, _MAGIC, seq + 1, state, step, len(raw))
+        buf[_HDR.size : _HDR.size + len(raw)] = raw
+        _HDR.pack_into(buf, 0, _MAGIC, seq + 2, state, step, len(raw))
+
+    def set_state(self, state: int) -> None:
+        magic, seq, _, step, n = _HDR.unpack_from(self._buf, 0)
+        _HDR.pack_into(self._buf, 0, magic, seq + 1, state, step, n)
+        _HDR.pack_into(self._buf, 0, magic, seq + 2, state, step, n)
+
+    def read(self) -> tuple[int, int, dict[str, Any]]:
+        for _ in range(1000):
+            magic, seq, state, step, n = _HDR.unpack_from(self._buf, 0)
+            if magic != _MAGIC:
+                raise LowDiffError("not a lowdiff replica control block")
+            if seq % 2:
+                time.sleep(0.001)
+                continue
+            raw = bytes(self._buf[_HDR.size : _HDR.size + n])
+            if _HDR.unpack_from(self._buf, 0)[1] != seq:
+                continue
+            return state, step, json.loads(raw) if n else {}
+        raise LowDiffError("replica control block is being rewritten continuously")
+
+
+@dataclass
+class Descriptor:
+    """What ``DIR/.lowdiff.replica.json`` says about the live replica."""
+
+    pid: int
+    host: str
+    run_id: str
+    ctl: str
+    layout_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def write_descriptor(root: Path, d: Descriptor) -> None:
+    write_bytes_atomic(root / DESCRIPTOR, json.dumps(d.to_json(), sort_keys=True).encode())
+
+
+def read_descriptor(root: Path) -> Descriptor | None:
+    try:
+        raw = json.loads((root / DESCRIPTOR).read_text())
+        return Descriptor(
+            int(raw["pid"]),
+            str(raw["host"]),
+            str(raw["run_id"]),
+            str(raw["ctl"]),
+            str(raw["layout_id"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remove_descriptor(root: Path, run_id: str | None = None) -> None:
+    d = read_descriptor(root)
+    if d is not None and (run_id is None or d.run_id == run_id):
+        with contextlib.suppress(FileNotFoundError):
+            (root / DESCRIPTOR).unlink()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class LiveReplica:
+    """A replica found in memory, validated, ready to copy from."""
+
+    descriptor: Descriptor
+    ctl: ControlBlock
+    state: int
+    step: int
+    doc: dict[str, Any]
+    arena: shared_memory.SharedMemory
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        entries = entries_from_json(self.doc["entries"])
+        size = entries[-1].end if entries else 0
+        return view_tensors(entries, segment_tensor(self.arena, size))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.arena.close()
+        with contextlib.suppress(Exception):
+            self.ctl.shm.close()
+
+    def release_owner(self, timeout: float = 60.0) -> None:
+        """Ask the owning checkpointing process to exit (it unlinks the segments)."""
+        self.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.descriptor.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while pid_alive(self.descriptor.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def find_live_replica(
+    root: Path, layout_id: str, wait_s: float = 30.0
+) -> tuple[LiveReplica | None, str]:
+    """The live replica of ``root``, or (None, why not).
+
+    A replica is used only when its owner is alive, the control block belongs to the
+    descriptor's run and layout, and the owner has finished merging (state ORPHANED: its
+    trainer is gone). Segments of a dead owner are stale: they are unlinked, never read.
+    """
+    d = read_descriptor(root)
+    if d is None:
+        return None, "no live replica"
+    if not pid_alive(d.pid):
+        _cleanup_stale(root, d)
+        return (
+            None,
+            f"the replica's checkpointing process (pid {d.pid}) is gone; stale segments removed",
+        )
+    try:
+        ctl_shm = attach_segment(d.ctl)
+    except FileNotFoundError:
+        return None, "the replica's control block is gone"
+    ctl = ControlBlock(ctl_shm)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            state, step, doc = ctl.read()
+        except (LowDiffError, ValueError) as e:
+            ctl_shm.close()
+            return None, f"unusable replica control block ({e})"
+        if doc.get("run_id") != d.run_id or doc.get("layout_id") != layout_id:
+            ctl_shm.close()
+            return (
+                None,
+                "the shared memory belongs to another run or another model (stale); not attached",
+            )
+        if state == STATE_ORPHANED:
+            break
+        if state == STATE_CLOSED or not pid_alive(d.pid) or time.monotonic() > deadline:
+            ctl_shm.close()
+            return None, f"the replica is not available (state {state})"
+        time.sleep(0.02)  # the owner is still merging what it received
+    try:
+        arena = attach_segment(doc["arena"])
+    except FileNotFoundError:
+        ctl_shm.close()
+        return None, "the replica's arena is gone"
+    return LiveReplica(d, ctl, state, step, doc, arena), "ok"
+
+
+def _cleanup_stale(root: Path, d: Descriptor) -> None:
+    with contextlib.suppress(Exception):
+        shm = attach_segment(d.ctl)
+        try:
+            _, _, doc = ControlBlock(shm).read()
+            if doc.get("run_id") == d.run_id and doc.get("arena"):
+                unlink_segment(doc["arena"])
+        finally:
+            shm.close()
+    unlink_segment(d.ctl)
+    remove_descriptor(root, d.run_id)
