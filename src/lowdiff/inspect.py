@@ -37,6 +37,8 @@ class DirectoryInfo:
     problems: list[tuple[Path, str]] = field(default_factory=list)
     recoverable_intervals: list[tuple[int, int]] = field(default_factory=list)
     """Every recoverable step lies in one of these inclusive intervals."""
+    live_replica: dict[str, Any] | None = None
+    """LowDiff+: the checkpointing process's replica in memory (pid, state, step), if any."""
 
     @property
     def n_records(self) -> int:
@@ -76,6 +78,8 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
         >>> info.recoverable  # doctest: +SKIP
         (0, 240)
     """
+    from lowdiff.engine.replica import replica_status
+
     sc = scan(path)
     return DirectoryInfo(
         sc.root,
@@ -85,6 +89,7 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
         recoverable_range(sc),
         sc.problems,
         recoverable_intervals(sc),
+        replica_status(sc.root),
     )
 
 

@@ -105,3 +105,26 @@ def test_python_dash_m_entry_point():
     assert r.returncode == 0
     for cmd in ("demo", "inspect", "verify", "export"):
         assert cmd in r.stdout
+
+
+def test_inspect_shows_live_replica(tmp_path, capsys):
+    m, o = _model()
+    d = tmp_path / "plus"
+    ck = lowdiff.Checkpointer(m, o, d, strategy="lowdiff+", persist_every=2)
+    try:
+        ck.resume()
+        for i in range(3):
+            g = torch.Generator().manual_seed(i)
+            m(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+            ck.step()
+            o.zero_grad()
+        ck.flush()
+        assert main(["inspect", str(d)]) == 0
+        out = capsys.readouterr().out
+        assert "live replica step 3, running" in out
+        assert main(["inspect", str(d), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["live_replica"]["step"] == 3
+    finally:
+        ck.close()
+    assert main(["inspect", str(d)]) == 0
+    assert "live replica" not in capsys.readouterr().out

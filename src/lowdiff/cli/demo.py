@@ -47,7 +47,7 @@ COMPRESSORS: dict[str, str] = {
 }
 """``--compressor`` choice -> class name in :mod:`lowdiff.compressors`."""
 
-STRATEGIES = ("lowdiff",)
+STRATEGIES = ("lowdiff", "lowdiff+")
 """Strategies the demo can exercise (``lowdiff+`` comes later)."""
 
 
@@ -455,6 +455,72 @@ def _fmt(x: float | None, spec: str = ".4f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
+def lowdiff_rows(
+    sg: dict[str, Any], rc: dict[str, Any], wc: dict[str, Any]
+) -> list[tuple[str, str]]:
+    return [
+        (
+            "bytes per record",
+            f"{_fmt_bytes(sg['bytes_per_record'])}  ({sg['records']} records in {sg['record_files']} files)",
+        ),
+        (
+            "bytes per full checkpoint",
+            f"{_fmt_bytes(sg['bytes_per_full'])}  ({_fmt(sg['full_over_record'], '.0f', 'x')} a record)",
+        ),
+        (
+            "record bytes per parameter",
+            f"{_fmt(sg['record_bytes_per_param'])}  (8*ratio = {_fmt(sg['expected_bytes_per_param'])})",
+        ),
+        (
+            "recovery time",
+            f"{_fmt(rc.get('total_s'), '.3f', ' s')}: read {_fmt(rc.get('read_s'), '.3f', ' s')}, "
+            f"decode {_fmt(rc.get('decode_s'), '.3f', ' s')}, replay {_fmt(rc.get('replay_s'), '.3f', ' s')} "
+            f"({rc.get('records_replayed', 'n/a')} record(s) replayed on the full checkpoint of "
+            f"step {rc.get('full_step', 'n/a')})",
+        ),
+        (
+            "recovery time, worst case",
+            f"{_fmt(wc.get('total_s'), '.3f', ' s')}: read {_fmt(wc.get('read_s'), '.3f', ' s')}, "
+            f"decode {_fmt(wc.get('decode_s'), '.3f', ' s')}, replay {_fmt(wc.get('replay_s'), '.3f', ' s')} "
+            f"({wc.get('records_replayed', 'n/a')} record(s) replayed on the full checkpoint of "
+            f"step {wc.get('full_step', 'n/a')}, to step {wc.get('step', 'n/a')})",
+        ),
+    ]
+
+
+def plus_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """Report rows of a LowDiff+ demo: memory against disk recovery, trainer waiting."""
+    sg, mem, disk = r["storage"], r["recovery"] or {}, r.get("recovery_worst_case") or {}
+    ts = r.get("trainer_stats") or {}
+    steps = max(1, int(ts.get("steps", 0) or 0))
+    ratio = (
+        disk.get("total_s") / mem["total_s"] if mem.get("total_s") and disk.get("total_s") else None
+    )
+    return [
+        (
+            "bytes per full checkpoint",
+            f"{_fmt_bytes(sg['bytes_per_full'])}  ({sg['full_checkpoints']} persisted replicas kept)",
+        ),
+        (
+            "recovery from memory",
+            f"{_fmt(mem.get('total_s'), '.4f', ' s')}  (source: {mem.get('source', 'n/a')}, "
+            f"{mem.get('files_read', 'n/a')} files read, step {mem.get('step', 'n/a')})",
+        ),
+        (
+            "recovery from disk",
+            f"{_fmt(disk.get('total_s'), '.4f', ' s')}: read {_fmt(disk.get('read_s'), '.4f', ' s')}, "
+            f"load {_fmt((disk.get('decode_s') or 0) + (disk.get('replay_s') or 0), '.4f', ' s')} "
+            f"(full checkpoint of step {disk.get('step', 'n/a')}; {_fmt(ratio, '.1f', 'x')} the memory recovery)",
+        ),
+        (
+            "trainer wait per step",
+            f"{_fmt(_ms((ts.get('lag_wait_s') or 0) / steps), '.2f', ' ms')} for a free snapshot slot (bounded lag), "
+            f"{_fmt(_ms((ts.get('snapshot_finish_s') or 0) / steps), '.2f', ' ms')} finishing snapshots, "
+            f"{_fmt(_ms((ts.get('record_send_s') or 0) / steps), '.2f', ' ms')} handing the step over",
+        ),
+    ]
+
+
 def format_report(r: dict[str, Any]) -> str:
     """Render the report dict as an aligned two-column table."""
     m, k, st, ls, sg, rc, ov, mc = (
@@ -498,32 +564,7 @@ def format_report(r: dict[str, Any]) -> str:
             "held-out loss, recovered / reference",
             f"{_fmt(ls['recovered_eval'])} / {_fmt(ls['reference_eval'])}",
         ),
-        (
-            "bytes per record",
-            f"{_fmt_bytes(sg['bytes_per_record'])}  ({sg['records']} records in {sg['record_files']} files)",
-        ),
-        (
-            "bytes per full checkpoint",
-            f"{_fmt_bytes(sg['bytes_per_full'])}  ({_fmt(sg['full_over_record'], '.0f', 'x')} a record)",
-        ),
-        (
-            "record bytes per parameter",
-            f"{_fmt(sg['record_bytes_per_param'])}  (8*ratio = {_fmt(sg['expected_bytes_per_param'])})",
-        ),
-        (
-            "recovery time",
-            f"{_fmt(rc.get('total_s'), '.3f', ' s')}: read {_fmt(rc.get('read_s'), '.3f', ' s')}, "
-            f"decode {_fmt(rc.get('decode_s'), '.3f', ' s')}, replay {_fmt(rc.get('replay_s'), '.3f', ' s')} "
-            f"({rc.get('records_replayed', 'n/a')} record(s) replayed on the full checkpoint of "
-            f"step {rc.get('full_step', 'n/a')})",
-        ),
-        (
-            "recovery time, worst case",
-            f"{_fmt(wc.get('total_s'), '.3f', ' s')}: read {_fmt(wc.get('read_s'), '.3f', ' s')}, "
-            f"decode {_fmt(wc.get('decode_s'), '.3f', ' s')}, replay {_fmt(wc.get('replay_s'), '.3f', ' s')} "
-            f"({wc.get('records_replayed', 'n/a')} record(s) replayed on the full checkpoint of "
-            f"step {wc.get('full_step', 'n/a')}, to step {wc.get('step', 'n/a')})",
-        ),
+        *(plus_rows(r) if r["strategy"] == "lowdiff+" else lowdiff_rows(sg, rc, wc)),
         (
             "overhead vs none (median step)",
             f"{_fmt(ov.get('median_overhead_pct'), '+.1f', ' %')}  ({_fmt(_ms(ov.get('median_step_s_lowdiff')), '.1f', ' ms')} vs "
@@ -643,7 +684,9 @@ def resolve_settings(args: argparse.Namespace) -> DemoSettings:
         profile=prof,
         seed=args.seed,
         strategy=args.strategy,
-        compressor=compressor_spec(args.compressor, args.ratio),
+        compressor={"kind": "none"}
+        if args.strategy == "lowdiff+"
+        else compressor_spec(args.compressor, args.ratio),
         threads=threads,
         out_dir=out_dir,
         progress=not args.no_progress,
@@ -750,7 +793,9 @@ def orchestrate(s: DemoSettings) -> dict[str, Any]:
         _require_ok(fresh_run)
         fresh = _read_json(res_fresh)
         # (e) the longest replay the retained files allow, timed in this process
-        progress.phase("e) worst-case recovery")
+        progress.phase(
+            "e) recovery from disk" if s.strategy == "lowdiff+" else "e) worst-case recovery"
+        )
         from lowdiff.workloads.train import TrainConfig, probe_recovery
 
         torch_threads_before = _torch_threads(s.threads)
@@ -795,6 +840,7 @@ def orchestrate(s: DemoSettings) -> dict[str, Any]:
         "recovery": resumed["recovery"],
         "recovery_worst_case": worst,
         "overhead": overhead_stats(reference, fresh),
+        "trainer_stats": fresh.get("ck_stats"),
         "machine": machine_info(s.threads),
         "out_dir": str(out),
         "wall_s": time.perf_counter() - t0,

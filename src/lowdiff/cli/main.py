@@ -37,6 +37,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "parameters": info.n_parameters,
             "recoverable": list(info.recoverable) if info.recoverable else None,
             "recoverable_intervals": [list(i) for i in info.recoverable_intervals],
+            "live_replica": info.live_replica,
             "full_checkpoints": [
                 {"step": f.first_step, "bytes": f.nbytes, "path": str(f.path)}
                 for f in info.full_checkpoints
@@ -66,6 +67,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(
         f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
     )
+    lr = info.live_replica
+    if lr is not None:
+        where = f"step {lr['step']}, " if "step" in lr else ""
+        print(
+            f"live replica {where}{lr['state']} (checkpointing process pid {lr['pid']} on {lr['host']})"
+        )
     print(f"\nfull checkpoints ({len(info.full_checkpoints)}):")
     for f in info.full_checkpoints:
         print(f"  step {f.first_step:>8}  {_fmt_bytes(f.nbytes):>10}  {f.path.name}")

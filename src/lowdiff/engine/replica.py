@@ -103,7 +103,10 @@ class ControlBlock:
         return buf
 
     def write(self, state: int, step: int, doc: dict[str, Any]) -> None:
-        raw = json.dumps(doc, separators=(",", ":")).encode()
+        self.write_raw(state, step, json.dumps(doc, separators=(",", ":")).encode())
+
+    def write_raw(self, state: int, step: int, raw: bytes) -> None:
+        """Publish an already-serialised JSON document."""
         if _HDR.size + len(raw) > self.shm.size:
             raise LowDiffError(
                 f"replica metadata of {len(raw)} bytes does not fit the control block"
@@ -277,3 +280,40 @@ def _cleanup_stale(root: Path, d: Descriptor) -> None:
             shm.close()
     unlink_segment(d.ctl)
     remove_descriptor(root, d.run_id)
+
+
+STATE_NAMES = {
+    STATE_INIT: "starting",
+    STATE_RUNNING: "running",
+    STATE_ORPHANED: "waiting for a new trainer",
+    STATE_CLOSED: "closing",
+}
+
+
+def replica_status(root: Path) -> dict[str, Any] | None:
+    """What ``lowdiff inspect`` shows about the live replica (read-only), or None."""
+    d = read_descriptor(root)
+    if d is None:
+        return None
+    out: dict[str, Any] = {"pid": d.pid, "host": d.host, "run_id": d.run_id}
+    if not pid_alive(d.pid):
+        out["state"] = "stale (owner gone)"
+        return out
+    try:
+        shm = attach_segment(d.ctl)
+    except FileNotFoundError:
+        out["state"] = "stale (no control block)"
+        return out
+    try:
+        state, step, doc = ControlBlock(shm).read()
+        out["state"] = (
+            STATE_NAMES.get(state, str(state))
+            if doc.get("run_id") == d.run_id
+            else "stale (other run)"
+        )
+        out["step"] = step
+    except (LowDiffError, ValueError):
+        out["state"] = "unreadable"
+    finally:
+        shm.close()
+    return out

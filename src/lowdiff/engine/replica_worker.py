@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import signal
 import socket
@@ -88,6 +89,8 @@ class _Replica:
         self.rng_json = "{}"
         self.step = -1
         self.doc: dict[str, Any] = {}
+        self._entries_json: str | None = None
+        self._state_json: str | None = None
 
     # -- arena ------------------------------------------------------------------------------
     def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -101,6 +104,8 @@ class _Replica:
         for k, v in tensors.items():
             views[k].copy_(v)
         self.arena, self.entries, self.tensors = shm, entries, views
+        self._entries_json = None
+        self._state_json = None
         if old is not None:
             _unlink_and_close(old)
 
@@ -211,30 +216,59 @@ class _Replica:
         """The metadata a full checkpoint of the current step carries."""
         assert self.opt is not None
 
-        def sink(path: str, t: torch.Tensor) -> str:
-            return "optim/" + path.removeprefix("$.")
-
         return {
             "kind": "full",
             "step": str(self.step),
             "run_id": self.cfg.run_id,
             "layout_id": self.rl.layout_id,
             "model_aliases": self.aliases,
-            "optim": codec.dumps(self.opt.state_dict(), sink),
+            "optim": self._optim_json(),
             "scheduler": self.sched_json,
             "rng": self.rng_json,
             "source": "lowdiff+ replica",
         }
 
+    def _optim_json(self) -> str:
+        """``optimizer.state_dict()`` as JSON whose tensors name arena entries.
+
+        The "state" half only references tensors, which are updated in place, so its JSON
+        is cached until the arena is rebuilt; the hyperparameters are encoded every step.
+        """
+        assert self.opt is not None
+        sd = self.opt.state_dict()
+        if self._state_json is None:
+            all_refs = [True]
+
+            def sink(path: str, t: torch.Tensor) -> str:
+                return "optim/" + path.removeprefix("$.")
+
+            def check(x: Any) -> None:
+                if isinstance(x, dict):
+                    for v in x.values():
+                        check(v)
+                elif not isinstance(x, torch.Tensor):
+                    all_refs[0] = False  # a Python scalar in the state changes by value
+
+            check(sd["state"])
+            text = json.dumps(
+                codec.encode(sd["state"], sink, "$.state"), sort_keys=True, separators=(",", ":")
+            )
+            if not all_refs[0]:
+                return f'{{"param_groups":{codec.dumps(sd["param_groups"])},"state":{text}}}'
+            self._state_json = text
+        return f'{{"param_groups":{codec.dumps(sd["param_groups"])},"state":{self._state_json}}}'
+
     def publish(self, state: int) -> None:
-        self.doc = {
-            "run_id": self.cfg.run_id,
-            "layout_id": self.rl.layout_id,
-            "arena": self.arena.name,
-            "entries": rp.entries_to_json(self.entries),
-            "meta": self.metadata(),
-        }
-        self.ctl.write(state, self.step, self.doc)
+        if self._entries_json is None:
+            self._entries_json = json.dumps(rp.entries_to_json(self.entries), separators=(",", ":"))
+        meta = self.metadata()
+        head = json.dumps(
+            {"run_id": self.cfg.run_id, "layout_id": self.rl.layout_id, "arena": self.arena.name},
+            separators=(",", ":"),
+        )
+        raw = f'{head[:-1]},"entries":{self._entries_json},"meta":{json.dumps(meta, separators=(",", ":"))}}}'
+        self.doc = {"meta": meta}
+        self.ctl.write_raw(state, self.step, raw.encode())
 
     def close(self) -> None:
         if self.arena is not None:
@@ -257,6 +291,7 @@ class _Persister:
         self.error: str | None = None
         self.persisted = -1
         self.busy_step = -1
+        self.next_auto = 0.0
         self.buf: torch.Tensor | None = None
 
     @property
@@ -284,6 +319,8 @@ class _Persister:
             t0 = time.perf_counter()
             nbytes = sfile.write(layout.full_path(self.root, step), entries, blob, meta)
             retention(self.root, self.keep_full)
+            took = time.perf_counter() - t0
+            self.next_auto = time.monotonic() + took
             self.persisted = max(self.persisted, step)
             self.send(("durable", step))
             self.send(("full_done", step, nbytes, time.perf_counter() - t0, 0))
@@ -297,6 +334,15 @@ class _Persister:
         if self.error is not None:
             err, self.error = self.error, None
             raise RuntimeError(f"persisting the replica failed:\n{err}")
+
+
+def _warm_up(optimizer_path: str) -> None:
+    """Run the optimizer once on a scratch tensor: its first step imports and initialises
+    machinery that would otherwise stall the first merge (and so the trainer)."""
+    with contextlib.suppress(Exception):
+        p = torch.nn.Parameter(torch.zeros(8))
+        p.grad = torch.zeros(8)
+        optimizer_class(optimizer_path)([p]).step()  # type: ignore[call-arg]
 
 
 def replica_worker_main(
@@ -347,6 +393,7 @@ def replica_worker_main(
                 RecordLayout.from_json(cfg.layout).layout_id,
             ),
         )
+        _warm_up(cfg.optimizer)
         rep = _Replica(cfg, ctl)
         persister = _Persister(root, cfg.keep_full, send)
         staging: torch.Tensor | None = None
@@ -358,7 +405,8 @@ def replica_worker_main(
             if persister.error is not None:
                 persister.wait()
             if persist_every == "auto":
-                if not persister.busy:
+                # as often as the disk keeps up, but writing at most half of the time
+                if not persister.busy and time.monotonic() >= persister.next_auto:
                     persister.start(rep)
             elif isinstance(persist_every, int) and rep.step % persist_every == 0:
                 persister.start(rep)

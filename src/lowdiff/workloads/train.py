@@ -170,7 +170,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> Any:
 def _recovery_dict(stats: Any) -> dict[str, Any] | None:
     if stats is None:
         return None
-    names = ("read_s", "decode_s", "replay_s", "total_s", "full_step", "step", "records_replayed")
+    names = (
+        "source",
+        "files_read",
+        "read_s",
+        "decode_s",
+        "replay_s",
+        "total_s",
+        "full_step",
+        "step",
+        "records_replayed",
+    )
     return {n: getattr(stats, n, None) for n in names}
 
 
@@ -207,8 +217,11 @@ def probe_recovery(cfg: TrainConfig, directory: str | Path) -> dict[str, Any] | 
     if not info.full_checkpoints or info.recoverable is None:
         return None
     fulls = [f.first_step for f in info.full_checkpoints]
-    base = fulls[-2] if len(fulls) >= 2 else fulls[-1]
-    target = min(base + cfg.full_every - 1, info.recoverable[1])
+    if cfg.strategy == "lowdiff+":
+        target = fulls[-1]  # LowDiff+ persists whole replicas: a disk recovery loads one
+    else:
+        base = fulls[-2] if len(fulls) >= 2 else fulls[-1]
+        target = min(base + cfg.full_every - 1, info.recoverable[1])
     model, optimizer, scheduler = build_training_objects(cfg)
     stats = recover(directory, model, optimizer, scheduler, step=target)
     return _recovery_dict(stats)
@@ -236,7 +249,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         optimizer,
         cfg.directory,
         strategy=cfg.strategy,
-        compressor=compressor_from_spec(cfg.compressor),
+        compressor=None if cfg.strategy == "lowdiff+" else compressor_from_spec(cfg.compressor),
         full_every=cfg.full_every,
         batch_size=cfg.batch_size_records,
         scheduler=scheduler,
@@ -320,6 +333,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         "close_s": close_s,
         "startup_s": t_loop - t_start,
         "durable_step": ck.durable_step,
+        "ck_stats": ck.stats,
         "recovery": recovery,
         "threads": threads,
         "torch_version": torch.__version__,
