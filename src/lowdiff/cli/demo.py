@@ -540,7 +540,9 @@ def format_report(r: dict[str, Any]) -> str:
         ("compressor", json.dumps(r["compressor"])),
         (
             "steps",
-            f"{r['steps']}  (full every {r['full_every']}, {r['batch_size']} records per write)",
+            f"{r['steps']}  (full every {r['full_every']}, {r['batch_size']} records per write)"
+            if r["strategy"] != "lowdiff+"
+            else f"{r['steps']}  (replica persisted as often as the disk keeps up, lag at most 2 steps)",
         ),
         (
             "kill step (SIGKILL sent)",
