@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import struct
 import time
 from dataclasses import dataclass
@@ -231,6 +232,11 @@ def find_live_replica(
     d = read_descriptor(root)
     if d is None:
         return None, "no live replica"
+    if d.host != socket.gethostname():
+        return (
+            None,
+            f"the replica lives on host {d.host}; a replica is only attached on its own host",
+        )
     if not pid_alive(d.pid):
         _cleanup_stale(root, d)
         return (
@@ -270,15 +276,21 @@ def find_live_replica(
 
 
 def _cleanup_stale(root: Path, d: Descriptor) -> None:
+    """Remove every segment of a dead owner's run (control block, arenas of any generation)."""
+    prefix = f"lowdiff-{d.run_id[:16]}-"
+    names = {d.ctl}
+    with contextlib.suppress(OSError):
+        names.update(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
     with contextlib.suppress(Exception):
         shm = attach_segment(d.ctl)
         try:
             _, _, doc = ControlBlock(shm).read()
             if doc.get("run_id") == d.run_id and doc.get("arena"):
-                unlink_segment(doc["arena"])
+                names.add(doc["arena"])
         finally:
             shm.close()
-    unlink_segment(d.ctl)
+    for n in names:
+        unlink_segment(n)
     remove_descriptor(root, d.run_id)
 
 

@@ -229,6 +229,14 @@ class GradSnapshotter:
             e.synchronize()
         self.stats.finish_wait_s += time.perf_counter() - t0
         slot = self._take_slot()
+        for b in self.blocks:
+            if 0 < b.ready < len(b.members):
+                # some members had no gradient this step, so the block never became
+                # complete: copy the members that did get one
+                for k in b.members:
+                    seen = self.seen[k]
+                    if seen is not None:
+                        self._dst(slot, k).copy_(seen[0].detach().reshape(-1))
         nograd: list[int] = []
         for k, (info, p) in enumerate(self.params):
             g = p.grad

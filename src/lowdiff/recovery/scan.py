@@ -50,7 +50,8 @@ class Plan:
 def is_empty_dir(root: Path) -> bool:
     if not root.exists():
         return True
-    ignorable = {layout.LOCK_FILE, layout.WRITER_LOCK_FILE}
+    # lock files, and a replica descriptor (LowDiff+ checks and cleans it up on resume)
+    ignorable = {layout.LOCK_FILE, layout.WRITER_LOCK_FILE, ".lowdiff.replica.json"}
     return all(p.name in ignorable or p.name.startswith(TMP_PREFIX) for p in root.iterdir())
 
 
