@@ -21,8 +21,9 @@ def test_parser_defaults_and_choices() -> None:
     args = _parse([])
     assert args.strategy == "lowdiff" and args.compressor == "topk" and args.ratio == 0.01
     assert args.func is run_demo
+    assert _parse(["--strategy", "lowdiff+"]).strategy == "lowdiff+"
     with pytest.raises(SystemExit):
-        _parse(["--strategy", "lowdiff+"])
+        _parse(["--strategy", "checkfreq"])
 
 
 def test_kill_target_is_seeded_and_mid_run() -> None:
@@ -49,3 +50,29 @@ def test_quick_demo_recovers_bit_identical_state(tmp_path: Path) -> None:
     assert kill["recovered_step"] >= kill["kill_step"] - report["batch_size"]
     assert report["storage"]["records"] > 0
     assert report["recovery"] is not None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_quick_demo_lowdiff_plus_recovers_from_memory(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    args = _parse(
+        [
+            "--quick",
+            "--strategy",
+            "lowdiff+",
+            "--no-progress",
+            "--json",
+            str(report_path),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert run_demo(args) == 0
+    report = json.loads(report_path.read_text())
+    assert report["state_check"]["bit_identical"] is True
+    assert report["recovery"]["source"] == "memory"
+    assert report["recovery"]["files_read"] == 0
+    assert report["recovery_worst_case"]["source"] == "disk"
+    # no error feedback, no compression: the recovered run continues bit-identically
+    assert report["loss"]["recovered_final"] == report["loss"]["reference_final"]
