@@ -320,12 +320,7 @@ class Checkpointer:
                 g.copy_(dense.view_as(g))
                 payloads.append(payload)
         hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
-        self.optimizer.step()
-        if self.scheduler is not None:
-            if metric is None:
-                self.scheduler.step()
-            else:
-                self.scheduler.step(metric)
+        self._optimizer_step(metric)
         self._step = t + 1
         self._stats["steps"] += 1
         if self.strategy == "lowdiff":
@@ -649,21 +644,7 @@ class Checkpointer:
                 continue
             for name, tensor in payload.items():
                 views[f"g{info.index}.{name}"].copy_(tensor)
-        for n, b in st.get_buffers(self.model, self._buffer_names).items():
-            views[f"buf.{n}"].copy_(b)
-        rng_t, rng_extra = st.capture_rng(self._rng_layout)
-        for k, v in rng_t.items():
-            views[k].copy_(v)
-        meta = codec.dumps(
-            {
-                "step": t,
-                "nograd": nograd,
-                "hp": hp,
-                "hp_after": st.capture_hparams(self.optimizer),
-                "sched": None if self.scheduler is None else self.scheduler.state_dict(),
-                "rng": rng_extra,
-            }
-        )
+        meta = self._fill_row_state(views, t, nograd, hp)
         if device is None:
             self._send(("record", slot, t, meta))
         else:
@@ -713,6 +694,34 @@ class Checkpointer:
         self._stats["full_wait_s"] += t1 - t0
         self._stats["full_copy_s"] += t2 - t1
 
+    def _optimizer_step(self, metric: float | None) -> None:
+        self.optimizer.step()
+        if self.scheduler is not None:
+            if metric is None:
+                self.scheduler.step()
+            else:
+                self.scheduler.step(metric)
+
+    def _fill_row_state(
+        self, views: dict[str, torch.Tensor], t: int, nograd: list[int], hp: list[dict[str, Any]]
+    ) -> str:
+        """Write the step's buffers and RNG states into the row; return its JSON document."""
+        for n, b in st.get_buffers(self.model, self._buffer_names).items():
+            views[f"buf.{n}"].copy_(b)
+        rng_t, rng_extra = st.capture_rng(self._rng_layout)
+        for k, v in rng_t.items():
+            views[k].copy_(v)
+        return codec.dumps(
+            {
+                "step": t,
+                "nograd": nograd,
+                "hp": hp,
+                "hp_after": st.capture_hparams(self.optimizer),
+                "sched": None if self.scheduler is None else self.scheduler.state_dict(),
+                "rng": rng_extra,
+            }
+        )
+
     # ------------------------------------------------------------------ lowdiff+
     def _acquire_slot(self) -> int:
         """A free snapshot slot; waits while the replica lags ``max_lag`` steps behind."""
@@ -738,31 +747,12 @@ class Checkpointer:
             raise
         t1 = time.perf_counter()
         hp = st.capture_hparams(self.optimizer)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            if metric is None:
-                self.scheduler.step()
-            else:
-                self.scheduler.step(metric)
+        self._optimizer_step(metric)
         self._step = t + 1
         self._stats["steps"] += 1
         t2 = time.perf_counter()
         views = self._slot_views[slot]
-        for n, b in st.get_buffers(self.model, self._buffer_names).items():
-            views[f"buf.{n}"].copy_(b)
-        rng_t, rng_extra = st.capture_rng(self._rng_layout)
-        for k, v in rng_t.items():
-            views[k].copy_(v)
-        meta = codec.dumps(
-            {
-                "step": t,
-                "nograd": nograd,
-                "hp": hp,
-                "hp_after": st.capture_hparams(self.optimizer),
-                "sched": None if self.scheduler is None else self.scheduler.state_dict(),
-                "rng": rng_extra,
-            }
-        )
+        meta = self._fill_row_state(views, t, nograd, hp)
         self._send(("step", slot, t, meta))
         self._stats["snapshot_finish_s"] += t1 - t0
         self._stats["record_send_s"] += time.perf_counter() - t2

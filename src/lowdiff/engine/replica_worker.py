@@ -42,7 +42,7 @@ import torch
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.worker import acquire_flock, retention
+from lowdiff.engine.worker import acquire_flock, drain, retention, serve
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.sfile import plan, view_tensors
 
@@ -441,33 +441,9 @@ def replica_worker_main(
                 raise RuntimeError(f"unknown message {kind!r}")
             return True
 
-        orphaned = False
-        while True:
-            if not requests.poll(0.5):
-                if os.getppid() != parent:
-                    orphaned = True
-                    break
-                continue
-            try:
-                msg = requests.recv()
-            except EOFError:
-                orphaned = True
-                break
-            if not handle(msg):
-                break
-        if orphaned:
+        if serve(requests, handle, parent):
             # merge every step that arrived completely, then offer the replica to a new trainer
-            while True:
-                try:
-                    if not requests.poll(0):
-                        break
-                    msg = requests.recv()
-                except (EOFError, OSError):
-                    break
-                except Exception:  # noqa: BLE001 -- a message whose sender is gone
-                    continue
-                if msg[0] in ("step", "stage", "init"):
-                    handle(msg)
+            drain(requests, handle, ("step", "stage", "init"))
             if rep.opt is not None:
                 rep.publish(rp.STATE_ORPHANED)
                 if persister.persisted < rep.step:

@@ -232,6 +232,36 @@ class _Writer:
         return True
 
 
+def serve(requests: Connection, handle: Any, parent: int) -> bool:
+    """Handle messages until ``handle`` says stop (False) or the trainer is gone (True)."""
+    while True:
+        if not requests.poll(0.5):
+            if os.getppid() != parent:  # re-parented: the trainer died
+                return True
+            continue
+        try:
+            msg = requests.recv()
+        except EOFError:
+            return True
+        if not handle(msg):
+            return False
+
+
+def drain(requests: Connection, handle: Any, kinds: tuple[str, ...]) -> None:
+    """After the trainer died: handle every message of ``kinds`` still in the pipe."""
+    while True:
+        try:
+            if not requests.poll(0):
+                return
+            msg = requests.recv()
+        except (EOFError, OSError):
+            return
+        except Exception:  # noqa: BLE001 -- e.g. a staging buffer whose owner is gone
+            continue
+        if msg[0] in kinds:
+            handle(msg)
+
+
 def worker_main(
     cfg: WorkerConfig,
     slots: torch.Tensor,
@@ -248,33 +278,9 @@ def worker_main(
     try:
         lock_fd = acquire_flock(Path(cfg.root) / layout.WRITER_LOCK_FILE, blocking=True)
         w.send(("ready", os.getpid()))
-        orphaned = False
-        while True:
-            if not requests.poll(0.5):
-                if os.getppid() != parent:
-                    orphaned = True
-                    break
-                continue
-            try:
-                msg = requests.recv()
-            except EOFError:
-                orphaned = True
-                break
-            if not w.handle(msg):
-                break
-        if orphaned:
+        if serve(requests, w.handle, parent):
             # The trainer died without close(): keep every record it managed to send.
-            while True:
-                try:
-                    if not requests.poll(0):
-                        break
-                    msg = requests.recv()
-                except (EOFError, OSError):
-                    break
-                except Exception:  # noqa: BLE001 -- e.g. a staging buffer whose owner is gone
-                    continue
-                if msg[0] in ("record", "record_dev", "full", "stage"):
-                    w.handle(msg)
+            drain(requests, w.handle, ("record", "record_dev", "full", "stage"))
             w.write_batch()
             w.wait_full()
     except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
