@@ -13,8 +13,10 @@ Call sequence (all on the training process)::
     ck.close()               # flush, wait until durable, stop the checkpointing process
 
 Strategies: ``"lowdiff"`` logs the compressed gradient of every step as a differential
-record; ``"none"`` keeps the same compression but writes nothing (the baseline without
-checkpointing).
+record; ``"lowdiff+"`` snapshots uncompressed gradients layer by layer into a CPU replica
+kept by the checkpointing process (see :mod:`lowdiff.engine.snapshot` and
+:mod:`lowdiff.engine.replica_worker`); ``"none"`` keeps the same compression but writes
+nothing (the baseline without checkpointing).
 """
 
 from __future__ import annotations
@@ -75,8 +77,12 @@ class Checkpointer:
         optimizer: any ``torch.optim`` optimizer over the model's parameters.
         directory: the checkpoint directory (created if missing). It must be empty or
             a lowdiff checkpoint directory. Ignored by ``strategy="none"``.
-        strategy: ``"lowdiff"`` or ``"none"`` (same compression, no checkpointing).
-        compressor: the gradient compressor; default ``TopK(ratio=0.01)``.
+        strategy: ``"lowdiff"`` (compressed-gradient records), ``"lowdiff+"`` (no
+            compression: layer-wise gradient snapshots merged into a CPU replica that is
+            persisted in the background and survives a training crash), or ``"none"``
+            (same compression as ``"lowdiff"``, no checkpointing).
+        compressor: the gradient compressor; default ``TopK(ratio=0.01)``. Must be None
+            for ``"lowdiff+"``.
         full_every: f, a full checkpoint every f steps (and at step 0).
         batch_size: b, records per file (one write per b steps).
         scheduler: optional LR scheduler; ``step()`` steps it after the optimizer.
@@ -86,6 +92,13 @@ class Checkpointer:
             process before ``step()`` blocks; default ``2 * batch_size + 2``.
         start_timeout: seconds to wait for the checkpointing process to start, or for a
             previous session's checkpointing process to finish writing.
+        max_lag: LowDiff+ only: how many steps the CPU replica may trail the trainer
+            before ``step()`` waits (also the number of gradient snapshot buffers).
+        persist_every: LowDiff+ only: persist the replica every this many steps, or
+            ``"auto"``: as often as the disk keeps up (writing at most half the time).
+        idle_timeout: LowDiff+ only: seconds a replica whose trainer died waits for a new
+            trainer to attach before it persists and exits.
+        replica_threads: LowDiff+ only: torch threads of the replica's optimizer step.
 
     Example:
         >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
