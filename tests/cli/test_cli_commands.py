@@ -128,3 +128,18 @@ def test_inspect_shows_live_replica(tmp_path, capsys):
         ck.close()
     assert main(["inspect", str(d)]) == 0
     assert "live replica" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_example_script_trains_and_resumes(tmp_path, strategy):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_lowdiff.py"
+    d = tmp_path / "ck"
+    cmd = [sys.executable, str(script), "--dir", str(d), "--strategy", strategy, "--steps"]
+    r = subprocess.run([*cmd, "40"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([*cmd, "60"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "resumed at step 40" in r.stdout
+    assert lowdiff.inspect_dir(d).recoverable[1] == 60
