@@ -263,3 +263,14 @@ def test_replica_of_another_host_is_never_touched(tmp_path):
     live, why = rp.find_live_replica(d, "abc", wait_s=0.1)
     assert live is None and "some-other-host" in why
     assert rp.read_descriptor(d) is not None  # left alone
+
+
+def test_shared_memory_shortage_is_a_clear_error(monkeypatch):
+    """A full /dev/shm is reported by name and size, never as a bus error."""
+
+    class Tiny:
+        f_bavail, f_frsize = 10, 4096
+
+    monkeypatch.setattr(rp.os, "statvfs", lambda path: Tiny)
+    with pytest.raises(lowdiff.LowDiffError, match=r"not enough shared memory.*--shm-size"):
+        rp.create_segment(f"lowdiff-test-{uuid.uuid4().hex[:12]}-big", 1 << 20)

@@ -502,6 +502,7 @@ class Checkpointer:
         assert self.root is not None
         ctx = tmp.get_context("spawn")
         n_slots = self.max_lag if self.strategy == "lowdiff+" else self._max_inflight()
+        rp.ensure_shm_space(n_slots * self.layout.row_bytes, "the record slots")
         slots = torch.zeros((n_slots, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
         if self.strategy == "lowdiff+" and self._record_device is not None:
             _pin(slots)
@@ -682,7 +683,14 @@ class Checkpointer:
         t1 = time.perf_counter()
         if self._staging is None or self._staging.numel() < size:
             # grow with slack: optimizer state appears after the first step
-            self._staging = torch.empty(max(size, 1) + size // 8, dtype=torch.uint8).share_memory_()
+            try:
+                rp.ensure_shm_space(size + size // 8, "staging a full checkpoint")
+                self._staging = torch.empty(
+                    max(size, 1) + size // 8, dtype=torch.uint8
+                ).share_memory_()
+            except BaseException:
+                self._staging_free.set()  # nothing is in flight: do not block the next attempt
+                raise
             self._send(("stage", self._staging))
         views = view_tensors(entries, self._staging[:size])
         with torch.no_grad():

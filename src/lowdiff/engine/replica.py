@@ -53,7 +53,22 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
 
 
+def ensure_shm_space(nbytes: int, what: str) -> None:
+    """Raise a clear error instead of a bus error when /dev/shm cannot hold ``nbytes`` more."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return  # no /dev/shm to ask (not Linux): let the allocation speak for itself
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise LowDiffError(
+            f"not enough shared memory for {what}: need {nbytes / 2**20:.1f} MiB, /dev/shm has "
+            f"{free / 2**20:.1f} MiB free; enlarge it (e.g. `docker run --shm-size=...`)"
+        )
+
+
 def create_segment(name: str, size: int) -> shared_memory.SharedMemory:
+    ensure_shm_space(size, f"shared-memory segment {name}")
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
     _untrack(shm)
     return shm
