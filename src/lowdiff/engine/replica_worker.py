@@ -42,7 +42,7 @@ import torch
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.worker import acquire_flock, drain, retention, serve
+from lowdiff.engine.worker import FullWriter, acquire_flock, drain, serve
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.sfile import plan, view_tensors
 
@@ -282,58 +282,22 @@ def _unlink_and_close(shm: Any) -> None:
         shm.close()
 
 
-class _Persister:
+class _Persister(FullWriter):
     """Writes exact snapshots of the replica in a background thread, one at a time."""
 
     def __init__(self, root: Path, keep_full: int | None, send: Any) -> None:
-        self.root, self.keep_full, self.send = root, keep_full, send
-        self.thread: threading.Thread | None = None
-        self.error: str | None = None
-        self.persisted = -1
-        self.busy_step = -1
-        self.next_auto = 0.0
+        super().__init__(root, keep_full, send, announce_durable=True)
         self.buf: torch.Tensor | None = None
 
-    @property
-    def busy(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def start(self, rep: _Replica) -> None:
-        self.wait()
+    def snapshot(self, rep: _Replica) -> None:
+        """Copy the replica as it is at this step boundary and write the copy."""
+        self.wait()  # the buffer is free only once the previous write is done
         size = rep.entries[-1].end if rep.entries else 0
         if self.buf is None or self.buf.numel() < size:
             self.buf = torch.empty(size + size // 8, dtype=torch.uint8)
-        # an exact copy of the replica at this step; merging continues while it is written
+        # merging continues while the copy is written, so the file holds exactly this step
         self.buf[:size].copy_(rp.segment_tensor(rep.arena, size))
-        entries, meta, step = list(rep.entries), rep.metadata(), rep.step
-        self.busy_step = step
-        self.thread = threading.Thread(
-            target=self._write, args=(entries, self.buf[:size], meta, step), daemon=True
-        )
-        self.thread.start()
-
-    def _write(
-        self, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str], step: int
-    ) -> None:
-        try:
-            t0 = time.perf_counter()
-            nbytes = sfile.write(layout.full_path(self.root, step), entries, blob, meta)
-            retention(self.root, self.keep_full)
-            took = time.perf_counter() - t0
-            self.next_auto = time.monotonic() + took
-            self.persisted = max(self.persisted, step)
-            self.send(("durable", step))
-            self.send(("full_done", step, nbytes, time.perf_counter() - t0, 0))
-        except BaseException:  # noqa: BLE001 -- reported to the trainer
-            self.error = traceback.format_exc()
-
-    def wait(self) -> None:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise RuntimeError(f"persisting the replica failed:\n{err}")
+        self.start(rep.step, list(rep.entries), self.buf[:size], rep.metadata())
 
 
 def _warm_up(optimizer_path: str) -> None:
@@ -407,9 +371,9 @@ def replica_worker_main(
             if persist_every == "auto":
                 # as often as the disk keeps up, but writing at most half of the time
                 if not persister.busy and time.monotonic() >= persister.next_auto:
-                    persister.start(rep)
+                    persister.snapshot(rep)
             elif isinstance(persist_every, int) and rep.step % persist_every == 0:
-                persister.start(rep)
+                persister.snapshot(rep)
 
         def handle(msg: tuple[Any, ...]) -> bool:
             nonlocal staging
@@ -429,11 +393,11 @@ def replica_worker_main(
                 rep.init_from(staging, step, entries_json, meta)
                 staging_free.set()
                 send(("merged", rep.step))
-                persister.start(rep)
+                persister.snapshot(rep)
             elif kind in ("flush", "close"):
                 persister.wait()
                 if persister.persisted < rep.step:
-                    persister.start(rep)
+                    persister.snapshot(rep)
                     persister.wait()
                 send(("flushed" if kind == "flush" else "closed", persister.persisted))
                 return kind == "flush"
@@ -447,7 +411,7 @@ def replica_worker_main(
             if rep.opt is not None:
                 rep.publish(rp.STATE_ORPHANED)
                 if persister.persisted < rep.step:
-                    persister.start(rep)
+                    persister.snapshot(rep)
                 deadline = time.monotonic() + cfg.idle_timeout
                 while not released[0] and time.monotonic() < deadline:
                     time.sleep(0.05)

@@ -95,6 +95,74 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
     return removed
 
 
+class FullWriter:
+    """Writes one full checkpoint at a time in a background thread, then applies retention.
+
+    ``on_released`` runs as soon as the data blob may be reused (after the write, or after
+    a failure). ``announce_durable`` sends ``("durable", step)``: a full checkpoint is the
+    durable point of LowDiff+, while LowDiff's durable point is its newest record.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        keep_full: int | None,
+        send: Any,
+        *,
+        announce_durable: bool = False,
+        on_released: Any = None,
+    ) -> None:
+        self.root, self.keep_full, self.send = root, keep_full, send
+        self.announce_durable, self.on_released = announce_durable, on_released
+        self.thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.persisted = -1
+        self.next_auto = 0.0
+        """Earliest time for the next "as often as the disk keeps up" write (at most 50 % duty)."""
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(
+        self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]
+    ) -> None:
+        self.wait()
+        self.thread = threading.Thread(
+            target=self._write, args=(step, entries, blob, meta), daemon=True
+        )
+        self.thread.start()
+
+    def _write(
+        self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]
+    ) -> None:
+        try:
+            t0 = time.perf_counter()
+            nbytes = sfile.write(layout.full_path(self.root, step), entries, blob, meta)
+            if self.on_released is not None:
+                self.on_released()
+            removed = retention(self.root, self.keep_full)
+            took = time.perf_counter() - t0
+            self.next_auto = time.monotonic() + took
+            self.persisted = max(self.persisted, step)
+            if self.announce_durable:
+                self.send(("durable", step))
+            self.send(("full_done", step, nbytes, took, len(removed)))
+        except BaseException:  # noqa: BLE001 -- raised in the owner's thread by wait()
+            self.error = traceback.format_exc()
+            if self.on_released is not None:
+                self.on_released()
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise RuntimeError(f"writing a full checkpoint failed:\n{err}")
+
+
 class _Writer:
     def __init__(
         self,
@@ -114,10 +182,8 @@ class _Writer:
         self.metas: list[str] = []
         self.steps: list[int] = []
         self.staging: torch.Tensor | None = None
-        self.full_thread: threading.Thread | None = None
-        self.full_error: BaseException | None = None
-        self.full_tb = ""
         self.send_lock = threading.Lock()
+        self.full = FullWriter(self.root, cfg.keep_full, self.send, on_released=staging_free.set)
         self.durable = -1
 
     def send(self, msg: tuple[Any, ...]) -> None:
@@ -171,33 +237,10 @@ class _Writer:
             for n, dt, shape, a, b in entries_json
         ]
         size = entries[-1].end if entries else 0
-        blob = self.staging[:size]
-        self.full_thread = threading.Thread(
-            target=self._write_full, args=(step, entries, blob, meta), daemon=True
-        )
-        self.full_thread.start()
-
-    def _write_full(
-        self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]
-    ) -> None:
-        try:
-            t0 = time.perf_counter()
-            nbytes = sfile.write(layout.full_path(self.root, step), entries, blob, meta)
-            self.staging_free.set()
-            removed = retention(self.root, self.cfg.keep_full)
-            self.send(("full_done", step, nbytes, time.perf_counter() - t0, len(removed)))
-        except BaseException as e:  # noqa: BLE001 -- reported to the trainer
-            self.full_error = e
-            self.full_tb = traceback.format_exc()
-            self.staging_free.set()
+        self.full.start(step, entries, self.staging[:size], meta)
 
     def wait_full(self) -> None:
-        if self.full_thread is not None:
-            self.full_thread.join()
-            self.full_thread = None
-        if self.full_error is not None:
-            err, self.full_error = self.full_error, None
-            raise RuntimeError(f"writing a full checkpoint failed: {err!r}\n{self.full_tb}")
+        self.full.wait()
 
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, msg: tuple[Any, ...]) -> bool:
