@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 import lowdiff
+from lowdiff.engine.state import diff_states as _diff
+from lowdiff.engine.state import snapshot_state as _snap
 from lowdiff.engine.state import state_tensors
 
 N_STEPS = 12
@@ -261,17 +263,6 @@ def _build(case: Case, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any
     opt = case.optimizer(model)
     sched = case.scheduler(opt) if case.scheduler is not None else None
     return model, opt, sched
-
-
-def _snap(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in state_tensors(model, opt, sched).items()}
-
-
-def _diff(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    problems = [f"missing {k}" for k in want.keys() - got.keys()]
-    problems += [f"extra {k}" for k in got.keys() - want.keys()]
-    problems += [k for k in want.keys() & got.keys() if not torch.equal(want[k], got[k])]
-    return sorted(problems)
 
 
 def _train(directory: Path, case: Case) -> list[dict[str, torch.Tensor]]:

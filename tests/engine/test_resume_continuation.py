@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import lowdiff
+from lowdiff.engine.state import diff_states as _diff
+from lowdiff.engine.state import snapshot_state as _snap
 from lowdiff.engine.state import state_tensors
 
 TOTAL = 20
@@ -44,17 +46,6 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
     x = torch.randn(6, 8, generator=g) * scale
     y = torch.randn(6, 4, generator=g)
     return ((model(x) - y) ** 2).mean()
-
-
-def _snap(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in state_tensors(model, opt, sched).items()}
-
-
-def _diff(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    problems = [f"missing {k}" for k in want.keys() - got.keys()]
-    problems += [f"extra {k}" for k in got.keys() - want.keys()]
-    problems += [k for k in want.keys() & got.keys() if not torch.equal(want[k], got[k])]
-    return sorted(problems)
 
 
 def _train(

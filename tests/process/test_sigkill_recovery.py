@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import safetensors.torch
-import torch
 
 import lowdiff
+from lowdiff.engine.state import diff_states
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -66,7 +66,7 @@ def _equal_states(a_path: Path, b_path: Path) -> list[str]:
     a = safetensors.torch.load_file(str(a_path))
     b = safetensors.torch.load_file(str(b_path))
     assert a.keys() == b.keys()
-    return [k for k in a if not torch.equal(a[k], b[k])]
+    return diff_states(a, b)
 
 
 @pytest.mark.parametrize("kill_after", [14, 23])

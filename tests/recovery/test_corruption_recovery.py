@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 import lowdiff
+from lowdiff.engine.state import diff_states as _diff
+from lowdiff.engine.state import snapshot_state as _snap
 from lowdiff.engine.state import state_tensors
 
 FULL_EVERY = 4
@@ -44,17 +46,6 @@ def _compressor() -> lowdiff.Compressor:
 def _loss(model: nn.Module, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(77 + step)
     return ((model(torch.randn(5, 6, generator=g)) - torch.randn(5, 3, generator=g)) ** 2).mean()
-
-
-def _snap(model: nn.Module, opt: Any, sched: Any) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in state_tensors(model, opt, sched).items()}
-
-
-def _diff(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
-    problems = [f"missing {k}" for k in want.keys() - got.keys()]
-    problems += [f"extra {k}" for k in got.keys() - want.keys()]
-    problems += [k for k in want.keys() & got.keys() if not torch.equal(want[k], got[k])]
-    return sorted(problems)
 
 
 def _checkpointer(

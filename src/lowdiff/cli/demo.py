@@ -328,18 +328,16 @@ def compare_states(path_a: Path, path_b: Path) -> dict[str, Any]:
         ``{"bit_identical": bool, "n_keys": int, "mismatched_keys": [...],
         "only_in_recovered": [...], "only_in_reference": [...]}``.
     """
-    import torch
     from safetensors.torch import load_file
+
+    from lowdiff.engine.state import diff_states
 
     a = load_file(str(path_a))
     b = load_file(str(path_b))
-    only_a = sorted(set(a) - set(b))
-    only_b = sorted(set(b) - set(a))
-    mismatched = [
-        k
-        for k in sorted(set(a) & set(b))
-        if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])
-    ]
+    problems = diff_states(a, b)
+    only_a = [p.removeprefix("missing ") for p in problems if p.startswith("missing ")]
+    only_b = [p.removeprefix("extra ") for p in problems if p.startswith("extra ")]
+    mismatched = [p for p in problems if not p.startswith(("missing ", "extra "))]
     return {
         "bit_identical": not (mismatched or only_a or only_b),
         "n_keys": len(set(a) | set(b)),

@@ -327,3 +327,29 @@ def state_tensors(
 
 def _text_tensor(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+
+
+def snapshot_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any | None = None
+) -> dict[str, torch.Tensor]:
+    """A copy of :func:`state_tensors` that later training does not change."""
+    return {k: v.clone() for k, v in state_tensors(model, optimizer, scheduler).items()}
+
+
+def diff_states(want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]) -> list[str]:
+    """Every difference between two flat states; empty means bit-identical.
+
+    Entries are ``"missing <key>"`` (only in ``want``), ``"extra <key>"`` (only in ``got``)
+    and ``"<key>"`` (present in both, but dtype, shape or any element differs).
+
+    Example:
+        >>> diff_states(snapshot_state(m, o), snapshot_state(m2, o2))  # doctest: +SKIP
+        []
+    """
+    problems = [f"missing {k}" for k in want.keys() - got.keys()]
+    problems += [f"extra {k}" for k in got.keys() - want.keys()]
+    for k in want.keys() & got.keys():
+        a, b = want[k], got[k]
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            problems.append(k)
+    return sorted(problems)
