@@ -44,3 +44,51 @@ def test_cuda_records_replay_exactly(tmp_path):
         assert lowdiff.restore(tmp_path / "ck", m2, o2, step=s) == s
         got = state_tensors(m2, o2)
         assert [k for k in snaps[s] if not torch.equal(snaps[s][k], got[k])] == []
+
+
+def test_cuda_lowdiff_plus_replica_matches_trainer(tmp_path):
+    """LowDiff+ on CUDA: pinned snapshots on a side stream feed the CPU replica.
+
+    The replica's optimizer step runs on the CPU, whose kernels round differently from
+    CUDA's (fused multiply-add), so floating-point state agrees to rounding, not bit for
+    bit; step counters and every non-float tensor are exact. A second Checkpointer in the
+    same process must pin its buffers again (the first one's registration is released).
+    """
+    m, o = _build()
+    snaps = {}
+    with lowdiff.Checkpointer(
+        m, o, tmp_path / "ck", strategy="lowdiff+", compressor=None, persist_every=1, keep_full=None
+    ) as ck:
+        ck.resume()
+        for i in range(8):
+            g = torch.Generator(device="cuda").manual_seed(i)
+            m(torch.randn(32, 64, device="cuda", generator=g)).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+            ck.step()
+            o.zero_grad()
+            snaps[i + 1] = {k: v.detach().cpu().clone() for k, v in state_tensors(m, o).items()}
+    for s in (4, 8):
+        m2, o2 = _build()
+        assert lowdiff.restore(tmp_path / "ck", m2, o2, step=s) == s
+        got = {k: v.detach().cpu() for k, v in state_tensors(m2, o2).items()}
+        exact = [k for k in snaps[s] if not snaps[s][k].is_floating_point()]
+        assert [k for k in exact if not torch.equal(snaps[s][k], got[k])] == []
+        far = [
+            k
+            for k in snaps[s]
+            if k not in exact and not torch.allclose(snaps[s][k], got[k], rtol=1e-4, atol=1e-6)
+        ]
+        assert far == []
+
+
+def test_cuda_lowdiff_plus_twice_in_one_process(tmp_path):
+    for run in range(2):
+        m, o = _build()
+        with lowdiff.Checkpointer(
+            m, o, tmp_path / f"ck{run}", strategy="lowdiff+", compressor=None
+        ) as ck:
+            for _ in range(3):
+                m(torch.randn(32, 64, device="cuda")).pow(2).mean().backward()
+                ck.step()
+                o.zero_grad()
+        assert lowdiff.inspect_dir(tmp_path / f"ck{run}").recoverable[1] == 3

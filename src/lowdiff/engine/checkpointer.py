@@ -173,6 +173,7 @@ class Checkpointer:
         self.max_lag, self.persist_every = max_lag, persist_every
         self.idle_timeout, self.replica_threads = float(idle_timeout), replica_threads
         self._snap: GradSnapshotter | None = None
+        self._pinned: torch.Tensor | None = None
         self._params = st.optimizer_params(model, optimizer)
         for info, p in self._params:
             if p.is_sparse:
@@ -504,8 +505,8 @@ class Checkpointer:
         n_slots = self.max_lag if self.strategy == "lowdiff+" else self._max_inflight()
         rp.ensure_shm_space(n_slots * self.layout.row_bytes, "the record slots")
         slots = torch.zeros((n_slots, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
-        if self.strategy == "lowdiff+" and self._record_device is not None:
-            _pin(slots)
+        if self.strategy == "lowdiff+" and self._record_device is not None and _pin(slots):
+            self._pinned = slots
         self._slots = slots
         self._slot_views = [self.layout.views(slots[i]) for i in range(n_slots)]
         self._next_slot = 0
@@ -825,6 +826,9 @@ class Checkpointer:
             with contextlib.suppress(Exception):
                 self._snap.close()
             self._snap = None
+        if self._pinned is not None:
+            _unpin(self._pinned)
+            self._pinned = None
         for c in (self._req, self._res):
             if c is not None:
                 with contextlib.suppress(OSError):
@@ -853,12 +857,32 @@ def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
         ck._close_at_exit()
 
 
-def _pin(t: torch.Tensor) -> None:
-    """Page-lock shared host memory so CUDA copies into it run asynchronously."""
+def _pin(t: torch.Tensor) -> bool:
+    """Page-lock shared host memory so CUDA copies into it run asynchronously.
+
+    Returns whether the range was registered; a registered range must be given back with
+    :func:`_unpin` before its memory is unmapped, or a later mapping at the same address
+    cannot be registered.
+    """
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    except Exception:
+        return False
+    if int(err) == 0:
+        return True
     with contextlib.suppress(Exception):
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(err) != 0:
-            warnings.warn(
-                "lowdiff: could not pin the snapshot buffers; copies will be synchronous",
-                stacklevel=3,
-            )
+        cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it
+    warnings.warn(
+        "lowdiff: could not pin the snapshot buffers; copies will be synchronous",
+        stacklevel=3,
+    )
+    return False
+
+
+def _unpin(t: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostUnregister(t.data_ptr())) != 0:
+            cudart.cudaGetLastError()
