@@ -17,6 +17,7 @@ from lowdiff.compressors.base import (
     compressor_from_spec,
     index_dtype_for,
 )
+from lowdiff.compressors.merged import MergedSparse
 from lowdiff.compressors.quantize import QSGD
 from lowdiff.compressors.sparse import ApproxTopK, RandomK, TopK
 
@@ -25,6 +26,7 @@ __all__ = [
     "ApproxTopK",
     "Compressor",
     "FieldSpec",
+    "MergedSparse",
     "NoCompression",
     "RandomK",
     "TopK",

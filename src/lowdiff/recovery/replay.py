@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,90 +185,121 @@ def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:
 _END = object()
 
 
+def iter_rows(
+    files: list[FileInfo],
+    rl: RecordLayout,
+    layout_id: str,
+    start: int,
+    end: int,
+    stats: RecoveryStats,
+) -> Iterator[tuple[int, dict[str, Any], dict[str, torch.Tensor]]]:
+    """Read, verify and decode record files; yield ``(step, meta, views)`` for ``start <= step < end``.
+
+    Raises :class:`CorruptCheckpointError` at the first damaged file (after yielding every
+    record before it).
+    """
+    for f in files:
+        t0 = time.perf_counter()
+        raw = sfile.read_raw(f.path)
+        t1 = time.perf_counter()
+        lf = sfile.decode(f.path, raw)
+        if lf.metadata.get("layout_id") != layout_id:
+            raise CorruptCheckpointError(f.path, "record layout differs from the manifest's")
+        metas = json.loads(lf.metadata["records_meta"])
+        rows = lf.tensors["records"]
+        if len(metas) != f.n_records or tuple(rows.shape) != (f.n_records, rl.row_bytes):
+            raise CorruptCheckpointError(f.path, "record table has the wrong shape")
+        stats.read_s += t1 - t0
+        stats.bytes_read += len(raw)
+        stats.files_read += 1
+        for j in range(f.n_records):
+            step = f.first_step + j
+            if step < start or step >= end:
+                continue
+            meta = codec.decode(metas[j])
+            if meta["step"] != step:
+                raise CorruptCheckpointError(
+                    f.path, f"record {j} says step {meta['step']}, expected {step}"
+                )
+            yield step, meta, rl.views(rows[j])
+
+
+def decompress_grads(
+    rl: RecordLayout,
+    comp: Compressor,
+    views: dict[str, torch.Tensor],
+    nograd: set[int],
+    devices: dict[int, torch.device],
+) -> dict[int, torch.Tensor | None]:
+    """The dense gradients of one record, by parameter index, on their parameters' devices."""
+    out: dict[int, torch.Tensor | None] = {}
+    for k, p in enumerate(rl.params):
+        if p.index in nograd:
+            out[p.index] = None
+            continue
+        numel = 1
+        for s in p.shape:
+            numel *= s
+        g = comp.decompress(rl.payload(views, k), numel, p.dtype).view(p.shape)
+        out[p.index] = g.to(devices[p.index], non_blocking=True)
+    return out
+
+
 class _Reader(threading.Thread):
-    """Reads, verifies and decodes records ahead of replay."""
+    """Reads, verifies and decodes records ahead of replay.
+
+    ``sources`` holds one ``(record layout, files)`` per shard (one for a single-process
+    directory); ``own`` is the shard whose metadata and per-rank state (buffers, RNG)
+    the records restore. Every record step must be present in every shard.
+    """
 
     def __init__(
         self,
-        plan: Plan,
-        rl: RecordLayout,
-        layout_id: str,
+        sources: list[tuple[RecordLayout, list[FileInfo]]],
+        own: int,
+        start: int,
+        end: int,
         compressor: Compressor,
-        devices: list[torch.device],
+        devices: dict[int, torch.device],
         stats: RecoveryStats,
     ) -> None:
         super().__init__(daemon=True, name="lowdiff-recovery-reader")
-        self.plan, self.rl, self.layout_id, self.comp, self.devices, self.stats = (
-            plan,
-            rl,
-            layout_id,
-            compressor,
-            devices,
-            stats,
-        )
+        self.sources, self.own, self.start_step, self.end_step = sources, own, start, end
+        self.comp, self.devices, self.stats = compressor, devices, stats
         self.q: queue.Queue[Any] = queue.Queue(maxsize=8)
         self.stop = threading.Event()
 
     def run(self) -> None:
         try:
-            start, end = self.plan.full.first_step, self.plan.target
-            for f in self.plan.record_files:
-                if self.stop.is_set():
-                    return
-                t0 = time.perf_counter()
+            its = [
+                iter_rows(files, rl, rl.layout_id, self.start_step, self.end_step, self.stats)
+                for rl, files in self.sources
+            ]
+            while not self.stop.is_set():
+                rows = []
                 try:
-                    raw = sfile.read_raw(f.path)
-                    t1 = time.perf_counter()
-                    lf = sfile.decode(f.path, raw)
-                    if lf.metadata.get("layout_id") != self.layout_id:
-                        raise CorruptCheckpointError(
-                            f.path, "record layout differs from the manifest's"
-                        )
-                    metas = json.loads(lf.metadata["records_meta"])
-                    rows = lf.tensors["records"]
-                    if len(metas) != f.n_records or tuple(rows.shape) != (
-                        f.n_records,
-                        self.rl.row_bytes,
-                    ):
-                        raise CorruptCheckpointError(f.path, "record table has the wrong shape")
+                    for it in its:
+                        rows.append(next(it, None))
                 except CorruptCheckpointError as e:
                     self.q.put(("corrupt", e))
                     return
-                self.stats.read_s += t1 - t0
-                self.stats.bytes_read += len(raw)
-                self.stats.files_read += 1
-                for j in range(f.n_records):
-                    step = f.first_step + j
-                    if step < start or step >= end:
-                        continue
-                    t2 = time.perf_counter()
-                    meta = codec.decode(metas[j])
-                    if meta["step"] != step:
-                        self.q.put(
-                            (
-                                "corrupt",
-                                CorruptCheckpointError(
-                                    f.path, f"record {j} says step {meta['step']}, expected {step}"
-                                ),
-                            )
-                        )
-                        return
-                    views = self.rl.views(rows[j])
-                    nograd = set(meta["nograd"])
-                    grads: list[torch.Tensor | None] = []
-                    for k, p in enumerate(self.rl.params):
-                        if p.index in nograd:
-                            grads.append(None)
-                            continue
-                        numel = 1
-                        for s in p.shape:
-                            numel *= s
-                        g = self.comp.decompress(self.rl.payload(views, k), numel, p.dtype).view(
-                            p.shape
-                        )
-                        grads.append(g.to(self.devices[k], non_blocking=True))
-                    self.stats.decode_s += time.perf_counter() - t2
-                    self.q.put(("record", step, grads, meta, views))
+                if all(r is None for r in rows):
+                    break
+                if any(r is None for r in rows) or len({r[0] for r in rows if r}) != 1:
+                    raise RecoveryError(
+                        "the shards' record chains disagree: "
+                        + ", ".join(str(r[0]) if r else "end" for r in rows)
+                    )
+                t2 = time.perf_counter()
+                step, meta, views = rows[self.own]  # type: ignore[misc]
+                grads: dict[int, torch.Tensor | None] = {}
+                for (rl, _), row in zip(self.sources, rows, strict=True):
+                    assert row is not None
+                    grads.update(
+                        decompress_grads(rl, self.comp, row[2], set(row[1]["nograd"]), self.devices)
+                    )
+                self.stats.decode_s += time.perf_counter() - t2
+                self.q.put(("record", step, grads, meta, views))
             self.q.put(_END)
         except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread
             self.q.put(("error", e))
@@ -290,15 +322,53 @@ def replay(
     compressor = compressor_from_spec(manifest["compressor"])
     stats = RecoveryStats(full_step=plan.full.first_step, step=plan.full.first_step)
     load_full(plan.full, model, optimizer, scheduler, stats)
-    if plan.target == plan.full.first_step:
-        stats.total_s = time.perf_counter() - t_start
-        return stats
+    replay_records(
+        [(rl, plan.record_files)],
+        0,
+        plan.full.first_step,
+        plan.target,
+        model,
+        optimizer,
+        scheduler,
+        compressor,
+        stats,
+        strict=strict,
+    )
+    stats.total_s = time.perf_counter() - t_start
+    return stats
+
+
+def replay_records(
+    sources: list[tuple[RecordLayout, list[FileInfo]]],
+    own: int,
+    start: int,
+    target: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    compressor: Compressor,
+    stats: RecoveryStats,
+    *,
+    strict: bool,
+) -> None:
+    """Replay records ``start .. target-1`` through ``optimizer`` (the full state is loaded).
+
+    ``sources`` is one ``(layout, files)`` per shard; the gradient of each parameter comes
+    from the shard that holds it, and the per-rank state (buffers, RNG, scheduler) from
+    shard ``own``. Sets ``stats.step`` to the step reached.
+    """
+    stats.step = start
+    if target == start:
+        return
     live = [p for _, p in st.optimizer_params(model, optimizer)]
-    reader = _Reader(plan, rl, rl.layout_id, compressor, [p.device for p in live], stats)
+    reader = _Reader(
+        sources, own, start, target, compressor, {i: p.device for i, p in enumerate(live)}, stats
+    )
     reader.start()
+    own_rl = sources[own][0]
     last_meta: dict[str, Any] | None = None
     last_views: dict[str, torch.Tensor] | None = None
-    expected = plan.full.first_step
+    expected = start
     try:
         while True:
             item = reader.q.get()
@@ -309,20 +379,21 @@ def replay(
             if item[0] == "corrupt":
                 err: CorruptCheckpointError = item[1]
                 if strict:
-                    raise RecoveryError(f"cannot reach step {plan.target}: {err}") from err
+                    raise RecoveryError(f"cannot reach step {target}: {err}") from err
                 stats.skipped.append((str(err.path), err.reason))
                 warnings.warn(
                     f"lowdiff: {err.path} is damaged ({err.reason}); recovering to step {expected}, "
                     f"the last step before it",
                     RecoveryWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 break
             _, step, grads, meta, views = item
             if step != expected:
                 raise RecoveryError(f"record chain broken: expected step {expected}, got {step}")
             t0 = time.perf_counter()
-            for p, g in zip(live, grads, strict=True):
+            for i, p in enumerate(live):
+                g = grads[i]
                 # the gradient gets its parameter's strides, as in training (fused
                 # kernels read memory in layout order)
                 p.grad = g if g is None or p.is_contiguous() else torch.empty_like(p).copy_(g)
@@ -345,13 +416,11 @@ def replay(
     if last_meta is not None and last_views is not None:
         t0 = time.perf_counter()
         st.apply_hparams(optimizer, codec.decode(last_meta["hp_after"]))
-        st.set_buffers(model, rl.buffer_values(last_views))
+        st.set_buffers(model, own_rl.buffer_values(last_views))
         _load_scheduler(scheduler, codec.decode(last_meta["sched"]), "record")
-        st.restore_rng(rl.rng_tensors(last_views), last_meta["rng"])
+        st.restore_rng(own_rl.rng_tensors(last_views), last_meta["rng"])
         stats.replay_s += time.perf_counter() - t0
     stats.step = expected
-    stats.total_s = time.perf_counter() - t_start
-    return stats
 
 
 def recover(
