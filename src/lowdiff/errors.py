@@ -40,10 +40,15 @@ class DirectoryLockedError(LowDiffError):
 
 
 class CheckpointWorkerError(LowDiffError):
-    """The background checkpointing process failed; carries its original traceback."""
+    """The background checkpointing process failed; carries its original traceback.
 
-    def __init__(self, message: str, remote_traceback: str = "") -> None:
+    ``storage`` is True when the failure came from the storage (an ``OSError`` such as
+    ``ENOSPC`` or ``EIO`` while writing), not from a bug or a lost process.
+    """
+
+    def __init__(self, message: str, remote_traceback: str = "", storage: bool = False) -> None:
         self.remote_traceback = remote_traceback
+        self.storage = storage
         text = (
             message
             if not remote_traceback
@@ -54,3 +59,7 @@ class CheckpointWorkerError(LowDiffError):
 
 class RecoveryWarning(UserWarning):
     """Recovery passed over damaged files or fell back to an older point."""
+
+
+class DurabilityWarning(UserWarning):
+    """Checkpointing is suspended after a storage error; says how many steps are not durable."""

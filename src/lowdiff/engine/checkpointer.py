@@ -22,6 +22,7 @@ nothing (the baseline without checkpointing).
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import datetime as _dt
 import os
@@ -48,6 +49,7 @@ from lowdiff.errors import (
     CheckpointMismatchError,
     CheckpointWorkerError,
     DirectoryLockedError,
+    DurabilityWarning,
     LowDiffError,
     RecoveryWarning,
 )
@@ -59,6 +61,19 @@ from lowdiff.recovery.replay import RecoveryStats, apply_full_state, check_compa
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 
 STRATEGIES = ("lowdiff", "lowdiff+", "none")
+STORAGE_ERROR_POLICIES = ("raise", "warn")
+# Errors of the checkpointing process that come from the storage (a full disk, an I/O
+# error), as opposed to a bug or a lost process: OSError and its subclasses, except the
+# ones a closed pipe between the two processes raises.
+_STORAGE_ERRORS = {
+    c.__name__
+    for c in vars(builtins).values()
+    if isinstance(c, type) and issubclass(c, OSError) and not issubclass(c, ConnectionError)
+}
+
+
+class _CheckpointingSuspended(Exception):
+    """Internal: a storage error under ``on_storage_error="warn"`` stopped checkpointing."""
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -99,6 +114,12 @@ class Checkpointer:
         idle_timeout: LowDiff+ only: seconds a replica whose trainer died waits for a new
             trainer to attach before it persists and exits.
         replica_threads: LowDiff+ only: torch threads of the replica's optimizer step.
+        on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,
+            ``EIO``, ...) does. ``"raise"``: the next ``step()`` raises
+            :class:`CheckpointWorkerError`. ``"warn"`` (strategy ``"lowdiff"`` only):
+            training goes on without checkpointing, a :class:`DurabilityWarning` says how
+            many steps are not durable, and lowdiff retries with a full checkpoint at the
+            next multiple of ``full_every``.
 
     Example:
         >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
@@ -128,8 +149,21 @@ class Checkpointer:
         persist_every: int | str = "auto",
         idle_timeout: float = 300.0,
         replica_threads: int = 1,
+        on_storage_error: str = "raise",
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
+        if on_storage_error not in STORAGE_ERROR_POLICIES:
+            raise ValueError(
+                f"on_storage_error must be one of {', '.join(map(repr, STORAGE_ERROR_POLICIES))}, "
+                f"got {on_storage_error!r}"
+            )
+        if on_storage_error == "warn" and strategy != "lowdiff":
+            raise ValueError(
+                f"on_storage_error='warn' is supported by strategy 'lowdiff' only, got {strategy!r}"
+            )
+        self.on_storage_error = on_storage_error
+        self._suspended: str | None = None
+        """Under "warn": why checkpointing is suspended after a storage error."""
         if strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}"
@@ -310,7 +344,8 @@ class Checkpointer:
             raise RuntimeError("step() after close()")
         if not self._started:
             self._start_implicit()
-        self._raise_worker_error()
+        with contextlib.suppress(_CheckpointingSuspended):
+            self._raise_worker_error()
         if self.strategy == "lowdiff+":
             self._step_plus(metric)
             return
@@ -339,9 +374,13 @@ class Checkpointer:
         self._stats["steps"] += 1
         if self.strategy == "lowdiff":
             assert hp is not None
-            self._emit_record(t, payloads, nograd, hp)
-            if self._step % self.full_every == 0:
-                self._emit_full(self._step)
+            with contextlib.suppress(_CheckpointingSuspended):
+                if self._suspended is None:
+                    self._emit_record(t, payloads, nograd, hp)
+                    if self._step % self.full_every == 0:
+                        self._emit_full(self._step)
+                elif self._step % self.full_every == 0:
+                    self._resume_checkpointing()
 
     def flush(self) -> int:
         """Write the records waiting for a full batch and wait until they are durable.
@@ -351,8 +390,14 @@ class Checkpointer:
         """
         if self.strategy == "none" or not self._started or self._closed:
             return self._durable
-        self._send(("flush",))
-        self._wait_reply("flushed")
+        try:
+            if self._suspended is None:
+                self._send(("flush",))
+                self._wait_reply("flushed")
+        except _CheckpointingSuspended:
+            pass
+        if self._suspended is not None:
+            self._warn_not_durable("flush()")
         return self._durable
 
     def close(self) -> None:
@@ -361,12 +406,16 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            if self._proc is not None:
+            if self._proc is not None and self._suspended is None:
                 self._send(("close",))
                 self._wait_reply("closed")
                 self._proc.join(self.start_timeout)
+        except _CheckpointingSuspended:
+            pass
         finally:
             self._release()
+        if self._suspended is not None:
+            self._warn_not_durable("close()")
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -585,7 +634,7 @@ class Checkpointer:
         elif kind == "error":
             _, name, text, tb = msg
             self._worker_error = CheckpointWorkerError(
-                f"the checkpointing process failed: {name}: {text}", tb
+                f"the checkpointing process failed: {name}: {text}", tb, name in _STORAGE_ERRORS
             )
         return str(kind)
 
@@ -611,9 +660,13 @@ class Checkpointer:
                 )
 
     def _raise_worker_error(self, force: bool = False) -> None:
+        if self._suspended is not None:
+            raise _CheckpointingSuspended
         self._poll()
         if self._worker_error is not None:
             err = self._worker_error
+            if self.on_storage_error == "warn" and err.storage:
+                self._suspend_checkpointing(err)
             raise err
         if (
             self._proc is not None
@@ -819,6 +872,59 @@ class Checkpointer:
         self._started = True
         self._emit_full(self._step, kind="init")
         return True
+
+    # ------------------------------------------------------------------ storage errors
+    def _suspend_checkpointing(self, err: CheckpointWorkerError) -> None:
+        """``on_storage_error="warn"``: drop the failed checkpointing process, train on."""
+        self._suspended = str(err).split("\n", 1)[0]
+        self._worker_error = None
+        self._stop_worker()
+        self._warn_not_durable("a storage error")
+        raise _CheckpointingSuspended
+
+    def _warn_not_durable(self, where: str) -> None:
+        lost = self._step - self._durable if self._durable >= 0 else self._step
+        retry = -(-(self._step + 1) // self.full_every) * self.full_every
+        warnings.warn(
+            f"lowdiff: checkpointing to {self.root} is suspended ({where}): {self._suspended}; "
+            f"{lost} step(s) are not durable (newest durable step {self._durable}, training is at "
+            f"step {self._step})"
+            + ("" if self._closed else f"; lowdiff retries with a full checkpoint at step {retry}"),
+            DurabilityWarning,
+            stacklevel=4,
+        )
+
+    def _stop_worker(self) -> None:
+        """Wait for a checkpointing process that reported an error to exit; drop its pipes."""
+        if self._proc is not None:
+            self._proc.join(self.start_timeout)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join()
+        for c in (self._req, self._res):
+            if c is not None:
+                with contextlib.suppress(OSError):
+                    c.close()
+        self._req = self._res = None
+        self._proc = None
+
+    def _resume_checkpointing(self) -> None:
+        """After a storage error: a new checkpointing process, starting with a full checkpoint."""
+        try:
+            self._wait_for_previous_writer()
+            assert self.root is not None
+            for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+                remove_stale_temps(d)
+            self._staging = None  # the new process needs the staging buffer again
+            self._suspended = None
+            self._launch_worker()
+            self._emit_full(self._step)
+        except (OSError, LowDiffError) as e:
+            if self._suspended is None:
+                self._suspended = f"restarting the checkpointing process failed: {e}"
+                self._stop_worker()
+                self._warn_not_durable("a storage error")
+            raise _CheckpointingSuspended from None
 
     # ------------------------------------------------------------------ teardown
     def _release(self) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from lowdiff.format import layout, sfile
+from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
 
 
@@ -92,6 +93,7 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
     for p in removed:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
+        _hook("retention", p)
     return removed
 
 
@@ -115,7 +117,7 @@ class FullWriter:
         self.root, self.keep_full, self.send = root, keep_full, send
         self.announce_durable, self.on_released = announce_durable, on_released
         self.thread: threading.Thread | None = None
-        self.error: str | None = None
+        self.error: BaseException | None = None
         self.persisted = -1
         self.next_auto = 0.0
         """Earliest time for the next "as often as the disk keeps up" write (at most 50 % duty)."""
@@ -148,8 +150,8 @@ class FullWriter:
             if self.announce_durable:
                 self.send(("durable", step))
             self.send(("full_done", step, nbytes, took, len(removed)))
-        except BaseException:  # noqa: BLE001 -- raised in the owner's thread by wait()
-            self.error = traceback.format_exc()
+        except BaseException as e:  # noqa: BLE001 -- raised in the owner's thread by wait()
+            self.error = e
             if self.on_released is not None:
                 self.on_released()
 
@@ -159,8 +161,10 @@ class FullWriter:
             self.thread.join()
             self.thread = None
         if self.error is not None:
+            # the original exception (an OSError stays an OSError), with the writer
+            # thread's frames in its traceback
             err, self.error = self.error, None
-            raise RuntimeError(f"writing a full checkpoint failed:\n{err}")
+            raise err
 
 
 class _Writer:
@@ -183,8 +187,21 @@ class _Writer:
         self.steps: list[int] = []
         self.staging: torch.Tensor | None = None
         self.send_lock = threading.Lock()
-        self.full = FullWriter(self.root, cfg.keep_full, self.send, on_released=staging_free.set)
+        self.full = FullWriter(
+            self.root, cfg.keep_full, self.send, announce_durable=True, on_released=staging_free.set
+        )
         self.durable = -1
+        self.acked = -1
+        self.resumed: bool | None = None
+        """Whether this session continues a recovered state (its first message is a record)
+        or starts from a full checkpoint of its own (the first message is a full request)."""
+
+    def ack(self) -> None:
+        """Announce the newest durable step, once its records chain to a full checkpoint
+        on disk: the recovered state, or the first full checkpoint this session writes."""
+        if self.durable > self.acked and (self.resumed or self.full.persisted >= 0):
+            self.acked = self.durable
+            self.send(("durable", self.durable))
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self.send_lock, contextlib.suppress(OSError):
@@ -225,7 +242,7 @@ class _Writer:
         self.steps.clear()
         self.metas.clear()
         self.durable = last + 1
-        self.send(("durable", last + 1))
+        self.ack()
 
     # -- full checkpoints -------------------------------------------------------------------
     def start_full(self, step: int, entries_json: list[Any], meta: dict[str, str]) -> None:
@@ -245,7 +262,12 @@ class _Writer:
     # -- dispatch -----------------------------------------------------------------------------
     def handle(self, msg: tuple[Any, ...]) -> bool:
         """Handle one message; returns False when the process should stop."""
+        if self.full.error is not None:
+            self.full.wait()  # a failed full checkpoint is reported on the next step
         kind = msg[0]
+        if self.resumed is None and kind in ("record", "record_dev", "full"):
+            self.resumed = kind != "full"
+        self.ack()
         if kind == "record":
             _, slot, step, meta = msg
             self.add_record(self.slots[slot], step, meta)
@@ -264,11 +286,13 @@ class _Writer:
         elif kind == "flush":
             self.write_batch()
             self.wait_full()
-            self.send(("flushed", self.durable))
+            self.ack()
+            self.send(("flushed", max(self.acked, self.full.persisted)))
         elif kind == "close":
             self.write_batch()
             self.wait_full()
-            self.send(("closed", self.durable))
+            self.ack()
+            self.send(("closed", max(self.acked, self.full.persisted)))
             return False
         else:
             raise RuntimeError(f"unknown message {kind!r}")

@@ -3,14 +3,20 @@
 A reader never sees a partial file under its final name: until the rename, the data
 lives under a ``.tmp-`` name that recovery ignores and a new session deletes.
 
-Fault-injection hook points (``before_fsync``, ``before_rename``, ``after_rename``) let
-tests stop or kill a writer at a precise point; they cost one dict lookup when unused.
+Fault-injection hook points (``before_write``, ``before_fsync``, ``before_rename``,
+``after_rename``, and ``retention`` just after retention deletes a file) let tests stop,
+kill or fail a writer at a precise point; they cost one dict lookup when unused. A test
+installs them in its own process with :func:`set_fault_hook`, or in a checkpointing
+process it is about to start through the ``LOWDIFF_FAULTS`` environment variable (read
+once, when this module is imported; see :func:`parse_faults`). Both are for tests only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,13 +24,18 @@ from typing import BinaryIO
 
 TMP_PREFIX = ".tmp-"
 
+FAULT_POINTS = ("before_write", "before_fsync", "before_rename", "after_rename", "retention")
+FAULT_KINDS = ("records", "full", "manifest", "any")
+FAULT_ACTIONS = ("kill-self", "kill-parent", "kill-both", "enospc", "eio")
+FAULT_ENV = "LOWDIFF_FAULTS"
+
 _HOOKS: dict[str, Callable[[Path], None]] = {}
 
 
 def set_fault_hook(point: str, fn: Callable[[Path], None] | None) -> None:
     """Install (or with ``None`` remove) a test hook at ``point``."""
-    if point not in {"before_fsync", "before_rename", "after_rename"}:
-        raise ValueError(f"unknown fault hook point {point!r}")
+    if point not in FAULT_POINTS:
+        raise ValueError(f"unknown fault hook point {point!r}; expected one of {FAULT_POINTS}")
     if fn is None:
         _HOOKS.pop(point, None)
     else:
@@ -35,6 +46,77 @@ def _hook(point: str, path: Path) -> None:
     fn = _HOOKS.get(point)
     if fn is not None:
         fn(path)
+
+
+def file_kind(path: Path) -> str:
+    """``"records"``, ``"full"`` or ``"manifest"`` for lowdiff's files, else ``"other"``."""
+    name = path.name
+    if name == "lowdiff.json" or name.startswith(f"{TMP_PREFIX}lowdiff.json"):
+        return "manifest"
+    if path.parent.name in ("records", "full"):
+        return path.parent.name
+    return "other"
+
+
+class _Fault:
+    """Fires ``action`` at the ``nth`` time ``point`` is reached for a file of ``kind``."""
+
+    def __init__(self, point: str, kind: str, nth: int, action: str) -> None:
+        self.point, self.kind, self.nth, self.action = point, kind, nth, action
+        self.seen = 0
+
+    def __call__(self, path: Path) -> None:
+        if self.kind != "any" and file_kind(path) != self.kind:
+            return
+        self.seen += 1
+        if self.seen != self.nth:
+            return
+        if self.action in ("kill-parent", "kill-both"):
+            os.kill(os.getppid(), signal.SIGKILL)
+        if self.action in ("kill-self", "kill-both"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.action in ("enospc", "eio"):
+            code = errno.ENOSPC if self.action == "enospc" else errno.EIO
+            raise OSError(code, os.strerror(code), str(path))
+
+
+def parse_faults(spec: str) -> dict[str, Callable[[Path], None]]:
+    """Parse ``"point:kind:nth:action[,...]"`` into hooks (one per point).
+
+    ``point`` is one of :data:`FAULT_POINTS`, ``kind`` one of :data:`FAULT_KINDS`,
+    ``nth`` counts matching events from 1, and ``action`` is one of :data:`FAULT_ACTIONS`:
+    SIGKILL this process, its parent or both, or fail with ``ENOSPC`` / ``EIO``.
+
+    Example:
+        >>> sorted(parse_faults("before_rename:records:2:kill-self"))
+        ['before_rename']
+    """
+    hooks: dict[str, Callable[[Path], None]] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        parts = item.split(":")
+        if len(parts) != 4:
+            raise ValueError(f"fault {item!r} is not point:kind:nth:action")
+        point, kind, nth, action = parts
+        if point not in FAULT_POINTS or kind not in FAULT_KINDS or action not in FAULT_ACTIONS:
+            raise ValueError(
+                f"fault {item!r}: point must be one of {FAULT_POINTS}, kind one of "
+                f"{FAULT_KINDS}, action one of {FAULT_ACTIONS}"
+            )
+        if not nth.isdigit() or int(nth) < 1:
+            raise ValueError(f"fault {item!r}: nth must be a positive integer")
+        hooks[point] = _Fault(point, kind, int(nth), action)
+    return hooks
+
+
+def install_faults(spec: str) -> None:
+    """Replace every installed hook by the faults of ``spec`` (see :func:`parse_faults`)."""
+    hooks = parse_faults(spec)
+    _HOOKS.clear()
+    _HOOKS.update(hooks)
+
+
+if os.environ.get(FAULT_ENV):
+    install_faults(os.environ[FAULT_ENV])
 
 
 def fsync_dir(path: Path) -> None:
@@ -60,6 +142,7 @@ def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     f = open(tmp, "w+b")  # noqa: SIM115 -- closed below on every path
     try:
+        _hook("before_write", tmp)
         yield f
         f.flush()
         _hook("before_fsync", tmp)
@@ -69,10 +152,13 @@ def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
         os.replace(tmp, path)
         fsync_dir(path.parent)
         _hook("after_rename", path)
-    except BaseException:
+    except BaseException as e:
         f.close()
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.errno is not None and e.filename != str(path):
+            # name the file being published, not the temp file (or no file at all)
+            raise type(e)(e.errno, e.strerror, str(path)) from e
         raise
 
 
