@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -42,6 +43,16 @@ DESCRIPTOR = ".lowdiff.replica.json"
 _MAGIC = b"LDREPL01"
 _HDR = struct.Struct("<8sqqqq")  # magic, seq, state, step, json_len
 CTL_BYTES = 4 << 20
+
+# The only segment names lowdiff creates. A name read from the directory (descriptor) or
+# from a control block is used only when it has this form, so a damaged or forged file
+# cannot make lowdiff open or unlink any other shared memory or path.
+_SEGMENT_RE = re.compile(r"^lowdiff-[A-Za-z0-9_-]{1,100}$")
+
+
+def valid_segment_name(name: object) -> bool:
+    return isinstance(name, str) and _SEGMENT_RE.match(name) is not None
+
 
 STATE_INIT, STATE_RUNNING, STATE_ORPHANED, STATE_CLOSED = 0, 1, 2, 3
 
@@ -175,15 +186,18 @@ def write_descriptor(root: Path, d: Descriptor) -> None:
 def read_descriptor(root: Path) -> Descriptor | None:
     try:
         raw = json.loads((root / DESCRIPTOR).read_text())
-        return Descriptor(
+        d = Descriptor(
             int(raw["pid"]),
             str(raw["host"]),
             str(raw["run_id"]),
             str(raw["ctl"]),
             str(raw["layout_id"]),
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    if not valid_segment_name(d.ctl) or d.pid <= 0:
+        return None
+    return d
 
 
 def remove_descriptor(root: Path, run_id: str | None = None) -> None:
@@ -282,6 +296,9 @@ def find_live_replica(
             ctl_shm.close()
             return None, f"the replica is not available (state {state})"
         time.sleep(0.02)  # the owner is still merging what it received
+    if not valid_segment_name(doc.get("arena")):
+        ctl_shm.close()
+        return None, "the replica's control block names an invalid arena segment"
     try:
         arena = attach_segment(doc["arena"])
     except FileNotFoundError:
@@ -295,12 +312,14 @@ def _cleanup_stale(root: Path, d: Descriptor) -> None:
     prefix = f"lowdiff-{d.run_id[:16]}-"
     names = {d.ctl}
     with contextlib.suppress(OSError):
-        names.update(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+        names.update(
+            n for n in os.listdir("/dev/shm") if n.startswith(prefix) and valid_segment_name(n)
+        )
     with contextlib.suppress(Exception):
         shm = attach_segment(d.ctl)
         try:
             _, _, doc = ControlBlock(shm).read()
-            if doc.get("run_id") == d.run_id and doc.get("arena"):
+            if doc.get("run_id") == d.run_id and valid_segment_name(doc.get("arena")):
                 names.add(doc["arena"])
         finally:
             shm.close()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.format.dtypes import dtype_from_name, dtype_name
+from lowdiff.format.dtypes import dtype_from_name, dtype_name, itemsize
 
 _TAGS = {"__tuple__", "__dict__", "__float__", "__tensor__", "__tensor_ref__", "__str_dict__"}
 
@@ -103,8 +103,15 @@ def decode(tree: Any, source: TensorSource | None = None) -> Any:
             return source(body)
         if tag == "__tensor__":
             dtype = dtype_from_name(body["dtype"])
-            raw = bytearray(base64.b64decode(body["b64"]))
+            raw = bytearray(base64.b64decode(body["b64"], validate=True))
             shape = [int(s) for s in body["shape"]]
+            numel = math.prod(shape)
+            # a forged shape must not allocate more than the bytes that are really there
+            if any(s < 0 for s in shape) or numel * itemsize(dtype) != len(raw):
+                raise ValueError(
+                    f"inline tensor of shape {shape} and dtype {body['dtype']} cannot hold "
+                    f"{len(raw)} bytes"
+                )
             if not raw:
                 return torch.empty(shape, dtype=dtype)
             return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
