@@ -2,7 +2,25 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+
+from lowdiff.torture.report import TortureReport
 
 # Tests run on 2 shared cores; more threads only add contention and noise.
 torch.set_num_threads(int(os.environ.get("LOWDIFF_TEST_THREADS", "1")))
+
+# The torture tests add their figures here; the summary is printed at the end of the run.
+_TORTURE = TortureReport()
+
+
+@pytest.fixture(scope="session")
+def torture_report() -> TortureReport:
+    return _TORTURE
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
+    r = _TORTURE
+    if r.kills or r.corruptions or r.storage_faults or r.fuzz_inputs:
+        terminalreporter.section("lowdiff torture summary")
+        terminalreporter.write_line(r.format_text())

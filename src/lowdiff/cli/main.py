@@ -1,4 +1,4 @@
-"""The ``lowdiff`` command line: ``demo``, ``inspect``, ``verify``, ``export``.
+"""The ``lowdiff`` command line: ``demo``, ``inspect``, ``verify``, ``export``, ``torture``.
 
 Every command is a thin layer over the Python API, callable as ``main([...])``.
 """
@@ -6,6 +6,7 @@ Every command is a thin layer over the Python API, callable as ``main([...])``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
@@ -115,6 +116,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_torture(args: argparse.Namespace) -> int:
+    from lowdiff.torture import FULL, QUICK, run_torture
+
+    profile = QUICK if args.quick else FULL
+    if args.kills is not None:
+        profile = dataclasses.replace(profile, kills=args.kills)
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_torture(profile, out=args.out, seed=args.seed, jobs=args.jobs, log=log)
+    print(report.dumps() if args.json else report.format_text())
+    return 0 if report.ok else 1
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected an integer >= 1, got 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lowdiff import __version__
     from lowdiff.cli import demo
@@ -140,9 +170,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write the model state at a recoverable step as safetensors")
     p.add_argument("directory", type=Path)
-    p.add_argument("--step", type=int, default=None, help="recoverable step (default: newest)")
+    p.add_argument(
+        "--step", type=_non_negative_int, default=None, help="recoverable step (default: newest)"
+    )
     p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "torture",
+        help="kill, corrupt, fill the disk and fuzz; check every recovery and print the figures",
+    )
+    p.add_argument("--quick", action="store_true", help="the small profile (about a minute)")
+    p.add_argument(
+        "--kills", type=_non_negative_int, default=None, help="kill plans (full profile: 200)"
+    )
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of every random choice")
+    p.add_argument("--jobs", type=_positive_int, default=1, help="kill chains run side by side")
+    p.add_argument("--out", type=Path, default=None, help="working directory (kept)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=cmd_torture)
     return parser
 
 

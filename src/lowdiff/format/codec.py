@@ -82,19 +82,28 @@ def encode(value: Any, sink: TensorSink | None = None, path: str = "$") -> Any:
 
 
 def decode(tree: Any, source: TensorSource | None = None) -> Any:
-    """Inverse of :func:`encode`."""
+    """Inverse of :func:`encode`. A malformed tree raises ``ValueError``, whatever is wrong."""
+    try:
+        return _decode(tree, source)
+    except ValueError:
+        raise
+    except (KeyError, IndexError, TypeError, AttributeError, RecursionError, OverflowError) as e:
+        raise ValueError(f"malformed lowdiff metadata ({type(e).__name__}: {e})") from None
+
+
+def _decode(tree: Any, source: TensorSource | None) -> Any:
     if isinstance(tree, list):
-        return [decode(v, source) for v in tree]
+        return [_decode(v, source) for v in tree]
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
         ((tag, body),) = tree.items()
         if tag == "__tuple__":
-            return tuple(decode(v, source) for v in body)
+            return tuple(_decode(v, source) for v in body)
         if tag == "__dict__":
-            return {_hashable(decode(k, None)): decode(v, source) for k, v in body}
+            return {_hashable(_decode(k, None)): _decode(v, source) for k, v in body}
         if tag == "__str_dict__":
-            return {k: decode(v, source) for k, v in body}
+            return {k: _decode(v, source) for k, v in body}
         if tag == "__float__":
             return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[body]
         if tag == "__tensor_ref__":
@@ -115,7 +124,7 @@ def decode(tree: Any, source: TensorSource | None = None) -> Any:
             if not raw:
                 return torch.empty(shape, dtype=dtype)
             return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
-    return {k: decode(v, source) for k, v in tree.items()}
+    return {k: _decode(v, source) for k, v in tree.items()}
 
 
 def _hashable(key: Any) -> Any:
@@ -130,5 +139,9 @@ def dumps(value: Any, sink: TensorSink | None = None) -> str:
 
 
 def loads(text: str, source: TensorSource | None = None) -> Any:
-    """Inverse of :func:`dumps`."""
-    return decode(json.loads(text), source)
+    """Inverse of :func:`dumps`. Malformed text raises ``ValueError``, whatever is wrong."""
+    try:
+        tree = json.loads(text)
+    except RecursionError:
+        raise ValueError("malformed lowdiff metadata (nested too deeply)") from None
+    return decode(tree, source)

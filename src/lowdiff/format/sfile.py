@@ -230,12 +230,15 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
     try:
         for name, info in header.items():
             dtype = dtype_from_name(info["dtype"])
-            shape = tuple(int(s) for s in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
+            # ints only: int() would accept 2.5 as 2 and "7" as 7
+            if not all(type(x) is int for x in [*info["shape"], *info["data_offsets"]]):
+                raise ValueError("shape and data_offsets must be integers")
+            shape = tuple(info["shape"])
+            start, end = info["data_offsets"]
             if any(s < 0 for s in shape):
                 raise ValueError("negative dimension")
             entries.append(TensorEntry(str(name), dtype, shape, start, end))
-    except (KeyError, TypeError, ValueError) as err:
+    except (KeyError, TypeError, ValueError, OverflowError) as err:
         raise CorruptCheckpointError(path, f"bad tensor entry in header ({err})") from None
     entries.sort(key=lambda x: (x.start, x.end))
     data_len = file_size - 8 - n

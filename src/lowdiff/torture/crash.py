@@ -1,0 +1,301 @@
+"""Crash-point torture: SIGKILL the trainer, the checkpointing process or both, recover.
+
+A *plan* says what to kill and when: at a random time, or at a hook point inside a
+write (before the fsync, between the fsync and the rename, after the rename, while a
+full checkpoint is written, while retention deletes files, while the trainer rewrites
+the manifest during resume). :mod:`lowdiff.torture.job` runs the plans one session
+each; this module starts it, restarts it after each kill of the trainer, and checks
+every recovery against the uninterrupted reference trajectory:
+
+1. recovery succeeds;
+2. the recovered step is at least the newest step the trainer was told was durable
+   (``ck.durable_step``, printed by the job before it was killed): the *acknowledged*
+   step. After a kill of the trainer alone, the surviving checkpointing process writes
+   everything it was handed, so the recovered step is also at least the last step whose
+   ``ck.step()`` returned;
+3. the recovered state is bit-identical (``torch.equal`` on every tensor) to the
+   reference at that step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+import lowdiff
+from lowdiff.engine.state import diff_states
+from lowdiff.torture.report import TortureReport
+
+# (point, kind, largest nth): where a write can be interrupted
+HOOK_POINTS: list[tuple[str, str, int]] = [
+    ("before_fsync", "records", 3),
+    ("before_rename", "records", 3),
+    ("after_rename", "records", 2),
+    ("before_write", "full", 2),
+    ("before_fsync", "full", 2),
+    ("before_rename", "full", 2),
+    ("after_rename", "full", 2),
+    ("retention", "any", 4),
+]
+ACTIONS = {"worker": "kill-self", "trainer": "kill-parent", "both": "kill-both"}
+N_STEPS = 240
+STEP_SLEEP = 0.004
+
+
+def make_plans(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` kill plans: targets, hook points and random times, mixed by ``seed``."""
+    rng = random.Random(seed)
+    plans: list[dict[str, Any]] = []
+    for i in range(n):
+        target = ("worker", "trainer", "both")[i % 3]
+        if i % 10 == 9:
+            # the trainer rewrites the manifest during resume
+            plans.append(
+                {
+                    "target": "trainer",
+                    "how": "hook",
+                    "spec": "before_rename:manifest:1:kill-self",
+                    "point": "before_rename:manifest",
+                }
+            )
+        elif rng.random() < 0.6:
+            point, kind, most = rng.choice(HOOK_POINTS)
+            nth = rng.randint(1, most)
+            plans.append(
+                {
+                    "target": target,
+                    "how": "hook",
+                    "spec": f"{point}:{kind}:{nth}:{ACTIONS[target]}",
+                    "point": f"{point}:{kind}",
+                }
+            )
+        else:
+            startup = target != "worker" and rng.random() < 0.2
+            plans.append(
+                {
+                    "target": target,
+                    "how": "time",
+                    "phase": "startup" if startup else "training",
+                    "delay": rng.uniform(0.0, 1.5 if startup else 0.8),
+                    "point": "random time (startup)" if startup else "random time",
+                }
+            )
+    plans.append({"target": "none", "how": "check", "point": "final check"})
+    return plans
+
+
+class _Chain:
+    def __init__(self) -> None:
+        self.acked = -1
+        self.handed = -1
+        self.expect_handed = -1
+
+
+class CrashHarness:
+    """Runs kill plans in ``workdir`` and adds the figures to ``report``."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        reference: list[dict[str, torch.Tensor]],
+        report: TortureReport,
+        *,
+        seed: int = 0,
+        timeout: float = 180.0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.workdir, self.ref, self.report = Path(workdir), reference, report
+        self.seed, self.timeout, self.log = seed, timeout, log or (lambda _: None)
+        self.lock = threading.Lock()
+
+    def run(self, plans: list[dict[str, Any]]) -> None:
+        dumps = self.workdir / "dumps"
+        dumps.mkdir(parents=True, exist_ok=True)
+        chains: dict[int, _Chain] = {}
+        chain, i = 0, 0
+        while i < len(plans):
+            cfg = {
+                "base": str(self.workdir),
+                "dump_dir": str(dumps),
+                "chain": chain,
+                "start_plan": i,
+                "plans": plans,
+                "n_steps": len(self.ref) - 1,
+                "sleep": STEP_SLEEP,
+                "seed": self.seed,
+            }
+            current, chain, rc, tail = self._run_job(cfg, plans, chains, chain, i)
+            plan = plans[current]
+            if rc == -signal.SIGKILL:
+                self._count_kill(plan)
+                if plan["target"] == "trainer":
+                    c = chains.setdefault(chain, _Chain())
+                    c.expect_handed = c.handed
+            elif rc == 0:
+                break
+            else:
+                with self.lock:
+                    self.report.fail(f"job exited with {rc} in plan {current} {plan}: {tail}")
+            i = current + 1
+
+    def _count_kill(self, plan: dict[str, Any]) -> None:
+        with self.lock:
+            self.report.kills += 1
+            self.report.kills_by_target[plan["target"]] += 1
+            self.report.kills_by_point[plan["point"]] += 1
+
+    def _run_job(
+        self,
+        cfg: dict[str, Any],
+        plans: list[dict[str, Any]],
+        chains: dict[int, _Chain],
+        chain: int,
+        current: int,
+    ) -> tuple[int, int, int | None, str]:
+        env = dict(os.environ)
+        env.pop("LOWDIFF_FAULTS", None)
+        src = str(Path(lowdiff.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lowdiff.torture.job", json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        hung = threading.Event()
+
+        def on_timeout() -> None:
+            hung.set()
+            _kill_group(proc.pid)
+
+        timer = threading.Timer(self.timeout, on_timeout)
+        timer.start()
+        err_lines: list[str] = []
+        err_reader = threading.Thread(
+            target=lambda: err_lines.extend(proc.stderr or []), daemon=True
+        )
+        err_reader.start()
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.rstrip("\n")
+                word, _, rest = line.partition(" ")
+                c = chains.setdefault(chain, _Chain())
+                if word == "plan":
+                    current = int(rest)
+                elif word == "chain":
+                    chain = int(rest)
+                elif word == "durable":
+                    c.acked = max(c.acked, int(rest))
+                elif word == "step":
+                    c.handed = int(rest)
+                elif word == "resumed":
+                    step, path = rest.split(" ", 1)
+                    self._check_recovery(c, int(step), Path(path), plans[current])
+                    c.handed = int(step)
+                elif word == "worker_error":
+                    plan = plans[current]
+                    if plan["target"] == "worker":
+                        self._count_kill(plan)
+                    else:
+                        with self.lock:
+                            self.report.fail(f"plan {current} {plan}: unexpected {line}")
+                elif word == "recovery_failed":
+                    with self.lock:
+                        self.report.recoveries += 1
+                        self.report.fail(f"chain {chain}, plan {current}: {line}")
+            proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                _kill_group(proc.pid)
+                proc.wait()
+            err_reader.join(5)
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        if hung.is_set():
+            with self.lock:
+                self.report.fail(f"plan {current}: the job hung for {self.timeout:.0f} s")
+        # the checkpointing process of a killed trainer finishes on its own; wait for it
+        # through the writer lock at the next resume, but never leave one behind at the end
+        tail = "".join(err_lines[-6:]).strip().replace("\n", " | ")[-600:]
+        return current, chain, proc.returncode, tail
+
+    def _check_recovery(self, c: _Chain, step: int, dump: Path, plan: dict[str, Any]) -> None:
+        got = safetensors.torch.load_file(str(dump))
+        dump.unlink()
+        bad = diff_states(self.ref[step], got) if step < len(self.ref) else ["beyond reference"]
+        with self.lock:
+            r = self.report
+            r.recoveries += 1
+            ok = True
+            if bad:
+                r.wrong_states += 1
+                r.fail(f"recovered step {step} differs from the reference: {bad[:5]}")
+                ok = False
+            if step < c.acked:
+                r.lost_acknowledged += 1
+                r.fail(f"recovered step {step} < acknowledged durable step {c.acked}")
+                ok = False
+            if step < c.expect_handed:
+                r.lost_handed_off += 1
+                r.fail(
+                    f"after a trainer-only kill ({plan.get('point')}) recovered step {step} < "
+                    f"{c.expect_handed} steps handed off"
+                )
+                ok = False
+            if c.acked >= 0:
+                r.margin(step, c.acked)
+            r.recoveries_ok += ok
+        c.expect_handed = -1
+        c.acked = max(c.acked, step)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def run_crash(
+    workdir: Path,
+    n_kills: int,
+    report: TortureReport,
+    *,
+    seed: int = 0,
+    jobs: int = 1,
+    reference: list[dict[str, torch.Tensor]] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Run ``n_kills`` kill plans split over ``jobs`` independent chains of directories."""
+    from lowdiff.torture import workload
+
+    ref = reference if reference is not None else workload.reference(N_STEPS)
+    jobs = max(1, min(jobs, n_kills))
+    shares = [n_kills // jobs + (j < n_kills % jobs) for j in range(jobs)]
+    threads = []
+    t0 = time.monotonic()
+    for j, share in enumerate(shares):
+        h = CrashHarness(Path(workdir) / f"crash-{j}", ref, report, seed=seed + j, log=log)
+        th = threading.Thread(target=h.run, args=(make_plans(share, seed + j),))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    if log:
+        log(f"crash: {report.kills} kills in {time.monotonic() - t0:.0f} s")

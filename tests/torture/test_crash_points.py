@@ -1,0 +1,42 @@
+"""SIGKILL the trainer, the checkpointing process or both at hook points and at random
+times; every recovery reaches the acknowledged step with the reference state."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowdiff.torture import workload
+from lowdiff.torture.crash import N_STEPS, CrashHarness
+from lowdiff.torture.report import TortureReport
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+PLANS = [
+    # the checkpointing process dies between the fsync and the rename of a record file
+    {"target": "worker", "how": "hook", "spec": "before_rename:records:2:kill-self"},
+    # the trainer dies while its checkpointing process is about to fsync a record file;
+    # the orphaned process must still write every record it was handed
+    {"target": "trainer", "how": "hook", "spec": "before_fsync:records:2:kill-parent"},
+    # both die during a full checkpoint
+    {"target": "both", "how": "hook", "spec": "before_rename:full:2:kill-both"},
+    # the checkpointing process dies in the middle of retention
+    {"target": "worker", "how": "hook", "spec": "retention:any:2:kill-self"},
+    # the trainer dies while it rewrites the manifest during resume
+    {"target": "trainer", "how": "hook", "spec": "before_rename:manifest:1:kill-self"},
+    # both die at a random time while training
+    {"target": "both", "how": "time", "phase": "training", "delay": 0.3},
+]
+
+
+def test_kills_at_hook_points_and_random_times(tmp_path, torture_report) -> None:
+    ref = workload.reference(N_STEPS)
+    report = TortureReport()
+    plans = [dict(p, point=p.get("spec", "random time")) for p in PLANS]
+    plans.append({"target": "none", "how": "check", "point": "final check"})
+    CrashHarness(tmp_path, ref, report, seed=1).run(plans)
+    torture_report.merge(report)
+    assert report.failures == []
+    assert report.kills == len(PLANS)
+    assert report.recoveries == report.recoveries_ok >= len(PLANS)
+    assert report.wrong_states == report.lost_acknowledged == report.lost_handed_off == 0
+    assert report.margin_min is not None and report.margin_min >= 0
