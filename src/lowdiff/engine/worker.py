@@ -260,6 +260,18 @@ class _Writer:
         self.full.wait()
 
     # -- dispatch -----------------------------------------------------------------------------
+    def handle_orphaned(self, msg: tuple[Any, ...]) -> bool:
+        """:meth:`handle` after the trainer died: a full checkpoint that cannot be written
+        (its staging buffer died with the trainer) must not cost the records after it."""
+        if msg[0] in ("full", "stage"):
+            try:
+                self.handle(msg)
+                self.full.wait()
+            except Exception:  # noqa: BLE001 -- the records are what matters now
+                self.full.error = None
+            return True
+        return self.handle(msg)
+
     def handle(self, msg: tuple[Any, ...]) -> bool:
         """Handle one message; returns False when the process should stop."""
         if self.full.error is not None:
@@ -347,7 +359,7 @@ def worker_main(
         w.send(("ready", os.getpid()))
         if serve(requests, w.handle, parent):
             # The trainer died without close(): keep every record it managed to send.
-            drain(requests, w.handle, ("record", "record_dev", "full", "stage"))
+            drain(requests, w.handle_orphaned, ("record", "record_dev", "full", "stage"))
             w.write_batch()
             w.wait_full()
     except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer

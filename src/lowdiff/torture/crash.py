@@ -102,6 +102,7 @@ class _Chain:
         self.acked = -1
         self.handed = -1
         self.expect_handed = -1
+        self.killed = ""
 
 
 class CrashHarness:
@@ -144,6 +145,7 @@ class CrashHarness:
                 if plan["target"] == "trainer":
                     c = chains.setdefault(chain, _Chain())
                     c.expect_handed = c.handed
+                    c.killed = plan["point"]
             elif rc == 0:
                 break
             else:
@@ -256,7 +258,7 @@ class CrashHarness:
             if step < c.expect_handed:
                 r.lost_handed_off += 1
                 r.fail(
-                    f"after a trainer-only kill ({plan.get('point')}) recovered step {step} < "
+                    f"after a trainer-only kill ({c.killed}) recovered step {step} < "
                     f"{c.expect_handed} steps handed off"
                 )
                 ok = False

@@ -1,0 +1,80 @@
+"""Invalid arguments and directories at the command line: exit code 2, the problem named."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowdiff.cli.main import main
+from lowdiff.torture.report import TortureReport
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            ["export", "ck", "--step", "-1", "--out", "x"],
+            "--step: expected an integer >= 0, got -1",
+        ),
+        (["export", "ck", "--step", "abc", "--out", "x"], "--step: expected an integer >= 0"),
+        (["export", "ck"], "--out"),
+        (["torture", "--kills", "-3"], "--kills: expected an integer >= 0"),
+        (["torture", "--jobs", "0"], "--jobs: expected an integer >= 1"),
+        (["torture", "--seed", "x"], "--seed"),
+        (["inspect"], "directory"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_invalid_argument_values(argv, needle, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "export"])
+def test_empty_missing_foreign_directory_and_file(tmp_path, capsys, command) -> None:
+    extra = ["--out", str(tmp_path / "o.safetensors")] if command == "export" else []
+    (tmp_path / "empty").mkdir()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    for target, needle in [
+        ("empty", "lowdiff.json"),
+        ("missing", "missing"),
+        ("foreign", "not a lowdiff checkpoint directory"),
+        ("file", "file"),
+    ]:
+        code = main([command, str(tmp_path / target), *extra])
+        out = capsys.readouterr()
+        assert code in (1, 2) if command == "verify" else code == 2
+        assert needle in out.err + out.out, (command, target, out)
+    assert not (tmp_path / "o.safetensors").exists()
+    assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_torture_command_prints_the_figures_and_fails_on_a_broken_promise(
+    monkeypatch, capsys
+) -> None:
+    seen = {}
+
+    def fake(profile, **kw):
+        seen.update(kw, profile=profile)
+        r = TortureReport(kills=3, recoveries=3, recoveries_ok=3, corruptions=5)
+        r.corruptions_detected = 5
+        return r
+
+    monkeypatch.setattr("lowdiff.torture.run_torture", fake)
+    assert main(["torture", "--quick", "--kills", "3", "--seed", "4", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "kills performed          3" in out and "result                   OK" in out
+    assert seen["profile"].kills == 3 and seen["seed"] == 4 and seen["jobs"] == 2
+
+    def broken(profile, **kw):
+        r = TortureReport(corruptions=1, corruptions_undetected=1)
+        r.fail("x.safetensors: not detected")
+        return r
+
+    monkeypatch.setattr("lowdiff.torture.run_torture", broken)
+    assert main(["torture", "--quick", "--json"]) == 1
+    assert '"ok": false' in capsys.readouterr().out
