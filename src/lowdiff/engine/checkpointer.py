@@ -39,6 +39,12 @@ import torch
 import torch.multiprocessing as tmp
 
 from lowdiff.compressors.base import Compressor, NoCompression
+from lowdiff.compressors.merged import MergedSparse
+from lowdiff.compressors.sparse import _Sparsifier
+from lowdiff.dist.context import assign_shards, rank_dir
+from lowdiff.dist.context import detect as detect_dist
+from lowdiff.dist.hooks import LowDiffHookState, lowdiff_hook
+from lowdiff.dist.shard import shard_model_tensors, shard_state_dict
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
@@ -191,6 +197,16 @@ class Checkpointer:
             raise TypeError(
                 f"compressor must be a lowdiff.Compressor, got {type(compressor).__name__}"
             )
+        self._dist = detect_dist(model)
+        self._hook_state: LowDiffHookState | None = None
+        if self._dist is not None and strategy != "lowdiff+":
+            if not isinstance(compressor, _Sparsifier):
+                raise ValueError(
+                    f"distributed LowDiff merges sparse gradients across ranks; {type(compressor).__name__} "
+                    "is not a sparsifier (use TopK, ApproxTopK or RandomK)"
+                )
+            self._rank_compressor: Compressor = compressor
+            compressor = MergedSparse(compressor, self._dist.world_size)
         self.full_every = _check_int("full_every", full_every, 1)
         self.batch_size = _check_int("batch_size", batch_size, 1)
         if keep_full is not None:
@@ -250,9 +266,23 @@ class Checkpointer:
         self._staging: torch.Tensor | None = None
         self._lock_fd: int | None = None
         self.root: Path | None = None
+        self.job_root: Path | None = None
+        self._shard = [info.index for info, _ in self._params]
+        self._foreign: set[str] = set()
+        if self._dist is not None:
+            owner = assign_shards(self._numels, self._dist.world_size)
+            self._shard = [i for i, r in enumerate(owner) if r == self._dist.rank]
+            self._foreign = {
+                info.name for info, _ in self._params if owner[info.index] != self._dist.rank
+            }
+            self._install_ddp_hook()
         if strategy != "none":
             assert directory is not None
             self.root = Path(directory)
+            if self._dist is not None:
+                self.job_root = self.root
+                check_directory(self.job_root)
+                self.root = rank_dir(self.job_root, self._dist.rank)
             check_directory(self.root)
             self.root.mkdir(parents=True, exist_ok=True)
             fd = acquire_flock(self.root / layout.LOCK_FILE, blocking=False)
@@ -267,8 +297,12 @@ class Checkpointer:
                 (n, b.dtype, tuple(b.shape))
                 for n, b in st.get_buffers(model, self._buffer_names).items()
             ]
+            shard = set(self._shard)
             self.layout = RecordLayout.build(
-                [i for i, _ in self._params], compressor, buffers, self._rng_layout
+                [i for i, _ in self._params if i.index in shard],
+                compressor,
+                buffers,
+                self._rng_layout,
             )
             ref = weakref.ref(self)
             atexit.register(_close_at_exit, ref)
@@ -311,6 +345,8 @@ class Checkpointer:
             self._started = True
             return 0
         assert self.root is not None
+        if self._dist is not None:
+            return self._resume_dist()
         if self.strategy == "lowdiff+" and self._resume_from_memory():
             return self._step
         self._wait_for_previous_writer()
@@ -350,14 +386,16 @@ class Checkpointer:
             self._step_plus(metric)
             return
         t = self._step
-        payloads: list[dict[str, torch.Tensor] | None] = []
+        if self._hook_state is not None:
+            self._step_dist(t, metric)
+            return
+        payloads: dict[int, dict[str, torch.Tensor]] = {}
         nograd: list[int] = []
         with torch.no_grad():
             for (info, p), numel in zip(self._params, self._numels, strict=True):
                 g = p.grad
                 if g is None:
                     nograd.append(info.index)
-                    payloads.append(None)
                     continue
                 if g.is_sparse:
                     raise ValueError(
@@ -367,7 +405,7 @@ class Checkpointer:
                 payload = self.compressor.compress(flat, info.index, t)
                 dense = self.compressor.decompress(payload, numel, flat.dtype)
                 g.copy_(dense.view_as(g))
-                payloads.append(payload)
+                payloads[info.index] = payload
         hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
         self._optimizer_step(metric)
         self._step = t + 1
@@ -433,6 +471,14 @@ class Checkpointer:
             self._started = True
             return
         assert self.root is not None
+        if self._dist is not None:
+            if self._dist.all_max([0 if is_empty_dir(self.root) else 1])[0]:
+                raise LowDiffError(
+                    f"{self.job_root} already holds checkpoints; call ck.resume() on every rank "
+                    "before the first step() to continue from them, or use a new directory"
+                )
+            self._resume_dist()
+            return
         self._wait_for_previous_writer()
         if not is_empty_dir(self.root):
             raise LowDiffError(
@@ -484,7 +530,8 @@ class Checkpointer:
                 f"{self.root} was written with compressor {manifest.get('compressor')}, this Checkpointer uses "
                 f"{self.compressor.spec()}; resume with the same compressor settings"
             )
-        check_compatible(manifest, self.model, self.optimizer)
+        if self._dist is None:
+            check_compatible(manifest, self.model, self.optimizer)
         if manifest.get("layout_id") != self.layout.layout_id:
             raise CheckpointMismatchError(
                 f"{self.root}: the record layout differs (model buffers or CUDA devices changed since the "
@@ -689,7 +736,7 @@ class Checkpointer:
     def _emit_record(
         self,
         t: int,
-        payloads: list[dict[str, torch.Tensor] | None],
+        payloads: dict[int, dict[str, torch.Tensor]],
         nograd: list[int],
         hp: list[dict[str, Any]],
     ) -> None:
@@ -707,7 +754,8 @@ class Checkpointer:
             # handle; the checkpointing process does the device-to-host copy and frees it.
             row = torch.empty(self.layout.row_bytes, dtype=torch.uint8, device=device)
             views = self.layout.views(row)
-        for info, payload in zip((i for i, _ in self._params), payloads, strict=True):
+        for info in self.layout.params:
+            payload = payloads.get(info.index)
             if payload is None:
                 continue
             for name, tensor in payload.items():
@@ -724,7 +772,13 @@ class Checkpointer:
 
     def _emit_full(self, step: int, kind: str = "full") -> None:
         msd, aliases = st.model_state(self.model)
-        otensors, ojson = st.optimizer_state_tensors(self.optimizer)
+        if self._dist is None:
+            otensors, ojson = st.optimizer_state_tensors(self.optimizer)
+        else:
+            msd = shard_model_tensors(msd, self._foreign)
+            otensors, ojson = st.optimizer_state_tensors(
+                self.optimizer, shard_state_dict(self.optimizer.state_dict(), self._shard)
+            )
         rng_t, rng_extra = st.capture_rng(self._rng_layout)
         tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in msd.items()}
         tensors.update(otensors)
@@ -761,6 +815,8 @@ class Checkpointer:
             "scheduler": st.scheduler_state_json(self.scheduler),
             "rng": codec.dumps(rng_extra),
         }
+        if self._dist is not None:
+            meta["shard"] = codec.dumps(self._shard)
         entries_json = [
             [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries
         ]
@@ -796,6 +852,92 @@ class Checkpointer:
                 "rng": rng_extra,
             }
         )
+
+    # ------------------------------------------------------------------ distributed
+    def _install_ddp_hook(self) -> None:
+        """Register lowdiff's DDP communication hook (before the first backward)."""
+        assert self._dist is not None
+        if self.strategy == "lowdiff+":
+            raise NotImplementedError(
+                "strategy 'lowdiff+' under DDP is set up by _install_plus_hook"
+            )
+        comp = self._rank_compressor
+        assert isinstance(comp, _Sparsifier) and isinstance(self.compressor, MergedSparse)
+        self._hook_state = LowDiffHookState(
+            self._dist, self._params, comp, self.compressor, lambda: self._step
+        )
+        try:
+            self.model.register_comm_hook(self._hook_state, lowdiff_hook)  # type: ignore[operator]
+        except RuntimeError as e:
+            raise LowDiffError(
+                f"cannot install lowdiff's DDP communication hook: {e} (a model may carry only one "
+                "hook, registered before the first backward; build a new DDP wrapper)"
+            ) from None
+
+    def _step_dist(self, t: int, metric: float | None) -> None:
+        """Distributed LowDiff step: the hook already merged the gradients into ``.grad``."""
+        assert self._hook_state is not None
+        payloads = self._hook_state.take(t)
+        nograd = [info.index for info, p in self._params if p.grad is None]
+        missing = [
+            info.name
+            for info, p in self._params
+            if p.grad is not None and info.index not in payloads
+        ]
+        if missing:
+            raise LowDiffError(
+                f"step {t}: the gradients of {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} "
+                "did not pass through lowdiff's DDP hook (was backward run under no_sync(), or were "
+                "gradients set by hand?)"
+            )
+        hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
+        self._optimizer_step(metric)
+        self._step = t + 1
+        self._stats["steps"] += 1
+        if self.strategy == "lowdiff":
+            assert hp is not None
+            self._emit_record(t, payloads, nograd, hp)
+            if self._step % self.full_every == 0:
+                self._emit_full(self._step)
+
+    def _resume_dist(self) -> int:
+        """Distributed resume: every rank ends at one agreed step (see lowdiff.dist.recovery)."""
+        from lowdiff.dist.recovery import is_job_dir, job_manifest, recover_sharded
+
+        ctx, job = self._dist, self.job_root
+        assert ctx is not None and job is not None and self.root is not None
+        self._wait_for_previous_writer()
+        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+            remove_stale_temps(d)
+        have_job = is_job_dir(job)
+        if have_job:
+            m = layout.read_manifest(job)
+            if int(m.get("world_size", -1)) != ctx.world_size or m.get("strategy") != self.strategy:
+                raise CheckpointMismatchError(
+                    f"{job} was written by {m.get('world_size')} ranks with strategy "
+                    f"{m.get('strategy')!r}; this job runs {ctx.world_size} ranks with {self.strategy!r}"
+                )
+        ctx.barrier()  # every rank's previous checkpointing process has finished
+        if ctx.all_max([0 if is_empty_dir(self.root) else 1])[0] == 0:
+            if ctx.rank == 0:
+                layout.write_manifest(job, job_manifest(ctx.world_size, self.strategy))
+            ctx.barrier()
+            self._start_fresh()
+            return 0
+        if not have_job:
+            raise CheckpointMismatchError(f"{job} holds shard directories but no job manifest")
+        self._check_manifest(layout.read_manifest(self.root))
+        stats = recover_sharded(job, ctx, self.model, self.optimizer, self.scheduler)
+        self.recovery_stats = stats
+        self._step = stats.step
+        self._durable = stats.step
+        ctx.barrier()  # every rank has read every shard before any file moves
+        self._quarantine_beyond(stats)
+        self.compressor.reset_state()
+        self._write_manifest()
+        self._launch_worker()
+        self._started = True
+        return self._step
 
     # ------------------------------------------------------------------ lowdiff+
     def _acquire_slot(self) -> int:

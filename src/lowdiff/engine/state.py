@@ -279,9 +279,9 @@ def match_param_layout(osd: dict[str, Any], optimizer: torch.optim.Optimizer) ->
 
 
 def optimizer_state_tensors(
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None = None
 ) -> tuple[dict[str, torch.Tensor], str]:
-    """``optimizer.state_dict()`` as (tensors by name, JSON that references them)."""
+    """``optimizer.state_dict()`` (or ``state_dict``) as (tensors by name, JSON that references them)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def sink(path: str, t: torch.Tensor) -> str:
@@ -289,7 +289,7 @@ def optimizer_state_tensors(
         tensors[name] = t
         return name
 
-    text = codec.dumps(optimizer.state_dict(), sink)
+    text = codec.dumps(optimizer.state_dict() if state_dict is None else state_dict, sink)
     return tensors, text
 
 

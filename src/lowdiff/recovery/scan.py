@@ -10,6 +10,7 @@ checkpoint (a batch ``[29, 31]`` serves ``F = 30`` from its second record on).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,11 @@ def check_directory(root: Path) -> None:
         raise NotACheckpointDirectoryError(f"{root} is a file, not a checkpoint directory")
     if is_empty_dir(root) or (root / layout.MANIFEST).exists():
         return
+    if all(
+        (p.is_dir() and re.fullmatch(r"rank-\d{5}", p.name)) or p.name.startswith(TMP_PREFIX)
+        for p in root.iterdir()
+    ):
+        return  # a distributed job's root while its ranks are starting
     names = sorted(p.name for p in root.iterdir())
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     hint = ""

@@ -1,0 +1,231 @@
+"""Recovery of a distributed job: one agreed step, the whole state on every rank.
+
+Every rank scans every shard directory (``DIR/rank-NNNNN/``, headers only), computes the
+newest step that every shard can reach from a common full checkpoint, and the ranks
+take the minimum over all of them (an all-reduce), so they agree even if one rank's
+checkpointing process published a file after another rank looked. Each rank then reads
+the full checkpoint of every shard (parameters and optimizer state of the shard; its
+own shard also gives its buffers, RNG and scheduler) and replays the records of every
+shard: the gradient of each parameter comes from the shard that owns it, and its own
+records restore its per-rank state. At the end the ranks check that they reached the
+same step.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.compressors.base import compressor_from_spec
+from lowdiff.dist.context import DistContext, rank_dir
+from lowdiff.dist.shard import merge_state_dicts
+from lowdiff.engine import state as st
+from lowdiff.engine.record import RecordLayout
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NotACheckpointDirectoryError,
+    RecoveryError,
+    RecoveryWarning,
+)
+from lowdiff.format import codec, layout, sfile
+from lowdiff.recovery.replay import RecoveryStats, apply_full_state, replay_records
+from lowdiff.recovery.scan import FileInfo, Scan, chain_from, scan
+
+JOB_KIND = "distributed"
+
+
+def job_manifest(world_size: int, strategy: str) -> dict[str, Any]:
+    return {
+        "format": "lowdiff",
+        "kind": JOB_KIND,
+        "strategy": strategy,
+        "world_size": world_size,
+        "shards": [rank_dir(Path("."), r).name for r in range(world_size)],
+    }
+
+
+def is_job_dir(root: Path) -> bool:
+    """True when ``root`` holds a distributed job's manifest."""
+    try:
+        return layout.read_manifest(root).get("kind") == JOB_KIND
+    except Exception:
+        return False
+
+
+def shard_scans(root: Path, world_size: int) -> list[Scan]:
+    """Scan every shard directory; raise naming the ones that are missing."""
+    dirs = [rank_dir(root, r) for r in range(world_size)]
+    missing = [d.name for d in dirs if not (d / layout.MANIFEST).exists()]
+    if missing:
+        raise RecoveryError(
+            f"{root}: shard directories without a manifest: {', '.join(missing)}; a distributed "
+            f"checkpoint needs all {world_size} shards"
+        )
+    return [scan(d) for d in dirs]
+
+
+def check_compatible_sharded(
+    rls: list[RecordLayout], manifests: list[dict[str, Any]], model: Any, optimizer: Any
+) -> None:
+    want = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    for m in manifests:
+        if m.get("optimizer") != want:
+            raise CheckpointMismatchError(
+                f"the checkpoint was written with optimizer {m.get('optimizer')}, got {want}"
+            )
+    saved = sorted((p for rl in rls for p in rl.params), key=lambda p: p.index)
+    live = st.optimizer_params(model, optimizer)
+    if [p.index for p in saved] != list(range(len(live))):
+        raise CheckpointMismatchError(
+            f"the shards hold {len(saved)} parameters, the optimizer has {len(live)}"
+        )
+    for (info, _), s in zip(live, saved, strict=True):
+        if (info.name, info.shape, info.dtype) != (s.name, s.shape, s.dtype):
+            raise CheckpointMismatchError(
+                f"parameter #{s.index}: checkpoint {s.name!r} {list(s.shape)} {s.dtype}, model "
+                f"{info.name!r} {list(info.shape)} {info.dtype}"
+            )
+
+
+def plan_sharded(
+    scans: list[Scan], target: int | None, bad: AbstractSet[Path] = frozenset()
+) -> tuple[int, int]:
+    """(target step, full-checkpoint step) that every shard can serve."""
+    steps = [{f.first_step for f in sc.fulls if f.path not in bad} for sc in scans]
+    common = set.intersection(*steps) if steps else set()
+    if not common:
+        raise RecoveryError(
+            f"{scans[0].root.parent}: no full checkpoint is present and intact in every shard"
+        )
+    options = [(min(chain_from(sc, f, bad)[0] for sc in scans), f) for f in sorted(common)]
+    if target is None:
+        reach, f = max(options)
+        return reach, f
+    fits = [f for reach, f in options if f <= target <= reach]
+    if not fits:
+        have = ", ".join(f"{f}..{reach}" for reach, f in options)
+        raise RecoveryError(
+            f"step {target} is not recoverable in every shard; recoverable: {have or 'nothing'}"
+        )
+    return target, max(fits)
+
+
+def _files_for(sc: Scan, full: int, target: int, bad: AbstractSet[Path]) -> tuple[FileInfo, list[FileInfo]]:
+    f = next(x for x in sc.fulls if x.first_step == full and x.path not in bad)
+    _, files = chain_from(sc, full, bad)
+    return f, [r for r in files if r.first_step < target]
+
+
+def _cloner(tensors: dict[str, torch.Tensor]) -> Any:
+    return lambda name: tensors[name].clone()
+
+
+def load_full_sharded(
+    fulls: list[FileInfo],
+    own: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any | None,
+    stats: RecoveryStats,
+) -> None:
+    """Verify every shard's full checkpoint and load their union into the live objects."""
+    parts = []
+    for info in fulls:
+        t0 = time.perf_counter()
+        raw = sfile.read_raw(info.path)
+        stats.read_s += time.perf_counter() - t0
+        stats.bytes_read += len(raw)
+        stats.files_read += 1
+        parts.append(sfile.decode(info.path, raw))
+    param_names = {info.name for info, _ in st.optimizer_params(model, optimizer)}
+    tensors: dict[str, torch.Tensor] = {}
+    osds = []
+    for s, lf in enumerate(parts):
+        shard = codec.loads(lf.metadata.get("shard", "null"))
+        if not isinstance(shard, list):
+            raise CorruptCheckpointError(fulls[s].path, "no shard list in a distributed checkpoint")
+        osds.append((codec.loads(lf.metadata["optim"], _cloner(lf.tensors)), shard))
+        for k, v in lf.tensors.items():
+            if s == own:
+                if not k.startswith("optim/"):
+                    tensors[k] = v
+            elif k.startswith("model/") and k[len("model/") :] in param_names:
+                tensors[k] = v
+    otensors, ojson = st.optimizer_state_tensors(optimizer, merge_state_dicts(osds, own))
+    md = dict(parts[own].metadata)
+    md["optim"] = ojson
+    tensors.update(otensors)
+    apply_full_state(
+        tensors, md, model, optimizer, scheduler, stats, where=fulls[own].path.name
+    )
+
+
+def recover_sharded(
+    root: Path,
+    ctx: DistContext,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any | None = None,
+    step: int | None = None,
+) -> RecoveryStats:
+    """Bring every rank to one agreed step (None: the newest every rank can reach)."""
+    t_start = time.perf_counter()
+    if not is_job_dir(root):
+        raise NotACheckpointDirectoryError(f"{root} holds no distributed lowdiff checkpoint")
+    world = int(layout.read_manifest(root)["world_size"])
+    if world != ctx.world_size:
+        raise CheckpointMismatchError(
+            f"{root} was written by {world} ranks; this job has {ctx.world_size}. Resume with the "
+            "same world size"
+        )
+    scans = shard_scans(root, world)
+    for sc in scans:
+        for p, why in sc.problems:
+            warnings.warn(
+                f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=3
+            )
+    rls = [RecordLayout.from_json(sc.manifest["record_layout"]) for sc in scans]
+    check_compatible_sharded(rls, [sc.manifest for sc in scans], model, optimizer)
+    compressor = compressor_from_spec(scans[ctx.rank].manifest["compressor"])
+    bad: set[Path] = set()
+    skipped = [(str(p), why) for sc in scans for p, why in sc.problems]
+    while True:
+        local_target, _ = plan_sharded(scans, step, bad)
+        target = ctx.all_min([local_target])[0]
+        target, full = plan_sharded(scans, target, bad)
+        ctx.agree(full, "the full checkpoint to start from")
+        picked = [_files_for(sc, full, target, bad) for sc in scans]
+        stats = RecoveryStats(full_step=full, step=full)
+        try:
+            load_full_sharded([f for f, _ in picked], ctx.rank, model, optimizer, scheduler, stats)
+        except CorruptCheckpointError as e:
+            warnings.warn(
+                f"lowdiff: {e}; falling back to an older full checkpoint",
+                RecoveryWarning,
+                stacklevel=3,
+            )
+            bad.add(e.path)
+            skipped.append((str(e.path), e.reason))
+            continue
+        replay_records(
+            [(rl, files) for rl, (_, files) in zip(rls, picked, strict=True)],
+            ctx.rank,
+            full,
+            target,
+            model,
+            optimizer,
+            scheduler,
+            compressor,
+            stats,
+            strict=step is not None,
+        )
+        ctx.agree(stats.step, "the recovered step")
+        stats.skipped = skipped + stats.skipped
+        stats.total_s = time.perf_counter() - t_start
+        return stats

@@ -1,0 +1,140 @@
+"""A small DDP training job for the distributed tests (run by torchrun or by spawn).
+
+Every rank trains an MLP with BatchNorm and dropout under DDP on its own deterministic
+data (seeded by rank and step), with AdamW, a scheduler and gradient clipping, through
+``lowdiff.Checkpointer``. Options make it save the whole state after chosen steps, kill
+itself with SIGKILL at a step (only on its first attempt), and save its final state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lowdiff
+from lowdiff.engine.state import snapshot_state
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 32)
+        )
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def build(strategy: str, directory: Path, ef: bool, full_every: int, batch_size: int):
+    torch.manual_seed(0)
+    net = Net()
+    model = DDP(net, bucket_cap_mb=0.004)  # several buckets even for this small model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    # per-rank RNG streams (dropout; Python and NumPy are checkpointed too)
+    torch.manual_seed(1000 + dist.get_rank())
+    random.seed(2000 + dist.get_rank())
+    np.random.seed(3000 + dist.get_rank())
+    kw = {}
+    if strategy == "lowdiff+":
+        kw = {"compressor": None, "persist_every": 1, "keep_full": None}
+    else:
+        kw = {
+            "compressor": lowdiff.TopK(0.1, error_feedback=ef),
+            "full_every": full_every,
+            "batch_size": batch_size,
+            "keep_full": None,
+        }
+    ck = lowdiff.Checkpointer(model, opt, directory, strategy=strategy, scheduler=sched, **kw)
+    return model, opt, sched, ck
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def train(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    out = Path(args.out)
+    model, opt, sched, ck = build(
+        args.strategy, Path(args.dir), args.ef, args.full_every, args.batch_size
+    )
+    start = ck.resume()
+    (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(str(start))
+    torch.save(snapshot_state(model, opt, sched), out / f"resumed-{start}-rank{rank}.pt")
+    save = {int(s) for s in args.save_steps.split(",") if s}
+    for step in range(start, args.steps):
+        if step == args.kill_at and rank == args.kill_rank and not (out / "killed").exists():
+            (out / "killed").write_text(str(step))
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        if args.check_merge:
+            check_merge(ck, model)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ck.step()
+        opt.zero_grad()
+        if step + 1 in save:
+            torch.save(snapshot_state(model, opt, sched), out / f"state-{step + 1}-rank{rank}.pt")
+    ck.close()
+    torch.save(snapshot_state(model, opt, sched), out / f"final-rank{rank}.pt")
+
+
+def check_merge(ck: lowdiff.Checkpointer, model: nn.Module) -> None:
+    """The hook's merged record, decompressed, is exactly the gradient DDP left in .grad."""
+    hs = ck._hook_state
+    assert hs is not None
+    merged = ck.compressor
+    for info, p in ck._params:
+        payload = hs.payloads[info.index]
+        dense = merged.decompress(payload, p.numel(), p.dtype)
+        if not torch.equal(dense, p.grad.reshape(-1)):
+            raise AssertionError(f"record of {info.name} differs from its .grad")
+    # and every rank holds the same merged gradient
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    if not all(torch.equal(g, gathered[0]) for g in gathered):
+        raise AssertionError("the ranks applied different gradients")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--strategy", default="lowdiff")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--full-every", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--ef", action="store_true")
+    ap.add_argument("--save-steps", default="")
+    ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument("--check-merge", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    torch.set_num_threads(1)
+    args = parse(argv)
+    dist.init_process_group("gloo")
+    try:
+        train(args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
