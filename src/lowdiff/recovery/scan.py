@@ -53,7 +53,20 @@ def is_empty_dir(root: Path) -> bool:
         return True
     # lock files, and a replica descriptor (LowDiff+ checks and cleans it up on resume)
     ignorable = {layout.LOCK_FILE, layout.WRITER_LOCK_FILE, ".lowdiff.replica.json"}
-    return all(p.name in ignorable or p.name.startswith(TMP_PREFIX) for p in root.iterdir())
+    return all(
+        p.name in ignorable or p.name.startswith(TMP_PREFIX) or _unused_subdir(p)
+        for p in root.iterdir()
+    )
+
+
+def _unused_subdir(p: Path) -> bool:
+    """``full/`` or ``records/`` holding nothing but temp files: what a trainer killed
+    while it created the directory leaves behind before its first manifest."""
+    return (
+        p.name in (layout.FULL_DIR, layout.RECORDS_DIR)
+        and p.is_dir()
+        and all(q.name.startswith(TMP_PREFIX) for q in p.iterdir())
+    )
 
 
 def check_directory(root: Path) -> None:

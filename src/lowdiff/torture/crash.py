@@ -151,6 +151,7 @@ class CrashHarness:
             else:
                 with self.lock:
                     self.report.fail(f"job exited with {rc} in plan {current} {plan}: {tail}")
+                chain += 1  # go on in a new directory rather than fail every later plan
             i = current + 1
 
     def _count_kill(self, plan: dict[str, Any]) -> None:
@@ -200,6 +201,7 @@ class CrashHarness:
                 c = chains.setdefault(chain, _Chain())
                 if word == "plan":
                     current = int(rest)
+                    c.handed = -1  # steps handed off count from this session's resume
                 elif word == "chain":
                     chain = int(rest)
                 elif word == "durable":
