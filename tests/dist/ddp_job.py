@@ -72,7 +72,8 @@ def train(args: argparse.Namespace) -> None:
         args.strategy, Path(args.dir), args.ef, args.full_every, args.batch_size
     )
     start = ck.resume()
-    (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(str(start))
+    source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
+    (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(f"{start} {source}")
     torch.save(snapshot_state(model, opt, sched), out / f"resumed-{start}-rank{rank}.pt")
     save = {int(s) for s in args.save_steps.split(",") if s}
     for step in range(start, args.steps):

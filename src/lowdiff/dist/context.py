@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,10 +80,48 @@ class DistContext:
         # an all-reduce, not dist.barrier(): NCCL's barrier needs a device guess
         self.all_min([0])
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group, device=self.device)
-        return box[0]
+    def exchange(
+        self, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+    ) -> list[tuple[dict[str, torch.Tensor], dict[str, str]]]:
+        """Every rank's ``(tensors, meta)``, on every rank (broadcasts of raw bytes, no pickle)."""
+        from lowdiff.format.dtypes import dtype_from_name, dtype_name
+        from lowdiff.format.sfile import TensorEntry, plan, view_tensors
+
+        out = []
+        for src in range(self.world_size):
+            if src == self.rank:
+                entries, size = plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
+                head = json.dumps(
+                    {
+                        "entries": [
+                            [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end]
+                            for e in entries
+                        ],
+                        "meta": meta,
+                    }
+                ).encode()
+                sizes = self._t([len(head), size])
+            else:
+                sizes = self._t([0, 0])
+            dist.broadcast(sizes, src=src, group=self.group)
+            n_head, n_data = (int(v) for v in sizes.tolist())
+            head_t = torch.empty(n_head, dtype=torch.uint8, device=self.device)
+            data = torch.empty(n_data, dtype=torch.uint8, device=self.device)
+            if src == self.rank:
+                head_t.copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+                views = view_tensors(entries, data)
+                for k, v in tensors.items():
+                    views[k].copy_(v)
+            dist.broadcast(head_t, src=src, group=self.group)
+            dist.broadcast(data, src=src, group=self.group)
+            doc = json.loads(bytes(head_t.cpu().tolist()).decode())
+            ents = [
+                TensorEntry(str(n), dtype_from_name(dt), tuple(int(x) for x in shape), int(a), int(b))
+                for n, dt, shape, a, b in doc["entries"]
+            ]
+            got = view_tensors(ents, data.cpu())
+            out.append(({k: v.clone() for k, v in got.items()}, dict(doc["meta"])))
+        return out
 
 
 def detect(model: torch.nn.Module) -> DistContext | None:

@@ -142,28 +142,45 @@ def load_full_sharded(
         stats.read_s += time.perf_counter() - t0
         stats.bytes_read += len(raw)
         stats.files_read += 1
-        parts.append(sfile.decode(info.path, raw))
+        lf = sfile.decode(info.path, raw)
+        if not isinstance(codec.loads(lf.metadata.get("shard", "null")), list):
+            raise CorruptCheckpointError(info.path, "no shard list in a distributed checkpoint")
+        parts.append((lf.tensors, lf.metadata))
+    apply_sharded_state(parts, own, model, optimizer, scheduler, stats, where=fulls[own].path.name)
+
+
+def apply_sharded_state(
+    parts: list[tuple[dict[str, torch.Tensor], dict[str, str]]],
+    own: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any | None,
+    stats: RecoveryStats,
+    *,
+    where: str,
+) -> None:
+    """Load the union of every shard's full state (from files or from the replicas).
+
+    Parameters and optimizer state come from the shard that owns them; buffers, RNG and
+    scheduler from shard ``own`` (this rank's).
+    """
     param_names = {info.name for info, _ in st.optimizer_params(model, optimizer)}
     tensors: dict[str, torch.Tensor] = {}
     osds = []
-    for s, lf in enumerate(parts):
-        shard = codec.loads(lf.metadata.get("shard", "null"))
-        if not isinstance(shard, list):
-            raise CorruptCheckpointError(fulls[s].path, "no shard list in a distributed checkpoint")
-        osds.append((codec.loads(lf.metadata["optim"], _cloner(lf.tensors)), shard))
-        for k, v in lf.tensors.items():
+    for s, (ts, md) in enumerate(parts):
+        shard = codec.loads(md["shard"])
+        osds.append((codec.loads(md["optim"], _cloner(ts)), shard))
+        for k, v in ts.items():
             if s == own:
                 if not k.startswith("optim/"):
                     tensors[k] = v
             elif k.startswith("model/") and k[len("model/") :] in param_names:
                 tensors[k] = v
     otensors, ojson = st.optimizer_state_tensors(optimizer, merge_state_dicts(osds, own))
-    md = dict(parts[own].metadata)
+    md = dict(parts[own][1])
     md["optim"] = ojson
     tensors.update(otensors)
-    apply_full_state(
-        tensors, md, model, optimizer, scheduler, stats, where=fulls[own].path.name
-    )
+    apply_full_state(tensors, md, model, optimizer, scheduler, stats, where=where)
 
 
 def recover_sharded(

@@ -43,7 +43,7 @@ from lowdiff.compressors.merged import MergedSparse
 from lowdiff.compressors.sparse import _Sparsifier
 from lowdiff.dist.context import assign_shards, rank_dir
 from lowdiff.dist.context import detect as detect_dist
-from lowdiff.dist.hooks import LowDiffHookState, lowdiff_hook
+from lowdiff.dist.hooks import LowDiffHookState, PlusHookState, lowdiff_hook, plus_hook
 from lowdiff.dist.shard import shard_model_tensors, shard_state_dict
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
@@ -221,6 +221,9 @@ class Checkpointer:
         self.start_timeout = float(start_timeout)
         self.max_inflight = max_inflight
         self.max_lag, self.persist_every = max_lag, persist_every
+        if self._dist is not None and persist_every == "auto":
+            # every rank's replica must persist the same steps, so that every shard has them
+            self.persist_every = self.full_every
         self.idle_timeout, self.replica_threads = float(idle_timeout), replica_threads
         self._snap: GradSnapshotter | None = None
         self._pinned: torch.Tensor | None = None
@@ -624,6 +627,7 @@ class Checkpointer:
                 self.keep_full,
                 self.idle_timeout,
                 self.replica_threads,
+                None if self._dist is None else list(self._shard),
             )
         else:
             target = worker_main
@@ -650,10 +654,11 @@ class Checkpointer:
             if self._snap is not None:
                 self._snap.close()
             self._snap = GradSnapshotter(
-                self._params,
+                self._snap_params(),
                 [slots[i] for i in range(n_slots)],
                 self._slot_views,
                 self._acquire_slot,
+                autograd_hooks=self._dist is None,
             )
 
     def _max_inflight(self) -> int:
@@ -858,9 +863,15 @@ class Checkpointer:
         """Register lowdiff's DDP communication hook (before the first backward)."""
         assert self._dist is not None
         if self.strategy == "lowdiff+":
-            raise NotImplementedError(
-                "strategy 'lowdiff+' under DDP is set up by _install_plus_hook"
-            )
+            owned = {id(p): k for k, (_, p) in enumerate(self._snap_params())}
+            hook_state = PlusHookState(self._dist, owned, self._on_reduced_grad)
+            try:
+                self.model.register_comm_hook(hook_state, plus_hook)  # type: ignore[operator]
+            except RuntimeError as e:
+                raise LowDiffError(
+                    f"cannot install lowdiff's DDP communication hook: {e}"
+                ) from None
+            return
         comp = self._rank_compressor
         assert isinstance(comp, _Sparsifier) and isinstance(self.compressor, MergedSparse)
         self._hook_state = LowDiffHookState(
@@ -873,6 +884,16 @@ class Checkpointer:
                 f"cannot install lowdiff's DDP communication hook: {e} (a model may carry only one "
                 "hook, registered before the first backward; build a new DDP wrapper)"
             ) from None
+
+    def _snap_params(self) -> list[tuple[st.ParamInfo, torch.nn.Parameter]]:
+        """The parameters whose gradients this rank snapshots (its shard under DDP)."""
+        shard = set(self._shard)
+        return [(i, p) for i, p in self._params if i.index in shard]
+
+    def _on_reduced_grad(self, k: int, grad: torch.Tensor) -> None:
+        snap = self._snap
+        if snap is not None:
+            snap.on_reduced_grad(k, grad)
 
     def _step_dist(self, t: int, metric: float | None) -> None:
         """Distributed LowDiff step: the hook already merged the gradients into ``.grad``."""
@@ -906,9 +927,6 @@ class Checkpointer:
 
         ctx, job = self._dist, self.job_root
         assert ctx is not None and job is not None and self.root is not None
-        self._wait_for_previous_writer()
-        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
-            remove_stale_temps(d)
         have_job = is_job_dir(job)
         if have_job:
             m = layout.read_manifest(job)
@@ -917,6 +935,16 @@ class Checkpointer:
                     f"{job} was written by {m.get('world_size')} ranks with strategy "
                     f"{m.get('strategy')!r}; this job runs {ctx.world_size} ranks with {self.strategy!r}"
                 )
+        if self.strategy == "lowdiff+":
+            # a replica left by a crashed trainer still holds the writer lock: look first
+            shard_ok = have_job and (self.root / layout.MANIFEST).exists()
+            if ctx.all_min([int(shard_ok)])[0]:
+                self._check_manifest(layout.read_manifest(self.root))
+                if self._resume_dist_from_memory():
+                    return self._step
+        self._wait_for_previous_writer()
+        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+            remove_stale_temps(d)
         ctx.barrier()  # every rank's previous checkpointing process has finished
         if ctx.all_max([0 if is_empty_dir(self.root) else 1])[0] == 0:
             if ctx.rank == 0:
@@ -937,7 +965,61 @@ class Checkpointer:
         self._write_manifest()
         self._launch_worker()
         self._started = True
+        if self.strategy == "lowdiff+":
+            self._emit_full(self._step, kind="init")
         return self._step
+
+    def _resume_dist_from_memory(self) -> bool:
+        """LowDiff+ under DDP: rebuild the whole state from every rank's replica shard.
+
+        Possible only when every rank finds a live replica of its shard at the same step;
+        otherwise the replicas found persist what they hold and exit, and recovery reads
+        the disk.
+        """
+        from lowdiff.dist.recovery import apply_sharded_state
+
+        ctx = self._dist
+        assert ctx is not None and self.root is not None
+        t0 = time.perf_counter()
+        live, why = rp.find_live_replica(
+            self.root, self.layout.layout_id, wait_s=self.start_timeout
+        )
+        local = live.step if live is not None else -1
+        lo, hi = ctx.all_min([local])[0], ctx.all_max([local])[0]
+        if lo < 0 or lo != hi:
+            self._memory_miss_reason = why if live is None else f"replica steps differ ({lo}..{hi})"
+            if live is not None:
+                live.release_owner(self.start_timeout)
+            return False
+        assert live is not None
+        try:
+            parts = ctx.exchange(live.tensors(), dict(live.doc["meta"]))
+            stats = RecoveryStats(full_step=lo, step=lo, source="memory")
+            stats.read_s = time.perf_counter() - t0
+            apply_sharded_state(
+                parts,
+                ctx.rank,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                stats,
+                where="replicas in memory",
+            )
+            stats.total_s = time.perf_counter() - t0
+        finally:
+            live.release_owner(self.start_timeout)
+        self.recovery_stats = stats
+        self._step = stats.step
+        self._durable = -1
+        self._wait_for_previous_writer()
+        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+            remove_stale_temps(d)
+        ctx.barrier()
+        self._write_manifest()
+        self._launch_worker()
+        self._started = True
+        self._emit_full(self._step, kind="init")
+        return True
 
     # ------------------------------------------------------------------ lowdiff+
     def _acquire_slot(self) -> int:
@@ -1088,6 +1170,14 @@ class Checkpointer:
             self._lock_fd = None
 
     def _close_at_exit(self) -> None:
+        if self.strategy == "lowdiff+" and self._dist is not None and not self._closed:
+            # A rank exiting without close() under DDP is a failed job that its launcher
+            # will restart: leave the replica running (it persists its state and waits
+            # idle_timeout for a restarted trainer) instead of shutting it down.
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._release()
+            return
         with contextlib.suppress(Exception):
             self.close()
 

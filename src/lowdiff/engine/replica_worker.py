@@ -42,7 +42,13 @@ import torch
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.worker import FullWriter, acquire_flock, drain, serve
+from lowdiff.engine.worker import (
+    FullWriter,
+    acquire_flock,
+    detach_from_trainer_group,
+    drain,
+    serve,
+)
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.sfile import plan, view_tensors
 
@@ -57,6 +63,8 @@ class ReplicaConfig:
     keep_full: int | None
     idle_timeout: float
     threads: int
+    shard: list[int] | None = None
+    """Under DDP: the optimizer indices this replica holds (its optimizer numbers them 0..n-1)."""
 
 
 def optimizer_class(path: str) -> type[torch.optim.Optimizer]:
@@ -226,6 +234,7 @@ class _Replica:
             "scheduler": self.sched_json,
             "rng": self.rng_json,
             "source": "lowdiff+ replica",
+            **({} if self.cfg.shard is None else {"shard": codec.dumps(self.cfg.shard)}),
         }
 
     def _optim_json(self) -> str:
@@ -318,6 +327,7 @@ def replica_worker_main(
     results: Connection,
 ) -> None:
     """Entry point of the LowDiff+ checkpointing process."""
+    detach_from_trainer_group()
     torch.set_num_threads(max(1, cfg.threads))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
     released = [False]  # a flag, not an Event: set from a signal handler

@@ -98,6 +98,7 @@ class GradSnapshotter:
         *,
         block_bytes: int = 1 << 20,
         chunk_bytes: int = 8 << 20,
+        autograd_hooks: bool = True,
     ) -> None:
         self.params = params
         self.rows = slot_rows
@@ -127,9 +128,13 @@ class GradSnapshotter:
         )
         self.lock = threading.Lock()
         self._reset()
-        self.handles = [
-            p.register_post_accumulate_grad_hook(self._hook(k)) for k, (_, p) in enumerate(params)
-        ]
+        # under DDP the communication hook feeds on_reduced_grad() instead: the gradient
+        # an autograd hook sees is not yet averaged over the ranks
+        self.handles = (
+            [p.register_post_accumulate_grad_hook(self._hook(k)) for k, (_, p) in enumerate(params)]
+            if autograd_hooks
+            else []
+        )
 
     def _reset(self) -> None:
         self.slot: int | None = None
@@ -152,9 +157,15 @@ class GradSnapshotter:
             self.stats.slot_wait_s += time.perf_counter() - t0
         return self.slot
 
-    def _on_grad(self, k: int) -> None:
+    def on_reduced_grad(self, k: int, grad: torch.Tensor) -> None:
+        """DDP: the averaged gradient ``k`` (a view into its bucket) is ready; may run on any thread."""
+        with self.lock:
+            self._on_grad(k, grad)
+
+    def _on_grad(self, k: int, grad: torch.Tensor | None = None) -> None:
         """Gradient ``k`` is final for this backward: copy its block once complete."""
-        grad = self.params[k][1].grad
+        if grad is None:
+            grad = self.params[k][1].grad
         if grad is None:
             return
         slot = self._take_slot()
@@ -244,6 +255,13 @@ class GradSnapshotter:
                 nograd.append(info.index)
                 continue
             seen = self.seen[k]
+            if seen is not None and seen[0] is not g:
+                # DDP copied the bucket into .grad: the snapshot holds if the bucket is
+                # unchanged since and .grad still equals it (clipping changes .grad only)
+                same = seen[1] == seen[0]._version and torch.equal(seen[0].view_as(g), g)
+                if same:
+                    continue
+                seen = (seen[0], -1)
             if seen is None or seen[0] is not g or seen[1] != g._version:
                 # changed after its hook (e.g. clipping), or set outside backward
                 if seen is None:

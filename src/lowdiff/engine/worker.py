@@ -341,6 +341,19 @@ def drain(requests: Connection, handle: Any, kinds: tuple[str, ...]) -> None:
             handle(msg)
 
 
+def detach_from_trainer_group() -> None:
+    """Leave the trainer's process group.
+
+    Launchers such as torchrun stop a worker by signalling its whole process group; the
+    checkpointing process must outlive its trainer to write what it was handed (and, for
+    LowDiff+, to keep the replica for a restarted trainer), so it takes a group of its
+    own. It still ends by itself: on its trainer's death it flushes and exits (LowDiff),
+    or waits ``idle_timeout`` for a new trainer (LowDiff+).
+    """
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+
+
 def worker_main(
     cfg: WorkerConfig,
     slots: torch.Tensor,
@@ -350,6 +363,7 @@ def worker_main(
     results: Connection,
 ) -> None:
     """Entry point of the checkpointing process."""
+    detach_from_trainer_group()
     torch.set_num_threads(1)  # leave the cores to training
     w = _Writer(cfg, slots, free_slots, staging_free, results)
     lock_fd = None
