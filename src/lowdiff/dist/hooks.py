@@ -99,7 +99,9 @@ def lowdiff_hook(
     fv = dist.all_gather(v_all, v_local, group=group, async_op=True).get_future()  # type: ignore[union-attr]
     fi = dist.all_gather(i_all, i_local, group=group, async_op=True).get_future()  # type: ignore[union-attr]
 
-    def merge(_: Any) -> torch.Tensor:
+    def merge(done: Any) -> torch.Tensor:
+        for f in done.value():
+            f.value()  # raises if a peer failed: never merge half-received buffers
         with torch.no_grad():
             for key, (a, b), g in zip(keys, spans, grads, strict=True):
                 numel = g.numel()

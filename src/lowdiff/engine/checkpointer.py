@@ -261,6 +261,10 @@ class Checkpointer:
             "record_send_s": 0.0,
             "lag_wait_s": 0.0,
             "snapshot_finish_s": 0.0,
+            "record_files_written": 0,
+            "records_written": 0,
+            "record_bytes": 0,
+            "record_write_s": 0.0,
         }
         self._proc: Any = None
         self._req: Connection | None = None
@@ -679,6 +683,11 @@ class Checkpointer:
             self._durable = max(self._durable, int(msg[1]))
         elif kind == "merged":
             self._merged = max(self._merged, int(msg[1]))
+        elif kind == "records_done":
+            self._stats["record_files_written"] += 1
+            self._stats["records_written"] += msg[1]
+            self._stats["record_bytes"] += msg[2]
+            self._stats["record_write_s"] += msg[3]
         elif kind == "full_done":
             self._stats["fulls_written"] += 1
             self._stats["full_bytes"] += msg[2]

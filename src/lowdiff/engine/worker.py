@@ -236,9 +236,11 @@ class _Writer:
             "run_id": self.cfg.run_id,
             "records_meta": "[" + ",".join(self.metas) + "]",
         }
-        sfile.write(
-            layout.records_path(self.root, first, last), [entry], self.batch[:n].reshape(-1), meta
-        )
+        t0 = time.perf_counter()
+        path = layout.records_path(self.root, first, last)
+        sfile.write(path, [entry], self.batch[:n].reshape(-1), meta)
+        with contextlib.suppress(OSError):
+            self.send(("records_done", n, path.stat().st_size, time.perf_counter() - t0))
         self.steps.clear()
         self.metas.clear()
         self.durable = last + 1
