@@ -93,13 +93,72 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
     )
 
 
+@dataclass
+class JobInfo:
+    """What a distributed job's checkpoint directory holds (one shard per rank)."""
+
+    root: Path
+    manifest: dict[str, Any]
+    shards: list[DirectoryInfo]
+    recoverable_intervals: list[tuple[int, int]]
+    """Steps every shard can serve from a common full checkpoint (what a resume agrees on)."""
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    @property
+    def recoverable(self) -> tuple[int, int] | None:
+        iv = self.recoverable_intervals
+        return (iv[0][0], iv[-1][1]) if iv else None
+
+
+def inspect_job(path: str | Path) -> JobInfo:
+    """Summarise a distributed job's directory: every shard, and the steps all of them serve."""
+    from lowdiff.dist.recovery import shard_scans
+    from lowdiff.recovery.scan import chain_from
+
+    root = Path(path)
+    manifest = layout.read_manifest(root)
+    scans = shard_scans(root, int(manifest["world_size"]))
+    common = set.intersection(*({f.first_step for f in sc.fulls} for sc in scans))
+    spans = sorted((f, min(chain_from(sc, f)[0] for sc in scans)) for f in common)
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return JobInfo(root, manifest, [inspect_dir(sc.root) for sc in scans], merged)
+
+
+def is_job(path: str | Path) -> bool:
+    """True when ``path`` is the root of a distributed job's checkpoint directory."""
+    from lowdiff.dist.recovery import is_job_dir
+
+    return is_job_dir(Path(path))
+
+
 def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
-    """Check every checksum in the directory.
+    """Check every checksum in the directory (every shard, for a distributed job).
 
     Returns:
         (number of files checked, [(path, reason) for every bad file]).
     """
     root = Path(path)
+    if is_job(root):
+        from lowdiff.dist.context import rank_dir
+
+        n_checked, bad_shards = 1, []
+        for r in range(int(layout.read_manifest(root)["world_size"])):
+            d = rank_dir(root, r)
+            if not (d / layout.MANIFEST).exists():
+                bad_shards.append((d, "shard directory missing or without a manifest"))
+                continue
+            n, b = verify_dir(d)
+            n_checked += n
+            bad_shards.extend(b)
+        return n_checked, bad_shards
     bad: list[tuple[Path, str]] = []
     checked = 1
     try:

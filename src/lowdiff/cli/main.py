@@ -24,9 +24,11 @@ def _fmt_bytes(n: float) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from lowdiff.inspect import inspect_dir
+    from lowdiff.inspect import inspect_dir, is_job
     from lowdiff.recovery.scan import FileInfo
 
+    if is_job(args.directory):
+        return _inspect_job(args)
     info = inspect_dir(args.directory)
     m = info.manifest
     if args.json:
@@ -95,6 +97,57 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"\nproblems ({len(info.problems)}):")
         for p, r in info.problems:
             print(f"  {p}: {r}")
+    return 0
+
+
+def _inspect_job(args: argparse.Namespace) -> int:
+    from lowdiff.inspect import inspect_job
+
+    job = inspect_job(args.directory)
+    iv = job.recoverable_intervals
+    if args.json:
+        out = {
+            "directory": str(job.root),
+            "strategy": job.manifest.get("strategy"),
+            "world_size": job.world_size,
+            "recoverable": list(job.recoverable) if job.recoverable else None,
+            "recoverable_intervals": [list(i) for i in iv],
+            "shards": [
+                {
+                    "directory": str(s.root),
+                    "parameters": s.n_parameters,
+                    "recoverable_intervals": [list(i) for i in s.recoverable_intervals],
+                    "full_checkpoints": len(s.full_checkpoints),
+                    "bytes_per_full": s.bytes_per_full,
+                    "records": s.n_records,
+                    "bytes_per_record": s.bytes_per_record,
+                    "live_replica": s.live_replica,
+                    "problems": [{"path": str(p), "reason": r} for p, r in s.problems],
+                }
+                for s in job.shards
+            ],
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"directory    {job.root}  (distributed job, {job.world_size} ranks)")
+    print(f"strategy     {job.manifest.get('strategy')}")
+    print(
+        f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
+        "  (steps every shard serves; a resume agrees on the newest)"
+    )
+    print("\nshards:")
+    for s in job.shards:
+        siv = ", ".join(f"{lo}..{hi}" for lo, hi in s.recoverable_intervals) or "nothing"
+        line = (
+            f"  {s.root.name}  {s.n_parameters:>12,} params  recoverable {siv}  "
+            f"{len(s.full_checkpoints)} full ({_fmt_bytes(s.bytes_per_full)} each)  "
+            f"{s.n_records} records ({_fmt_bytes(s.bytes_per_record)} each)"
+        )
+        if s.live_replica is not None:
+            line += f"  live replica: {s.live_replica['state']}"
+        print(line)
+        for p, r in s.problems:
+            print(f"      problem: {p}: {r}")
     return 0
 
 
