@@ -33,6 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -334,10 +335,15 @@ def drain(requests: Connection, handle: Any, kinds: tuple[str, ...]) -> None:
         try:
             if not requests.poll(0):
                 return
-            msg = requests.recv()
+            raw = requests.recv_bytes()
         except (EOFError, OSError):
             return
-        except Exception:  # noqa: BLE001 -- e.g. a staging buffer whose owner is gone
+        try:
+            # apart from recv(): a message that cannot be rebuilt (a shared tensor whose
+            # owner is gone raises ConnectionRefusedError, an OSError) must not end the
+            # drain as if the pipe were closed; the records behind it still count
+            msg = ForkingPickler.loads(raw)
+        except Exception:  # noqa: BLE001
             continue
         if msg[0] in kinds:
             handle(msg)
