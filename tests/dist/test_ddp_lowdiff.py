@@ -34,7 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args: str, restarts: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(
+    *args: str, restarts: int = 0, timeout: float = 300, script: Path = JOB
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -49,7 +51,7 @@ def torchrun(*args: str, restarts: int = 0, timeout: float = 300) -> subprocess.
         str(restarts),
         "--monitor-interval",
         "0.5",
-        str(JOB),
+        str(script),
         *args,
     ]
     # a restarted round must not read the previous round's addresses from a shared store
