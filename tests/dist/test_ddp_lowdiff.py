@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,13 +56,31 @@ def torchrun(
         *args,
     ]
     # a restarted round must not read the previous round's addresses from a shared store
+    # a restarted round must not read the previous round's addresses from a shared store
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    # own session: on a timeout the whole tree (torchrun, ranks) is killed, not only torchrun
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"torchrun timed out after {timeout} s:\n{out[-4000:]}\n{err[-8000:]}"
+        ) from None
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert p.returncode == 0, (
         f"torchrun failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
     )
