@@ -56,14 +56,12 @@ def torchrun(
         *args,
     ]
     # a restarted round must not read the previous round's addresses from a shared store
-    # a restarted round must not read the previous round's addresses from a shared store
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
-    # own session: on a timeout the whole tree (torchrun, ranks) is killed, not only torchrun
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -75,8 +73,13 @@ def torchrun(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        # SIGTERM first: torchrun then stops its ranks (each in a session of its own)
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
         raise AssertionError(
             f"torchrun timed out after {timeout} s:\n{out[-4000:]}\n{err[-8000:]}"
         ) from None
