@@ -53,9 +53,13 @@ def is_empty_dir(root: Path) -> bool:
         return True
     # lock files, and a replica descriptor (LowDiff+ checks and cleans it up on resume)
     ignorable = {layout.LOCK_FILE, layout.WRITER_LOCK_FILE, ".lowdiff.replica.json"}
+    entries = list(root.iterdir())
+    if all(_unused_subdir(p) for p in entries if p.name in (layout.FULL_DIR, layout.RECORDS_DIR)):
+        # a manifest and no checkpoint file: the trainer that created the directory died
+        # before its first full checkpoint was written, so nothing was ever durable
+        ignorable.add(layout.MANIFEST)
     return all(
-        p.name in ignorable or p.name.startswith(TMP_PREFIX) or _unused_subdir(p)
-        for p in root.iterdir()
+        p.name in ignorable or p.name.startswith(TMP_PREFIX) or _unused_subdir(p) for p in entries
     )
 
 
