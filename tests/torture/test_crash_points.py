@@ -1,5 +1,6 @@
 """SIGKILL the trainer, the checkpointing process or both at hook points and at random
-times; every recovery reaches the acknowledged step with the reference state."""
+times, under LowDiff and LowDiff+; every recovery reaches the acknowledged step with the
+reference state."""
 
 from __future__ import annotations
 
@@ -38,5 +39,30 @@ def test_kills_at_hook_points_and_random_times(tmp_path, torture_report) -> None
     assert report.failures == []
     assert report.kills == len(PLANS)
     assert report.recoveries == report.recoveries_ok >= len(PLANS)
+    assert report.wrong_states == report.lost_acknowledged == report.lost_handed_off == 0
+    assert report.margin_min is not None and report.margin_min >= 0
+
+
+PLUS_PLANS = [
+    # the trainer dies while its replica is about to fsync a full checkpoint; the replica
+    # stays in memory and the next trainer resumes from it
+    {"target": "trainer", "how": "hook", "spec": "before_fsync:full:2:kill-parent"},
+    # the replica dies in the middle of retention; the trainer resumes from disk
+    {"target": "worker", "how": "hook", "spec": "retention:any:2:kill-self"},
+]
+
+
+def test_lowdiff_plus_kills_recover_from_memory_and_disk(tmp_path, torture_report) -> None:
+    ref = workload.reference(N_STEPS, plus=True)
+    report = TortureReport()
+    plans = [dict(p, point=p["spec"]) for p in PLUS_PLANS]
+    plans.append({"target": "none", "how": "check", "point": "final check"})
+    CrashHarness(tmp_path, ref, report, seed=2, strategy="lowdiff+").run(plans)
+    torture_report.merge(report)
+    assert report.failures == []
+    assert report.kills == report.kills_by_strategy["lowdiff+"] == len(PLUS_PLANS)
+    assert report.recoveries == report.recoveries_ok >= len(PLUS_PLANS)
+    assert report.recoveries_by_source["lowdiff+ memory"] >= 1
+    assert report.recoveries_by_source["lowdiff+ disk"] >= 1
     assert report.wrong_states == report.lost_acknowledged == report.lost_handed_off == 0
     assert report.margin_min is not None and report.margin_min >= 0

@@ -15,6 +15,14 @@ every recovery against the uninterrupted reference trajectory:
    ``ck.step()`` returned;
 3. the recovered state is bit-identical (``torch.equal`` on every tensor) to the
    reference at that step.
+
+Both strategies are driven. LowDiff (``strategy="lowdiff"``) writes record files and full
+checkpoints. LowDiff+ (``strategy="lowdiff+"``) keeps a replica in its checkpointing
+process and persists it as full checkpoints only, so its plans use the full-checkpoint and
+retention hook points; after a kill of the trainer alone the replica survives in memory
+and the next ``resume()`` restores from it (``ck.recovery_stats.source == "memory"``),
+otherwise from the newest persisted full checkpoint. Its reference is the uncompressed
+trajectory (:func:`lowdiff.torture.workload.reference` with ``plus=True``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -50,14 +59,22 @@ HOOK_POINTS: list[tuple[str, str, int]] = [
     ("after_rename", "full", 2),
     ("retention", "any", 4),
 ]
+# LowDiff+ writes full checkpoints only (no record files)
+PLUS_HOOK_POINTS: list[tuple[str, str, int]] = [
+    (point, kind, most) for point, kind, most in HOOK_POINTS if kind != "records"
+]
+STRATEGIES = ("lowdiff", "lowdiff+")
 ACTIONS = {"worker": "kill-self", "trainer": "kill-parent", "both": "kill-both"}
 N_STEPS = 240
 STEP_SLEEP = 0.004
 
 
-def make_plans(n: int, seed: int) -> list[dict[str, Any]]:
-    """``n`` kill plans: targets, hook points and random times, mixed by ``seed``."""
+def make_plans(n: int, seed: int, strategy: str = "lowdiff") -> list[dict[str, Any]]:
+    """``n`` kill plans for ``strategy``: targets, hook points and random times, mixed by ``seed``."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     rng = random.Random(seed)
+    points = HOOK_POINTS if strategy == "lowdiff" else PLUS_HOOK_POINTS
     plans: list[dict[str, Any]] = []
     for i in range(n):
         target = ("worker", "trainer", "both")[i % 3]
@@ -72,7 +89,7 @@ def make_plans(n: int, seed: int) -> list[dict[str, Any]]:
                 }
             )
         elif rng.random() < 0.6:
-            point, kind, most = rng.choice(HOOK_POINTS)
+            point, kind, most = rng.choice(points)
             nth = rng.randint(1, most)
             plans.append(
                 {
@@ -116,10 +133,14 @@ class CrashHarness:
         *,
         seed: int = 0,
         timeout: float = 180.0,
+        strategy: str = "lowdiff",
         log: Callable[[str], None] | None = None,
     ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.workdir, self.ref, self.report = Path(workdir), reference, report
         self.seed, self.timeout, self.log = seed, timeout, log or (lambda _: None)
+        self.strategy = strategy
         self.lock = threading.Lock()
 
     def run(self, plans: list[dict[str, Any]]) -> None:
@@ -137,6 +158,7 @@ class CrashHarness:
                 "n_steps": len(self.ref) - 1,
                 "sleep": STEP_SLEEP,
                 "seed": self.seed,
+                "strategy": self.strategy,
             }
             current, chain, rc, tail = self._run_job(cfg, plans, chains, chain, i)
             plan = plans[current]
@@ -159,6 +181,7 @@ class CrashHarness:
             self.report.kills += 1
             self.report.kills_by_target[plan["target"]] += 1
             self.report.kills_by_point[plan["point"]] += 1
+            self.report.kills_by_strategy[self.strategy] += 1
 
     def _run_job(
         self,
@@ -172,10 +195,13 @@ class CrashHarness:
         env.pop("LOWDIFF_FAULTS", None)
         src = str(Path(lowdiff.__file__).resolve().parents[1])
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+        # stderr goes to a file: a checkpointing process that outlives the job (a LowDiff+
+        # replica waiting for the next trainer) inherits it, and must not hold a pipe open
+        err_file = tempfile.TemporaryFile(mode="w+", dir=self.workdir)  # noqa: SIM115 -- closed below
         proc = subprocess.Popen(
             [sys.executable, "-m", "lowdiff.torture.job", json.dumps(cfg)],
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=err_file,
             text=True,
             env=env,
             start_new_session=True,
@@ -188,11 +214,6 @@ class CrashHarness:
 
         timer = threading.Timer(self.timeout, on_timeout)
         timer.start()
-        err_lines: list[str] = []
-        err_reader = threading.Thread(
-            target=lambda: err_lines.extend(proc.stderr or []), daemon=True
-        )
-        err_reader.start()
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
@@ -209,8 +230,8 @@ class CrashHarness:
                 elif word == "step":
                     c.handed = int(rest)
                 elif word == "resumed":
-                    step, path = rest.split(" ", 1)
-                    self._check_recovery(c, int(step), Path(path), plans[current])
+                    step, source, path = rest.split(" ", 2)
+                    self._check_recovery(c, int(step), source, Path(path))
                     c.handed = int(step)
                 elif word == "worker_error":
                     plan = plans[current]
@@ -222,45 +243,50 @@ class CrashHarness:
                 elif word == "recovery_failed":
                     with self.lock:
                         self.report.recoveries += 1
-                        self.report.fail(f"chain {chain}, plan {current}: {line}")
+                        self.report.recoveries_by_source[f"{self.strategy} failed"] += 1
+                        self.report.fail(f"{self.strategy} chain {chain}, plan {current}: {line}")
             proc.wait()
         finally:
             timer.cancel()
             if proc.poll() is None:
                 _kill_group(proc.pid)
                 proc.wait()
-            err_reader.join(5)
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
+            if proc.stdout is not None:
+                proc.stdout.close()
+            err_file.seek(0)
+            err_lines = err_file.readlines()[-6:]
+            err_file.close()
         if hung.is_set():
             with self.lock:
                 self.report.fail(f"plan {current}: the job hung for {self.timeout:.0f} s")
         # the checkpointing process of a killed trainer finishes on its own; wait for it
         # through the writer lock at the next resume, but never leave one behind at the end
-        tail = "".join(err_lines[-6:]).strip().replace("\n", " | ")[-600:]
+        tail = "".join(err_lines).strip().replace("\n", " | ")[-600:]
         return current, chain, proc.returncode, tail
 
-    def _check_recovery(self, c: _Chain, step: int, dump: Path, plan: dict[str, Any]) -> None:
+    def _check_recovery(self, c: _Chain, step: int, source: str, dump: Path) -> None:
         got = safetensors.torch.load_file(str(dump))
         dump.unlink()
         bad = diff_states(self.ref[step], got) if step < len(self.ref) else ["beyond reference"]
+        what = f"{self.strategy}: recovered step {step} ({source})"
         with self.lock:
             r = self.report
             r.recoveries += 1
+            r.recoveries_by_source[f"{self.strategy} {source}"] += 1
             ok = True
             if bad:
                 r.wrong_states += 1
-                r.fail(f"recovered step {step} differs from the reference: {bad[:5]}")
+                r.wrong_states_by_strategy[self.strategy] += 1
+                r.fail(f"{what} differs from the reference: {bad[:5]}")
                 ok = False
             if step < c.acked:
                 r.lost_acknowledged += 1
-                r.fail(f"recovered step {step} < acknowledged durable step {c.acked}")
+                r.fail(f"{what} < acknowledged durable step {c.acked}")
                 ok = False
             if step < c.expect_handed:
                 r.lost_handed_off += 1
                 r.fail(
-                    f"after a trainer-only kill ({c.killed}) recovered step {step} < "
+                    f"{what} after a trainer-only kill ({c.killed}) < "
                     f"{c.expect_handed} steps handed off"
                 )
                 ok = False
@@ -276,6 +302,19 @@ def _kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+def split_kills(n_kills: int, strategies: tuple[str, ...] = STRATEGIES) -> dict[str, int]:
+    """Kill plans per strategy: LowDiff+ gets a third of them when both are driven."""
+    for name in strategies:
+        if name not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
+    if not strategies:
+        raise ValueError("strategies must name at least one strategy")
+    if set(strategies) == set(STRATEGIES):
+        plus = n_kills // 3
+        return {"lowdiff": n_kills - plus, "lowdiff+": plus}
+    return {strategies[0]: n_kills}
+
+
 def run_crash(
     workdir: Path,
     n_kills: int,
@@ -284,22 +323,48 @@ def run_crash(
     seed: int = 0,
     jobs: int = 1,
     reference: list[dict[str, torch.Tensor]] | None = None,
+    plus_reference: list[dict[str, torch.Tensor]] | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
     log: Callable[[str], None] | None = None,
 ) -> None:
-    """Run ``n_kills`` kill plans split over ``jobs`` independent chains of directories."""
+    """Run ``n_kills`` kill plans, split over ``strategies`` (LowDiff+ gets a third when
+    both are driven) and, for each strategy, over ``jobs`` independent chains of
+    directories. ``reference`` and ``plus_reference`` are the uninterrupted trajectories
+    of LowDiff and LowDiff+ (computed when not given)."""
     from lowdiff.torture import workload
 
-    ref = reference if reference is not None else workload.reference(N_STEPS)
-    jobs = max(1, min(jobs, n_kills))
-    shares = [n_kills // jobs + (j < n_kills % jobs) for j in range(jobs)]
-    threads = []
-    t0 = time.monotonic()
-    for j, share in enumerate(shares):
-        h = CrashHarness(Path(workdir) / f"crash-{j}", ref, report, seed=seed + j, log=log)
-        th = threading.Thread(target=h.run, args=(make_plans(share, seed + j),))
-        th.start()
-        threads.append(th)
-    for th in threads:
-        th.join()
-    if log:
-        log(f"crash: {report.kills} kills in {time.monotonic() - t0:.0f} s")
+    for strategy, share_kills in split_kills(n_kills, strategies).items():
+        if share_kills == 0:
+            continue
+        if strategy == "lowdiff":
+            ref = reference if reference is not None else workload.reference(N_STEPS)
+            sub, seed0 = "crash", seed
+        else:
+            ref = (
+                plus_reference
+                if plus_reference is not None
+                else workload.reference(N_STEPS, plus=True)
+            )
+            sub, seed0 = "crash-plus", seed + 1000
+        n_jobs = max(1, min(jobs, share_kills))
+        shares = [share_kills // n_jobs + (j < share_kills % n_jobs) for j in range(n_jobs)]
+        threads = []
+        t0 = time.monotonic()
+        kills0 = report.kills_by_strategy[strategy]
+        for j, share in enumerate(shares):
+            h = CrashHarness(
+                Path(workdir) / f"{sub}-{j}",
+                ref,
+                report,
+                seed=seed0 + j,
+                strategy=strategy,
+                log=log,
+            )
+            th = threading.Thread(target=h.run, args=(make_plans(share, seed0 + j, strategy),))
+            th.start()
+            threads.append(th)
+        for th in threads:
+            th.join()
+        if log:
+            done = report.kills_by_strategy[strategy] - kills0
+            log(f"crash ({strategy}): {done} kills in {time.monotonic() - t0:.0f} s")

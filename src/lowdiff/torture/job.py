@@ -6,14 +6,19 @@ the plan's fault fire. A plan that kills only the checkpointing process ends its
 with the ``CheckpointWorkerError`` the trainer gets; the next session starts in this
 same process. A plan that kills this process ends the job; the harness starts a new
 one at the next plan. When a chain reaches its last step it is closed and the next
-session starts a new chain.
+session starts a new chain. ``cfg["strategy"]`` is ``"lowdiff"`` (default) or
+``"lowdiff+"``; a LowDiff+ replica whose trainer was killed waits in memory for the next
+session, which resumes from it.
 
 Every line it prints is a fact the harness checks:
 
 - ``plan I`` / ``chain N``: a session or a chain begins;
-- ``resumed S PATH``: recovery gave step ``S``; the state is in ``PATH``;
+- ``resumed S SOURCE PATH``: recovery gave step ``S`` from ``SOURCE`` (``disk``,
+  ``memory`` for a LowDiff+ replica, ``fresh`` for an empty directory); the state is in
+  ``PATH``;
 - ``durable D``: ``ck.durable_step`` said ``D``, i.e. step ``D`` was acknowledged durable;
-- ``step N``: ``ck.step()`` returned, the record of step ``N - 1`` was handed off;
+- ``step N``: ``ck.step()`` returned, the record (LowDiff) or the gradients (LowDiff+) of
+  step ``N - 1`` were handed off;
 - ``worker_error MESSAGE``: the trainer got the error of a killed checkpointing process;
 - ``completed``: the chain reached its last step without the plan's fault firing;
 - ``recovery_failed MESSAGE``: resume raised.
@@ -67,7 +72,10 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
     atomic.install_faults(spec if trainer_side else "")
     if plan["how"] == "time" and plan.get("phase") == "startup":
         _kill_later(plan["delay"], [os.getpid()])
-    ck, model, opt, sched = workload.checkpointer(directory)
+    if cfg.get("strategy", "lowdiff") == "lowdiff+":
+        ck, model, opt, sched = workload.plus_checkpointer(directory)
+    else:
+        ck, model, opt, sched = workload.checkpointer(directory)
     try:
         start = ck.resume()
     except Exception as e:  # noqa: BLE001 -- reported to the harness, which fails the run
@@ -79,7 +87,8 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
         {k: v.contiguous().clone() for k, v in state_tensors(model, opt, sched).items()},
         str(dump),
     )
-    _out(f"resumed {start} {dump}")
+    source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
+    _out(f"resumed {start} {source} {dump}")
     durable = ck.durable_step
     _out(f"durable {durable}")
     if plan["how"] == "check":
@@ -117,8 +126,26 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
     return "completed"
 
 
+def _private_stdout() -> None:
+    """Print the lines for the harness on a descriptor no child inherits.
+
+    A LowDiff+ replica whose trainer was killed stays alive (up to ``idle_timeout``) for
+    the next trainer; holding the harness's pipe open, it would keep the harness waiting
+    for the end of this job's output, and the replica would time out unused.
+    """
+    sys.stdout.flush()
+    private = os.dup(1)  # not inheritable
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = os.fdopen(private, "w", buffering=1)
+
+
 def main(cfg: dict[str, Any]) -> None:
     import torch
+
+    if cfg.get("strategy", "lowdiff") == "lowdiff+":
+        _private_stdout()
 
     torch.set_num_threads(1)
     rng = random.Random(cfg["seed"] * 7919 + cfg["start_plan"])

@@ -16,11 +16,17 @@ class TortureReport:
     """SIGKILLs that hit a trainer, a checkpointing process or both."""
     kills_by_target: Counter[str] = field(default_factory=Counter)
     kills_by_point: Counter[str] = field(default_factory=Counter)
+    kills_by_strategy: Counter[str] = field(default_factory=Counter)
+    """Kills per strategy driven: ``lowdiff``, ``lowdiff+``."""
     recoveries: int = 0
     """Recoveries after a kill that were checked (resume, then compare)."""
     recoveries_ok: int = 0
+    recoveries_by_source: Counter[str] = field(default_factory=Counter)
+    """Recoveries per strategy and source: ``lowdiff disk``, ``lowdiff+ memory``, ``lowdiff+
+    disk``, ``... fresh`` (an empty directory), ``... failed``."""
     wrong_states: int = 0
     """Recovered states that differ from the uninterrupted reference (target: 0)."""
+    wrong_states_by_strategy: Counter[str] = field(default_factory=Counter)
     lost_acknowledged: int = 0
     """Recoveries that ended before the newest step acknowledged as durable (target: 0)."""
     lost_handed_off: int = 0
@@ -110,6 +116,21 @@ class TortureReport:
             if self.margin_min is None
             else f"min {self.margin_min:+d}, max {self.margin_max:+d}"
         )
+        by_strategy: list[str] = []
+        for strategy in sorted(
+            set(self.kills_by_strategy) | {k.split(" ", 1)[0] for k in self.recoveries_by_source}
+        ):
+            sources = sorted(
+                (k.split(" ", 1)[1], v)
+                for k, v in self.recoveries_by_source.items()
+                if k.split(" ", 1)[0] == strategy
+            )
+            by_strategy.append(
+                f"  {strategy:<22} kills {self.kills_by_strategy[strategy]}"
+                f"   recoveries {sum(v for _, v in sources)}"
+                + (f" ({', '.join(f'{k} {v}' for k, v in sources)})" if sources else "")
+                + f"   wrong states {self.wrong_states_by_strategy[strategy]}"
+            )
         lines = [
             f"kills performed          {self.kills}"
             + (
@@ -119,6 +140,7 @@ class TortureReport:
             ),
             f"recoveries succeeded     {self.recoveries_ok} / {self.recoveries}"
             f"   wrong states {self.wrong_states}",
+            *by_strategy,
             f"recovered - acknowledged {margin}   acknowledged steps lost {self.lost_acknowledged}"
             f", handed-off steps lost {self.lost_handed_off}",
             f"corruptions injected     {self.corruptions}   detected {self.corruptions_detected}"

@@ -30,16 +30,20 @@ class Profile:
     """Storage-fault scenarios."""
     fuzz: int
     """Fuzzed reader inputs."""
+    strategies: tuple[str, ...] = crash.STRATEGIES
+    """Strategies the kill plans drive; with both, LowDiff+ gets a third of the plans."""
 
     def __post_init__(self) -> None:
         for name in ("kills", "flips", "cuts", "storage", "fuzz"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        crash.split_kills(self.kills, self.strategies)  # raises on an unknown strategy
 
 
-QUICK = Profile(kills=6, flips=6, cuts=3, storage=3, fuzz=2000)
-FULL = Profile(kills=200, flips=64, cuts=24, storage=12, fuzz=50000)
+QUICK = Profile(kills=9, flips=6, cuts=3, storage=3, fuzz=2000)
+# 160 LowDiff plans and 80 LowDiff+ plans; a few do not fire before their chain ends
+FULL = Profile(kills=240, flips=64, cuts=24, storage=12, fuzz=50000)
 
 
 def run_torture(
@@ -88,7 +92,14 @@ def run_torture(
             run_storage(work, report, scenarios=profile.storage, reference=ref, log=log)
         if profile.kills:
             crash.run_crash(
-                work, profile.kills, report, seed=seed, jobs=jobs, reference=ref, log=log
+                work,
+                profile.kills,
+                report,
+                seed=seed,
+                jobs=jobs,
+                reference=ref,
+                strategies=profile.strategies,
+                log=log,
             )
     finally:
         if tmp is not None:

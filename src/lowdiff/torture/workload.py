@@ -5,6 +5,9 @@ generator seeded with ``t``, dropout draws from the global RNG (which checkpoint
 restore), and the compressor has no error feedback. A resumed run therefore continues
 exactly like an uninterrupted one, so every recovered state can be compared bit for bit
 with the reference trajectory.
+
+LowDiff+ (``strategy="lowdiff+"``) trains on the uncompressed gradients; its reference
+is the same job with :class:`~lowdiff.NoCompression` (``reference(n, plus=True)``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from lowdiff.engine.state import snapshot_state
 FULL_EVERY = 4
 BATCH_SIZE = 3
 KEEP_FULL = 1
+PERSIST_EVERY = 3
+"""LowDiff+: the replica is persisted as a full checkpoint every this many steps."""
+IDLE_TIMEOUT = 20.0
+"""LowDiff+: seconds a replica whose trainer died waits for a new one."""
 
 
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
@@ -61,10 +68,26 @@ def checkpointer(directory: str | Path | None, **kw: Any) -> tuple[Any, ...]:
     return ck, model, opt, sched
 
 
-def reference(n_steps: int) -> list[dict[str, torch.Tensor]]:
-    """The state after every step ``0..n_steps`` of the uninterrupted run."""
+def plus_checkpointer(directory: str | Path, **kw: Any) -> tuple[Any, ...]:
+    """A fresh model, optimizer and scheduler with a LowDiff+ Checkpointer on ``directory``."""
+    model, opt, sched = build()
+    kw.setdefault("persist_every", PERSIST_EVERY)
+    kw.setdefault("keep_full", KEEP_FULL)
+    kw.setdefault("idle_timeout", IDLE_TIMEOUT)
+    kw.setdefault("start_timeout", 60.0)
+    ck = lowdiff.Checkpointer(
+        model, opt, directory, scheduler=sched, strategy="lowdiff+", compressor=None, **kw
+    )
+    return ck, model, opt, sched
+
+
+def reference(n_steps: int, *, plus: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The state after every step ``0..n_steps`` of the uninterrupted run.
+
+    ``plus``: the trajectory LowDiff+ trains (uncompressed gradients) instead of LowDiff's.
+    """
     with one_thread():
-        return _reference(n_steps)
+        return _reference(n_steps, plus)
 
 
 @contextlib.contextmanager
@@ -78,8 +101,14 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _reference(n_steps: int) -> list[dict[str, torch.Tensor]]:
-    ck, model, opt, sched = checkpointer(None, strategy="none")
+def _reference(n_steps: int, plus: bool = False) -> list[dict[str, torch.Tensor]]:
+    if plus:
+        model, opt, sched = build()
+        ck = lowdiff.Checkpointer(
+            model, opt, None, scheduler=sched, strategy="none", compressor=lowdiff.NoCompression()
+        )
+    else:
+        ck, model, opt, sched = checkpointer(None, strategy="none")
     ck.resume()
     out = [snapshot_state(model, opt, sched)]
     for step in range(n_steps):
