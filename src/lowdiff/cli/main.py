@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="the small profile (about a minute)")
     p.add_argument(
-        "--kills", type=_non_negative_int, default=None, help="kill plans (full profile: 200)"
+        "--kills", type=_non_negative_int, default=None, help="kill plans (full profile: 240)"
     )
     p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of every random choice")
     p.add_argument("--jobs", type=_positive_int, default=1, help="kill chains run side by side")

@@ -297,6 +297,17 @@ class CrashHarness:
         c.acked = max(c.acked, step)
 
 
+def _run_reporting_errors(
+    h: CrashHarness, plans: list[dict[str, Any]], report: TortureReport
+) -> None:
+    """Run a chain of plans; an error in the harness itself fails the report (never a silent OK)."""
+    try:
+        h.run(plans)
+    except Exception as e:  # noqa: BLE001 -- recorded as a failure of the run
+        with h.lock:
+            report.fail(f"the harness of {h.workdir.name} stopped: {type(e).__name__}: {e}")
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -360,7 +371,10 @@ def run_crash(
                 strategy=strategy,
                 log=log,
             )
-            th = threading.Thread(target=h.run, args=(make_plans(share, seed0 + j, strategy),))
+            th = threading.Thread(
+                target=_run_reporting_errors,
+                args=(h, make_plans(share, seed0 + j, strategy), report),
+            )
             th.start()
             threads.append(th)
         for th in threads:
