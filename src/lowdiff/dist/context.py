@@ -116,7 +116,9 @@ class DistContext:
             dist.broadcast(data, src=src, group=self.group)
             doc = json.loads(bytes(head_t.cpu().tolist()).decode())
             ents = [
-                TensorEntry(str(n), dtype_from_name(dt), tuple(int(x) for x in shape), int(a), int(b))
+                TensorEntry(
+                    str(n), dtype_from_name(dt), tuple(int(x) for x in shape), int(a), int(b)
+                )
                 for n, dt, shape, a, b in doc["entries"]
             ]
             got = view_tensors(ents, data.cpu())
@@ -146,6 +148,4 @@ def detect(model: torch.nn.Module) -> DistContext | None:
         if backend == "nccl"
         else torch.device("cpu")
     )
-    return DistContext(
-        dist.get_rank(group), dist.get_world_size(group), group, device
-    )
+    return DistContext(dist.get_rank(group), dist.get_world_size(group), group, device)

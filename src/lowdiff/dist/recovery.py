@@ -14,7 +14,6 @@ same step.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,15 @@ from lowdiff.errors import (
     CorruptCheckpointError,
     NotACheckpointDirectoryError,
     RecoveryError,
-    RecoveryWarning,
 )
 from lowdiff.format import codec, layout, sfile
-from lowdiff.recovery.replay import RecoveryStats, apply_full_state, replay_records
+from lowdiff.recovery.replay import (
+    RecoveryStats,
+    apply_full_state,
+    pass_over_full,
+    replay_records,
+    warn_damaged,
+)
 from lowdiff.recovery.scan import FileInfo, Scan, chain_from, scan
 
 JOB_KIND = "distributed"
@@ -116,7 +120,9 @@ def plan_sharded(
     return target, max(fits)
 
 
-def _files_for(sc: Scan, full: int, target: int, bad: AbstractSet[Path]) -> tuple[FileInfo, list[FileInfo]]:
+def _files_for(
+    sc: Scan, full: int, target: int, bad: AbstractSet[Path]
+) -> tuple[FileInfo, list[FileInfo]]:
     f = next(x for x in sc.fulls if x.first_step == full and x.path not in bad)
     _, files = chain_from(sc, full, bad)
     return f, [r for r in files if r.first_step < target]
@@ -202,16 +208,11 @@ def recover_sharded(
             "same world size"
         )
     scans = shard_scans(root, world)
-    for sc in scans:
-        for p, why in sc.problems:
-            warnings.warn(
-                f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=3
-            )
+    skipped = warn_damaged([pw for sc in scans for pw in sc.problems])
     rls = [RecordLayout.from_json(sc.manifest["record_layout"]) for sc in scans]
     check_compatible_sharded(rls, [sc.manifest for sc in scans], model, optimizer)
     compressor = compressor_from_spec(scans[ctx.rank].manifest["compressor"])
     bad: set[Path] = set()
-    skipped = [(str(p), why) for sc in scans for p, why in sc.problems]
     while True:
         local_target, _ = plan_sharded(scans, step, bad)
         target = ctx.all_min([local_target])[0]
@@ -222,13 +223,7 @@ def recover_sharded(
         try:
             load_full_sharded([f for f, _ in picked], ctx.rank, model, optimizer, scheduler, stats)
         except CorruptCheckpointError as e:
-            warnings.warn(
-                f"lowdiff: {e}; falling back to an older full checkpoint",
-                RecoveryWarning,
-                stacklevel=3,
-            )
-            bad.add(e.path)
-            skipped.append((str(e.path), e.reason))
+            pass_over_full(e, bad, skipped)
             continue
         replay_records(
             [(rl, files) for rl, (_, files) in zip(rls, picked, strict=True)],

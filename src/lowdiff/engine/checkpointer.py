@@ -31,6 +31,7 @@ import time
 import uuid
 import warnings
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -357,8 +358,7 @@ class Checkpointer:
         if self.strategy == "lowdiff+" and self._resume_from_memory():
             return self._step
         self._wait_for_previous_writer()
-        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
-            remove_stale_temps(d)
+        self._remove_stale_temps()
         if is_empty_dir(self.root):
             self._start_fresh()
             return 0
@@ -952,8 +952,7 @@ class Checkpointer:
                 if self._resume_dist_from_memory():
                     return self._step
         self._wait_for_previous_writer()
-        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
-            remove_stale_temps(d)
+        self._remove_stale_temps()
         ctx.barrier()  # every rank's previous checkpointing process has finished
         if ctx.all_max([0 if is_empty_dir(self.root) else 1])[0] == 0:
             if ctx.rank == 0:
@@ -1017,17 +1016,7 @@ class Checkpointer:
             stats.total_s = time.perf_counter() - t0
         finally:
             live.release_owner(self.start_timeout)
-        self.recovery_stats = stats
-        self._step = stats.step
-        self._durable = -1
-        self._wait_for_previous_writer()
-        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
-            remove_stale_temps(d)
-        ctx.barrier()
-        self._write_manifest()
-        self._launch_worker()
-        self._started = True
-        self._emit_full(self._step, kind="init")
+        self._start_after_memory_recovery(stats, barrier=ctx.barrier)
         return True
 
     # ------------------------------------------------------------------ lowdiff+
@@ -1094,17 +1083,30 @@ class Checkpointer:
         finally:
             # the old checkpointing process persists what it has not yet and exits
             live.release_owner(self.start_timeout)
+        self._start_after_memory_recovery(stats)
+        return True
+
+    def _start_after_memory_recovery(
+        self, stats: RecoveryStats, barrier: Callable[[], None] | None = None
+    ) -> None:
+        """Take over from the released replica: a new checkpointing process, seeded with the state."""
         self.recovery_stats = stats
         self._step = stats.step
         self._durable = -1
-        self._wait_for_previous_writer()
-        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
-            remove_stale_temps(d)
+        self._wait_for_previous_writer()  # the old process persists what it holds, then exits
+        self._remove_stale_temps()
+        if barrier is not None:
+            barrier()  # every rank's old process is gone before any rank starts anew
         self._write_manifest()
         self._launch_worker()
         self._started = True
         self._emit_full(self._step, kind="init")
-        return True
+
+    def _remove_stale_temps(self) -> None:
+        """Delete temp files a killed writer left in this directory (never published files)."""
+        assert self.root is not None
+        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+            remove_stale_temps(d)
 
     # ------------------------------------------------------------------ storage errors
     def _suspend_checkpointing(self, err: CheckpointWorkerError) -> None:
@@ -1146,8 +1148,7 @@ class Checkpointer:
         try:
             self._wait_for_previous_writer()
             assert self.root is not None
-            for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
-                remove_stale_temps(d)
+            self._remove_stale_temps()
             self._staging = None  # the new process needs the staging buffer again
             self._suspended = None
             self._launch_worker()

@@ -423,6 +423,26 @@ def replay_records(
     stats.step = expected
 
 
+def warn_damaged(problems: list[tuple[Path, str]]) -> list[tuple[str, str]]:
+    """Warn about each damaged file a scan found; returns them as ``(path, reason)``."""
+    for p, why in problems:
+        warnings.warn(
+            f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=4
+        )
+    return [(str(p), why) for p, why in problems]
+
+
+def pass_over_full(
+    err: CorruptCheckpointError, bad: set[Path], skipped: list[tuple[str, str]]
+) -> None:
+    """A full checkpoint turned out damaged: warn, and leave it out of the next plan."""
+    warnings.warn(
+        f"lowdiff: {err}; falling back to an older full checkpoint", RecoveryWarning, stacklevel=4
+    )
+    bad.add(err.path)
+    skipped.append((str(err.path), err.reason))
+
+
 def recover(
     root: str | Path,
     model: torch.nn.Module,
@@ -434,12 +454,8 @@ def recover(
     st.check_training_objects(model, optimizer, scheduler)
     root = Path(root)
     sc = scan(root)
-    for p, why in sc.problems:
-        warnings.warn(
-            f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=3
-        )
+    skipped = warn_damaged(sc.problems)
     bad: set[Path] = set()
-    skipped: list[tuple[str, str]] = [(str(p), why) for p, why in sc.problems]
     while True:
         try:
             plan = make_plan(sc, step, bad)
@@ -452,13 +468,7 @@ def recover(
             stats = replay(root, sc, plan, model, optimizer, scheduler, strict=step is not None)
         except CorruptCheckpointError as e:
             # the full checkpoint itself is damaged: try the next plan without it
-            warnings.warn(
-                f"lowdiff: {e}; falling back to an older full checkpoint",
-                RecoveryWarning,
-                stacklevel=3,
-            )
-            bad.add(e.path)
-            skipped.append((str(e.path), e.reason))
+            pass_over_full(e, bad, skipped)
             continue
         stats.skipped = skipped + stats.skipped
         return stats
