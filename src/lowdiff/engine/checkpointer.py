@@ -68,6 +68,7 @@ from lowdiff.recovery.replay import RecoveryStats, apply_full_state, check_compa
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 
 STRATEGIES = ("lowdiff", "lowdiff+", "none")
+"""lowdiff's own strategies; the baselines of :data:`lowdiff.baselines.BASELINES` come too."""
 STORAGE_ERROR_POLICIES = ("raise", "warn")
 # Errors of the checkpointing process that come from the storage (a full disk, an I/O
 # error), as opposed to a bug or a lost process: OSError and its subclasses, except the
@@ -81,6 +82,37 @@ _STORAGE_ERRORS = {
 
 class _CheckpointingSuspended(Exception):
     """Internal: a storage error under ``on_storage_error="warn"`` stopped checkpointing."""
+
+
+def compress_grads(
+    params: list[tuple[st.ParamInfo, torch.nn.Parameter]],
+    numels: list[int],
+    compressor: Compressor,
+    t: int,
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[int]]:
+    """Compress every ``.grad`` and write its decompressed form back (what training applies).
+
+    Returns:
+        The payloads by parameter index, and the indices of parameters without a gradient.
+    """
+    payloads: dict[int, dict[str, torch.Tensor]] = {}
+    nograd: list[int] = []
+    with torch.no_grad():
+        for (info, p), numel in zip(params, numels, strict=True):
+            g = p.grad
+            if g is None:
+                nograd.append(info.index)
+                continue
+            if g.is_sparse:
+                raise ValueError(
+                    f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only"
+                )
+            flat = g.detach().contiguous().view(-1)
+            payload = compressor.compress(flat, info.index, t)
+            dense = compressor.decompress(payload, numel, flat.dtype)
+            g.copy_(dense.view_as(g))
+            payloads[info.index] = payload
+    return payloads, nograd
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -102,7 +134,10 @@ class Checkpointer:
         strategy: ``"lowdiff"`` (compressed-gradient records), ``"lowdiff+"`` (no
             compression: layer-wise gradient snapshots merged into a CPU replica that is
             persisted in the background and survives a training crash), or ``"none"``
-            (same compression as ``"lowdiff"``, no checkpointing).
+            (same compression as ``"lowdiff"``, no checkpointing). The baselines
+            ``"torch-save"``, ``"checkfreq"``, ``"gemini"``, ``"naive-dc"`` and
+            ``"dcp-async"`` are built by the same call (see :mod:`lowdiff.baselines`): it then
+            returns a :class:`lowdiff.baselines.BaselineCheckpointer` with the same methods.
         compressor: the gradient compressor; default ``TopK(ratio=0.01)``. Must be None
             for ``"lowdiff+"``.
         full_every: f, a full checkpoint every f steps (and at step 0).
@@ -138,6 +173,15 @@ class Checkpointer:
         >>> ck.close()  # doctest: +SKIP
     """
 
+    def __new__(cls, *args: Any, strategy: str = "lowdiff", **kwargs: Any) -> Any:
+        # the baselines share this constructor: Checkpointer(..., strategy="checkfreq")
+        # returns a lowdiff.baselines object with the same methods
+        from lowdiff.baselines import BASELINES, baseline_class
+
+        if cls is Checkpointer and strategy in BASELINES:
+            return baseline_class(strategy)(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -172,8 +216,10 @@ class Checkpointer:
         self._suspended: str | None = None
         """Under "warn": why checkpointing is suspended after a storage error."""
         if strategy not in STRATEGIES:
+            from lowdiff.baselines import BASELINES
+
             raise ValueError(
-                f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}"
+                f"strategy must be one of {', '.join(map(repr, (*STRATEGIES, *BASELINES)))}, got {strategy!r}"
             )
         if strategy == "lowdiff+":
             if compressor is not None:
@@ -396,23 +442,7 @@ class Checkpointer:
         if self._hook_state is not None:
             self._step_dist(t, metric)
             return
-        payloads: dict[int, dict[str, torch.Tensor]] = {}
-        nograd: list[int] = []
-        with torch.no_grad():
-            for (info, p), numel in zip(self._params, self._numels, strict=True):
-                g = p.grad
-                if g is None:
-                    nograd.append(info.index)
-                    continue
-                if g.is_sparse:
-                    raise ValueError(
-                        f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only"
-                    )
-                flat = g.detach().contiguous().view(-1)
-                payload = self.compressor.compress(flat, info.index, t)
-                dense = self.compressor.decompress(payload, numel, flat.dtype)
-                g.copy_(dense.view_as(g))
-                payloads[info.index] = payload
+        payloads, nograd = compress_grads(self._params, self._numels, self.compressor, t)
         hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
         self._optimizer_step(metric)
         self._step = t + 1

@@ -1,0 +1,564 @@
+"""The contract every baseline strategy implements, and what they share.
+
+A baseline is a checkpointing strategy lowdiff is compared against (``torch-save``,
+``checkfreq``, ``gemini``, ``naive-dc``, ``dcp-async``). Users get one through the same
+call as lowdiff's own strategies, ``lowdiff.Checkpointer(model, opt, DIR,
+strategy="checkfreq", ...)``, and drive it with the same loop::
+
+    ck = Checkpointer(model, opt, DIR, strategy=..., full_every=f)  # validates, locks DIR
+    start = ck.resume()     # restores the newest checkpoint, or writes the step-0 one
+    for step in range(start, total):
+        ...; loss.backward()
+        ck.step()           # [compress the gradients] -> optimizer.step() -> scheduler.step()
+                            # -> the strategy's checkpoint, every full_every steps
+        opt.zero_grad()
+    ck.close()              # waits until the last checkpoint is durable
+
+What a subclass provides (all on the training process):
+
+- ``_before_update(t)``: called before update ``t`` changes the state (CheckFreq waits
+  for its in-flight snapshot here);
+- ``_checkpoint(step)``: take the checkpoint of the state after ``step`` updates;
+- ``_recover()``: restore the newest recoverable state into the live objects and return
+  its step, with ``self.recovery_stats`` filled in (None: nothing to recover);
+- ``_flush()`` and ``_shutdown()``: wait for in-flight work; stop background workers.
+
+Directory: ``DIR/lowdiff.json`` (a checksummed manifest naming the strategy, so that a
+directory is never read by a strategy that did not write it) and the strategy's files.
+Files written here (:func:`save_state`) are published atomically and carry an xxh3-128
+digest in a commit file next to them: a torn, truncated or altered checkpoint is named
+and passed over at recovery, never loaded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import os
+import shutil
+import time
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, BinaryIO, ClassVar
+
+import torch
+import xxhash
+
+from lowdiff.compressors.base import Compressor
+from lowdiff.engine import state as st
+from lowdiff.engine.worker import acquire_flock, lock_holder
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    DirectoryLockedError,
+    LowDiffError,
+    RecoveryWarning,
+)
+from lowdiff.format import layout
+from lowdiff.format.atomic import atomic_open, remove_stale_temps, write_bytes_atomic
+from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.scan import check_directory, is_empty_dir
+
+BASELINE_FORMAT = "lowdiff-baseline"
+BASELINE_FORMAT_VERSION = 1
+COMMIT_SUFFIX = ".commit"
+"""A checkpoint file ``X`` is published only once ``X.commit`` (its digest) exists."""
+
+
+# --------------------------------------------------------------------------- training state
+
+
+def capture_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    step: int,
+    rng_layout: st.RngLayout,
+) -> dict[str, Any]:
+    """The whole training state after ``step`` updates, as live references (not copies).
+
+    Model and optimizer tensors are the live ones: copy them (:func:`clone_state`) before
+    the next update if the state must outlive it.
+    """
+    rng_t, rng_extra = st.capture_rng(rng_layout)
+    return {
+        "step": step,
+        "model": st.unwrap_model(model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "rng": {"tensors": rng_t, "extra": rng_extra},
+    }
+
+
+def clone_state(obj: Any, *, device: str | torch.device = "cpu", pin: bool = False) -> Any:
+    """Deep copy of a state: every tensor copied to ``device`` (pinned if asked)."""
+    if isinstance(obj, torch.Tensor):
+        out = torch.empty(obj.shape, dtype=obj.dtype, device=device, pin_memory=pin)
+        out.copy_(obj.detach(), non_blocking=pin)
+        return out
+    if isinstance(obj, dict):
+        return {k: clone_state(v, device=device, pin=pin) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(clone_state(v, device=device, pin=pin) for v in obj)
+    return obj
+
+
+def state_nbytes(obj: Any) -> int:
+    """Bytes of tensor data in a state (storage shared by two names counted twice)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
+def restore_state(
+    state: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    *,
+    where: str,
+) -> None:
+    """Load a state from :func:`capture_state` into the live objects (strictly)."""
+    try:
+        st.unwrap_model(model).load_state_dict(state["model"], strict=True)
+    except RuntimeError as e:
+        raise CheckpointMismatchError(
+            f"{where}: the model does not match the checkpoint: {e}"
+        ) from None
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointMismatchError(
+            f"{where}: the optimizer does not match the checkpoint: {e}"
+        ) from None
+    if (scheduler is None) != (state["scheduler"] is None):
+        raise CheckpointMismatchError(
+            f"{where}: the checkpoint {'has no' if scheduler is not None else 'has a'} scheduler state, "
+            f"the training {'has a' if scheduler is not None else 'has no'} scheduler"
+        )
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    st.restore_rng(state["rng"]["tensors"], state["rng"]["extra"])
+
+
+# --------------------------------------------------------------------------- checkpoint files
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.h, self.n = f, xxhash.xxh3_128(), 0
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        self.h.update(mv)
+        self.n += mv.nbytes
+        return self.f.write(mv)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_state(path: Path, state: Any, *, step: int) -> int:
+    """``torch.save`` ``state`` to ``path`` atomically, then publish its commit file.
+
+    Returns:
+        Bytes written.
+    """
+    with atomic_open(path) as f:
+        hw = _HashingWriter(f)
+        torch.save(state, hw)  # type: ignore[arg-type]  # any object with write() and flush()
+    commit = {"file": path.name, "step": step, "bytes": hw.n, "xxh3_128": hw.h.hexdigest()}
+    write_bytes_atomic(commit_path(path), json.dumps(commit, sort_keys=True).encode())
+    return hw.n
+
+
+def commit_path(path: Path) -> Path:
+    return path.with_name(path.name + COMMIT_SUFFIX)
+
+
+def read_committed(path: Path) -> tuple[bytes, dict[str, Any]]:
+    """Read a published checkpoint file and verify it against its commit file.
+
+    Raises:
+        CorruptCheckpointError: naming the file, if it or its commit is missing, torn or
+            altered.
+    """
+    cpath = commit_path(path)
+    try:
+        commit = json.loads(cpath.read_bytes())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(path, "no commit file: the write never finished") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(cpath, f"unreadable commit file ({e})") from None
+    if not isinstance(commit, dict) or commit.get("file") != path.name:
+        raise CorruptCheckpointError(cpath, "not the commit file of this checkpoint")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CorruptCheckpointError(path, f"cannot read: {e.strerror}") from None
+    if len(raw) != commit.get("bytes"):
+        raise CorruptCheckpointError(
+            path, f"truncated or extended: {len(raw)} bytes, {commit.get('bytes')} committed"
+        )
+    if xxhash.xxh3_128_hexdigest(raw) != commit.get("xxh3_128"):
+        raise CorruptCheckpointError(path, "checksum mismatch (the file was altered)")
+    return raw, commit
+
+
+def load_state(path: Path, stats: RecoveryStats | None = None) -> Any:
+    """Read, verify and unpickle (``weights_only``) a file written by :func:`save_state`."""
+    t0 = time.perf_counter()
+    raw, _ = read_committed(path)
+    t1 = time.perf_counter()
+    try:
+        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # a verified file that does not load is foreign
+        raise CorruptCheckpointError(path, f"not a loadable checkpoint ({e})") from None
+    if stats is not None:
+        stats.read_s += t1 - t0
+        stats.decode_s += time.perf_counter() - t1
+        stats.bytes_read += len(raw)
+        stats.files_read += 1
+    return obj
+
+
+def published(directory: Path, prefix: str, suffix: str) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the files ``{prefix}{step:012d}{suffix}`` in ``directory``, oldest first."""
+    out = []
+    if directory.is_dir():
+        for p in directory.iterdir():
+            name = p.name
+            if name.startswith(prefix) and name.endswith(suffix):
+                digits = name[len(prefix) : len(name) - len(suffix)]
+                if len(digits) == 12 and digits.isdigit():
+                    out.append((int(digits), p))
+    return sorted(out)
+
+
+def quarantine(root: Path, path: Path) -> None:
+    """Move a damaged file (and its commit file) to ``DIR/quarantine/``; never delete it."""
+    q = root / layout.QUARANTINE_DIR
+    q.mkdir(exist_ok=True)
+    for p in (path, commit_path(path)):
+        if p.exists():
+            shutil.move(str(p), q / f"{p.name}.{int(time.time())}")
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+class BaselineCheckpointer:
+    """Common half of every baseline: validation, locking, the step loop and resume.
+
+    Args:
+        model, optimizer, directory, scheduler: as for :class:`lowdiff.Checkpointer`.
+        compressor: the training's gradient compressor (applied to ``.grad`` before the
+            optimizer, exactly as strategy ``"none"`` does), or None for uncompressed
+            training. It is part of training, not of the checkpoint.
+        full_every: a checkpoint every this many steps (and at step 0).
+        keep_full: checkpoints to keep on disk; None keeps everything.
+        start_timeout: seconds to wait for a background process to start or finish.
+    """
+
+    strategy: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        directory: str | os.PathLike[str] | None,
+        *,
+        compressor: Compressor | None = None,
+        full_every: int = 30,
+        scheduler: Any | None = None,
+        keep_full: int | None = 2,
+        start_timeout: float = 120.0,
+    ) -> None:
+        from lowdiff.engine.checkpointer import _check_int
+
+        st.check_training_objects(model, optimizer, scheduler)
+        if compressor is not None and not isinstance(compressor, Compressor):
+            raise TypeError(
+                f"compressor must be a lowdiff.Compressor or None, got {type(compressor).__name__}"
+            )
+        if directory is None:
+            raise ValueError(f"strategy {self.strategy!r} needs a checkpoint directory, got None")
+        self.full_every = _check_int("full_every", full_every, 1)
+        if keep_full is not None:
+            _check_int("keep_full", keep_full, 1)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.compressor, self.keep_full = compressor, keep_full
+        self.start_timeout = float(start_timeout)
+        self._params = st.optimizer_params(model, optimizer)
+        self._numels = [p.numel() for _, p in self._params]
+        self._rng_layout = st.RngLayout()
+        self._step = 0
+        self._durable = -1
+        self._started = False
+        self._closed = False
+        self.recovery_stats: RecoveryStats | None = None
+        self._stats: dict[str, float] = {
+            "steps": 0,
+            "checkpoints": 0,
+            "stall_s": 0.0,
+            "bytes_written": 0,
+            "write_s": 0.0,
+        }
+        self.root = Path(directory)
+        check_directory(self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = acquire_flock(self.root / layout.LOCK_FILE, blocking=False)
+        if fd is None:
+            raise DirectoryLockedError(
+                f"{self.root} is in use by another trainer ({lock_holder(self.root / layout.LOCK_FILE)}); "
+                "two trainers cannot write to one checkpoint directory"
+            )
+        self._lock_fd: int | None = fd
+        ref = weakref.ref(self)
+        atexit.register(_close_at_exit, ref)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def step_count(self) -> int:
+        """Optimizer updates done so far."""
+        return self._step
+
+    @property
+    def durable_step(self) -> int:
+        """Newest step whose state is recoverable from disk (-1 before the first write)."""
+        self._poll()
+        return self._durable
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counters and timings of this session; ``stall_s`` is time ``step()`` spent blocked."""
+        self._poll()
+        return dict(self._stats, durable_step=self._durable)
+
+    def resume(self) -> int:
+        """Restore the newest recoverable checkpoint, or start an empty directory.
+
+        Returns:
+            The recovered step (0 for an empty directory).
+        """
+        if self._started:
+            raise RuntimeError("resume() must be called once, before the first step()")
+        remove_stale_temps(self.root)
+        if is_empty_dir(self.root):
+            self._start_fresh()
+            return 0
+        self._check_manifest(layout.read_manifest(self.root))
+        step = self._recover()
+        if step is None:
+            raise LowDiffError(
+                f"{self.root}: no recoverable checkpoint of strategy {self.strategy!r}"
+            )
+        self._step = step
+        self._durable = max(self._durable, step)
+        self._started = True
+        self._after_resume()
+        return step
+
+    def step(self, metric: float | None = None) -> None:
+        """[Compress the gradients,] update, and checkpoint every ``full_every`` steps."""
+        if self._closed:
+            raise RuntimeError("step() after close()")
+        if not self._started:
+            if not is_empty_dir(self.root):
+                raise LowDiffError(
+                    f"{self.root} already holds checkpoints; call ck.resume() before the first step() "
+                    "to continue from them, or use a new directory"
+                )
+            self._start_fresh()
+        self._raise_background_error()
+        t = self._step
+        t0 = time.perf_counter()
+        self._before_update(t)
+        self._stats["stall_s"] += time.perf_counter() - t0
+        if self.compressor is not None:
+            from lowdiff.engine.checkpointer import compress_grads
+
+            compress_grads(self._params, self._numels, self.compressor, t)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            if metric is None:
+                self.scheduler.step()
+            else:
+                self.scheduler.step(metric)
+        self._step = t + 1
+        self._stats["steps"] += 1
+        if self._step % self.full_every == 0:
+            t0 = time.perf_counter()
+            self._checkpoint(self._step)
+            self._stats["checkpoints"] += 1
+            self._stats["stall_s"] += time.perf_counter() - t0
+
+    def flush(self) -> int:
+        """Wait until every checkpoint taken so far is durable; returns the durable step."""
+        if self._started and not self._closed:
+            self._flush()
+            self._raise_background_error()
+        return self._durable
+
+    def close(self) -> None:
+        """Flush, stop background work and release the directory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._started:
+                self._flush()
+                self._raise_background_error()
+        finally:
+            self._shutdown()
+            self._release()
+
+    def __enter__(self) -> BaselineCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(strategy={self.strategy!r}, directory={str(self.root)!r}, "
+            f"full_every={self.full_every}, step={self._step})"
+        )
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _before_update(self, t: int) -> None:
+        """Called before update ``t`` overwrites the state."""
+
+    def _checkpoint(self, step: int) -> None:
+        raise NotImplementedError
+
+    def _recover(self) -> int | None:
+        raise NotImplementedError
+
+    def _after_resume(self) -> None:
+        """Called once the recovered state is loaded (start background workers here)."""
+
+    def _flush(self) -> None:
+        """Wait for in-flight checkpoints."""
+
+    def _shutdown(self) -> None:
+        """Stop background workers (after ``_flush``, or on an error)."""
+
+    def _poll(self) -> None:
+        """Collect finished background work (update ``self._durable``)."""
+
+    def _raise_background_error(self) -> None:
+        """Raise :class:`lowdiff.CheckpointWorkerError` if background work failed."""
+
+    def _manifest_extra(self) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------ shared machinery
+    def _start_fresh(self) -> None:
+        self._write_manifest()
+        self._started = True
+        self._after_resume()
+        self._checkpoint(0)
+
+    def _manifest_body(self) -> dict[str, Any]:
+        return {
+            "format": BASELINE_FORMAT,
+            "format_version": BASELINE_FORMAT_VERSION,
+            "strategy": self.strategy,
+            "optimizer": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
+            "full_every": self.full_every,
+            "keep_full": self.keep_full,
+            **self._manifest_extra(),
+        }
+
+    def _write_manifest(self) -> None:
+        layout.write_manifest(self.root, self._manifest_body())
+
+    def _check_manifest(self, manifest: dict[str, Any]) -> None:
+        if manifest.get("strategy") != self.strategy:
+            raise CheckpointMismatchError(
+                f"{self.root} was written by strategy {manifest.get('strategy')!r}, "
+                f"this Checkpointer uses {self.strategy!r}"
+            )
+        if manifest.get("format") != BASELINE_FORMAT:
+            raise CheckpointMismatchError(
+                f"{self.root}: format {manifest.get('format')!r}, expected {BASELINE_FORMAT!r}"
+            )
+        want = f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}"
+        if manifest.get("optimizer") != want:
+            raise CheckpointMismatchError(
+                f"the checkpoint was written with optimizer {manifest.get('optimizer')}, got {want}"
+            )
+
+    def _capture(self, step: int) -> dict[str, Any]:
+        return capture_state(self.model, self.optimizer, self.scheduler, step, self._rng_layout)
+
+    def _recover_newest_file(
+        self, directory: Path, prefix: str, suffix: str, source: str = "disk"
+    ) -> int | None:
+        """Load the newest intact ``save_state`` file; damaged ones are quarantined with a warning."""
+        t_start = time.perf_counter()
+        skipped: list[tuple[str, str]] = []
+        for step, path in reversed(published(directory, prefix, suffix)):
+            stats = RecoveryStats(full_step=step, step=step, source=source)
+            try:
+                state = load_state(path, stats)
+                if not isinstance(state, dict) or state.get("step") != step:
+                    raise CorruptCheckpointError(path, "its contents do not match its name")
+            except CorruptCheckpointError as e:
+                skipped.append((str(e.path), e.reason))
+                warnings.warn(
+                    f"recovery passed over {e.path}: {e.reason}", RecoveryWarning, stacklevel=3
+                )
+                quarantine(self.root, path)
+                continue
+            t0 = time.perf_counter()
+            restore_state(state, self.model, self.optimizer, self.scheduler, where=path.name)
+            stats.replay_s += time.perf_counter() - t0
+            stats.skipped = skipped
+            stats.total_s = time.perf_counter() - t_start
+            self.recovery_stats = stats
+            return step
+        return None
+
+    def _retain(self, directory: Path, prefix: str, suffix: str) -> None:
+        """Delete checkpoints beyond the newest ``keep_full`` (with their commit files)."""
+        if self.keep_full is None:
+            return
+        files = published(directory, prefix, suffix)
+        for _, p in files[: max(0, len(files) - self.keep_full)]:
+            for q in (commit_path(p), p):
+                with contextlib.suppress(FileNotFoundError):
+                    q.unlink()
+
+    def _release(self) -> None:
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if not self._closed:
+                self._shutdown()
+                self._release()
+
+
+def _close_at_exit(ref: weakref.ref[BaselineCheckpointer]) -> None:
+    ck = ref()
+    if ck is not None and not ck._closed:
+        with contextlib.suppress(Exception):
+            ck.close()

@@ -1,0 +1,95 @@
+"""strategy="torch-save": synchronous full checkpoints, exact recovery, damaged files named."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+import lowdiff
+from lowdiff.baselines import BaselineCheckpointer
+from tests.baselines import harness
+
+
+def test_same_constructor_returns_the_baseline(tmp_path: Path) -> None:
+    model, opt, _ = harness.build()
+    ck = lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy="torch-save", full_every=2)
+    assert isinstance(ck, BaselineCheckpointer) and ck.strategy == "torch-save"
+    ck.close()
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    harness.run(d, 0, 7, strategy="torch-save", full_every=3)
+    ck, objects, resumed = harness.run(d, 0, 6, strategy="torch-save", full_every=3, close=False)
+    assert resumed == 6  # the newest checkpoint (steps 0, 3, 6); step 7 was never saved
+    assert ck.recovery_stats is not None and ck.recovery_stats.bytes_read > 0
+    ck.close()
+    harness.assert_exact(harness.reference(6), objects)
+
+
+def test_continuing_after_resume_matches_uninterrupted(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    harness.run(d, 0, 4, strategy="torch-save", full_every=2)
+    _, objects, resumed = harness.run(d, 4, 9, strategy="torch-save", full_every=2)
+    assert resumed == 4
+    harness.assert_exact(harness.reference(9), objects)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no-commit"])
+def test_damaged_newest_falls_back_with_a_warning(tmp_path: Path, damage: str) -> None:
+    d = tmp_path / "ckpt"
+    harness.run(d, 0, 4, strategy="torch-save", full_every=2, keep_full=None)
+    newest = d / "full" / "ckpt-000000000004.pt"
+    raw = bytearray(newest.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x10
+        newest.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        newest.write_bytes(bytes(raw[: len(raw) // 3]))
+    else:
+        (d / "full" / "ckpt-000000000004.pt.commit").unlink()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ck, objects, resumed = harness.run(
+            d, 0, 2, strategy="torch-save", full_every=2, close=False
+        )
+    assert resumed == 2
+    assert any(
+        issubclass(x.category, lowdiff.RecoveryWarning) and "ckpt-000000000004" in str(x.message)
+        for x in w
+    )
+    assert any((d / "quarantine").iterdir())
+    ck.close()
+    harness.assert_exact(harness.reference(2), objects)
+
+
+def test_other_strategy_directory_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    harness.run(d, 0, 2, strategy="torch-save", full_every=2)
+    model, opt, _ = harness.build()
+    with pytest.raises(lowdiff.CheckpointMismatchError, match="torch-save"):
+        lowdiff.Checkpointer(model, opt, d, strategy="lowdiff").resume()
+
+
+def test_bad_options(tmp_path: Path) -> None:
+    model, opt, _ = harness.build()
+    with pytest.raises(TypeError, match="batch_size"):
+        lowdiff.Checkpointer(model, opt, tmp_path / "a", strategy="torch-save", batch_size=3)
+    with pytest.raises(ValueError, match="full_every"):
+        lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="torch-save", full_every=0)
+    with pytest.raises(ValueError, match="checkfreq"):
+        lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy="bogus")
+
+
+def test_retention_keeps_newest(tmp_path: Path) -> None:
+    d = tmp_path / "ckpt"
+    harness.run(d, 0, 8, strategy="torch-save", full_every=2, keep_full=2)
+    names = sorted(p.name for p in (d / "full").iterdir())
+    assert names == [
+        "ckpt-000000000006.pt",
+        "ckpt-000000000006.pt.commit",
+        "ckpt-000000000008.pt",
+        "ckpt-000000000008.pt.commit",
+    ]
