@@ -6,10 +6,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+from tests.baselines import harness
 
 import lowdiff
 from lowdiff.baselines import BaselineCheckpointer
-from tests.baselines import harness
 
 
 def test_same_constructor_returns_the_baseline(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The ``lowdiff`` command line: ``demo``, ``inspect``, ``verify``, ``export``, ``torture``.
+"""The ``lowdiff`` command line: ``demo``, ``bench``, ``inspect``, ``verify``, ``export``, ``torture``.
 
 Every command is a thin layer over the Python API, callable as ``main([...])``.
 """
@@ -200,7 +200,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from lowdiff import __version__
-    from lowdiff.cli import demo
+    from lowdiff.cli import bench, demo
 
     parser = argparse.ArgumentParser(
         prog="lowdiff", description="Per-iteration checkpointing for PyTorch training."
@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lowdiff {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(sub)
+    bench.add_parser(sub)
 
     p = sub.add_parser(
         "inspect", help="list full checkpoints, record files and the recoverable range"

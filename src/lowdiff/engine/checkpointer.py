@@ -312,6 +312,8 @@ class Checkpointer:
             "records_written": 0,
             "record_bytes": 0,
             "record_write_s": 0.0,
+            "replica_merges": 0,
+            "replica_merge_s": 0.0,
         }
         self._proc: Any = None
         self._req: Connection | None = None
@@ -713,6 +715,9 @@ class Checkpointer:
             self._durable = max(self._durable, int(msg[1]))
         elif kind == "merged":
             self._merged = max(self._merged, int(msg[1]))
+            if len(msg) > 2:  # a step merged into the replica, and the CPU time it took
+                self._stats["replica_merges"] += 1
+                self._stats["replica_merge_s"] += msg[2]
         elif kind == "records_done":
             self._stats["record_files_written"] += 1
             self._stats["records_written"] += msg[1]

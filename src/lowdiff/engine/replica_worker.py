@@ -391,9 +391,10 @@ def replica_worker_main(
             kind = msg[0]
             if kind == "step":
                 _, slot, step, meta_json = msg
+                t0 = time.perf_counter()
                 rep.merge(slots[slot], step, codec.loads(meta_json))
                 free_slots.release()
-                send(("merged", rep.step))
+                send(("merged", rep.step, time.perf_counter() - t0))
                 maybe_persist()
             elif kind == "stage":
                 staging = msg[1]

@@ -1,0 +1,81 @@
+"""``lowdiff bench``: LowDiff, LowDiff+ and the baselines side by side, after the paper.
+
+Example:
+    >>> from lowdiff.bench import run_bench  # doctest: +SKIP
+    >>> files = run_bench(["overhead"], quick=True, out=Path("results"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lowdiff.bench import report
+from lowdiff.bench.core import BenchSettings, build_workload, machine_info
+from lowdiff.bench.experiments import EXPERIMENTS, QUICK_PROFILE, RUNNERS, Context, Profile
+
+QUICK_WORKLOAD = "gpt2-s-tiny"
+FULL_WORKLOAD = "gpt2-s"
+
+
+def run_bench(
+    experiments: list[str],
+    *,
+    out: Path,
+    quick: bool = False,
+    settings: BenchSettings | None = None,
+    profile: Profile | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Path]:
+    """Run experiments and write the report; returns the files written.
+
+    Args:
+        experiments: Names from :data:`EXPERIMENTS` (in that order they run).
+        out: Output folder (created).
+        quick: The quick profile (tiny workload, few sizes) when no settings are given.
+        settings: What to train and how long; default: the quick or full profile's.
+        profile: Experiment sizes; default: the quick or full profile.
+        progress: Called with a short status text as work goes on.
+    """
+    unknown = [e for e in experiments if e not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"unknown experiment(s) {unknown}; known: {list(EXPERIMENTS)}")
+    if settings is None:
+        settings = (
+            BenchSettings(QUICK_WORKLOAD, iters=8, repeats=3)
+            if quick
+            else BenchSettings(FULL_WORKLOAD, iters=20, repeats=5)
+        )
+    if profile is None:
+        profile = QUICK_PROFILE if quick else Profile()
+    Path(settings.workdir).mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda _m: None)
+    ctx = Context(settings, profile, say)
+    n_params = build_workload(settings).n_params
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    ordered = [e for e in EXPERIMENTS if e in experiments]
+    for i, name in enumerate(ordered):
+        ctx.progress = _prefixed(say, f"[{i + 1}/{len(ordered)} {name}]")
+        rows += RUNNERS[name](ctx)
+    run = {
+        "machine": machine_info(settings.device),
+        "settings": {**asdict(settings), "workdir": str(settings.workdir)},
+        "profile": asdict(profile),
+        "experiments": ordered,
+        "quick": quick,
+        "n_params": n_params,
+        "wall_s": time.perf_counter() - t0,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return report.write(out, run, rows)
+
+
+def _prefixed(say: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    return lambda m: say(f"{prefix} {m}")
+
+
+__all__ = ["EXPERIMENTS", "BenchSettings", "Profile", "run_bench"]

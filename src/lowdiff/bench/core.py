@@ -1,0 +1,369 @@
+"""The measuring half of ``lowdiff bench``: arms, interleaved timing and the result record.
+
+An *arm* is one way of training: a strategy (lowdiff's own, a baseline, ``"none"`` for
+compressed training without checkpoints, or ``None`` for the plain loop) with its
+options. :class:`Arena` builds every arm of an experiment on its own copy of the same
+workload (same initial weights, same data), then times them **interleaved**: round by
+round, each arm trains one block of iterations, in an order that rotates every round, so
+that drift of a shared machine falls on every arm alike. The first block of each arm is a
+warm-up and is not reported. Devices are synchronised before every clock read. A block's
+time covers the iterations only (forward, backward, ``ck.step()``, ``zero_grad``); the
+drain of in-flight checkpoints at the end of a block (``ck.flush()``) is timed
+separately, so that no arm's background work spills into the next arm's block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lowdiff
+from lowdiff.workloads import zoo
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of training, as an experiment compares it.
+
+    Attributes:
+        label: Name in tables and plots, e.g. ``"LowDiff"`` or ``"CheckFreq"``.
+        strategy: Checkpointer strategy, ``"none"`` (compressed training, no checkpoint) or
+            None (the plain loop: no Checkpointer at all).
+        ratio: Top-k ratio of the training's gradient compression; None: uncompressed.
+        full_every: The strategy's ``full_every``.
+        options: Further Checkpointer options, as ``(name, value)`` pairs.
+    """
+
+    label: str
+    strategy: str | None
+    ratio: float | None = None
+    full_every: int = 1
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "strategy": self.strategy,
+            "compression": None if self.ratio is None else f"topk:{self.ratio}",
+            "full_every": self.full_every,
+            **dict(self.options),
+        }
+
+
+@dataclass
+class ArmRun:
+    """An arm's live objects and what was measured on it."""
+
+    arm: Arm
+    workload: zoo.Workload
+    optimizer: torch.optim.Optimizer
+    ck: Any
+    directory: Path | None
+    step: int = 0
+    blocks: list[float] = field(default_factory=list)
+    """Seconds per iteration of each timed block."""
+    drains: list[float] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Per-phase seconds summed over timed iterations (with ``phases=True``)."""
+    timed_iters: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        s = summarize(self.blocks)
+        s["drain_s"] = statistics.median(self.drains) if self.drains else 0.0
+        if self.phases and self.timed_iters:
+            s["phases_s"] = {k: v / self.timed_iters for k, v in self.phases.items()}
+        if self.ck is not None:
+            s["stats"] = {k: float(v) for k, v in self.ck.stats.items()}
+        return s
+
+
+def summarize(xs: list[float]) -> dict[str, Any]:
+    """Median, min, max and count of a list of per-iteration times."""
+    if not xs:
+        return {"median_s": None, "min_s": None, "max_s": None, "n": 0}
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class BenchSettings:
+    """What every experiment of one ``lowdiff bench`` run shares.
+
+    Attributes:
+        workload: Name in :data:`lowdiff.workloads.zoo.WORKLOADS`.
+        device: ``"cpu"`` or ``"cuda"``.
+        iters: Iterations per timed block.
+        repeats: Timed blocks per arm (after one warm-up block).
+        workdir: Where checkpoint directories go (deleted at the end).
+        lr: Adam learning rate.
+        amp: Mixed precision of the workload (None, ``"bf16"``, ``"fp16"``).
+        grad_accum: Micro-batches per optimizer step.
+        batch_size: Workload batch size (None: its default).
+    """
+
+    workload: str
+    device: str = "cpu"
+    iters: int = 10
+    repeats: int = 3
+    workdir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    lr: float = 1e-4
+    amp: str | None = None
+    grad_accum: int = 1
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.iters < 1:
+            raise ValueError(f"iters must be >= 1, got {self.iters}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
+
+
+def build_workload(s: BenchSettings) -> zoo.Workload:
+    return zoo.build_workload(
+        s.workload,
+        seed=0,
+        device=s.device,
+        amp=s.amp,
+        grad_accum=s.grad_accum,
+        batch_size=s.batch_size,
+    )
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=lr)
+
+
+def make_checkpointer(
+    arm: Arm, model: torch.nn.Module, opt: torch.optim.Optimizer, directory: Path | None
+) -> Any:
+    """The arm's Checkpointer (None for the plain loop), resumed on an empty directory."""
+    if arm.strategy is None:
+        return None
+    kwargs = dict(arm.options)
+    if arm.strategy == "lowdiff+":
+        compressor = None
+    elif arm.ratio is not None:
+        compressor = lowdiff.TopK(ratio=arm.ratio)
+    elif arm.strategy in ("none", "lowdiff"):
+        raise ValueError(f"arm {arm.label!r}: strategy {arm.strategy!r} needs a compression ratio")
+    else:
+        compressor = None
+    ck = lowdiff.Checkpointer(
+        model,
+        opt,
+        None if arm.strategy == "none" else directory,
+        strategy=arm.strategy,
+        compressor=compressor,
+        full_every=arm.full_every,
+        **kwargs,
+    )
+    ck.resume()
+    return ck
+
+
+class Arena:
+    """Every arm of one experiment, alive side by side, timed in interleaved blocks.
+
+    Call sequence::
+
+        with Arena(settings, arms, progress) as arena:   # builds every arm (not timed)
+            arena.run()                                   # warm-up block, then repeats rounds
+            results = arena.results()                     # {label: summary}
+    """
+
+    def __init__(
+        self,
+        settings: BenchSettings,
+        arms: list[Arm],
+        progress: Callable[[str], None] | None = None,
+        *,
+        phases: bool = False,
+    ) -> None:
+        labels = [a.label for a in arms]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"arm labels must be unique, got {labels}")
+        self.s, self.arms, self.phases = settings, arms, phases
+        self.progress = progress or (lambda _msg: None)
+        self.runs: list[ArmRun] = []
+        self._root = Path(tempfile.mkdtemp(prefix="lowdiff-bench-", dir=settings.workdir))
+
+    def __enter__(self) -> Arena:
+        try:
+            for arm in self.arms:
+                self.progress(f"starting {arm.label}")
+                self.runs.append(self.build(arm))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    def build(self, arm: Arm) -> ArmRun:
+        wl = build_workload(self.s)
+        opt = make_optimizer(wl.model, self.s.lr)
+        d = self._root / f"{len(self.runs):02d}-{arm.strategy or 'plain'}"
+        ck = make_checkpointer(arm, wl.model, opt, d)
+        return ArmRun(arm, wl, opt, ck, None if arm.strategy in (None, "none") else d)
+
+    def close(self) -> None:
+        for r in self.runs:
+            if r.ck is not None:
+                with contextlib.suppress(Exception):
+                    r.ck.close()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def train_block(self, r: ArmRun, n: int, *, timed: bool) -> None:
+        dev = r.workload.device
+        phases = self.phases and timed
+        sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if phases:
+                self._timed_iteration(r)
+            else:
+                r.workload.forward_backward(r.step)
+                if r.ck is None:
+                    r.optimizer.step()
+                else:
+                    r.ck.step()
+                r.optimizer.zero_grad(set_to_none=True)
+            r.step += 1
+        sync(dev)
+        t1 = time.perf_counter()
+        if r.ck is not None:
+            r.ck.flush()
+        sync(dev)
+        if timed:
+            r.blocks.append((t1 - t0) / n)
+            r.drains.append(time.perf_counter() - t1)
+            r.timed_iters += n
+
+    def _timed_iteration(self, r: ArmRun) -> None:
+        """One iteration with forward+backward and the update timed apart."""
+        dev = r.workload.device
+        t0 = time.perf_counter()
+        r.workload.forward_backward(r.step)
+        sync(dev)
+        t1 = time.perf_counter()
+        if r.ck is None:
+            r.optimizer.step()
+        else:
+            r.ck.step()
+        sync(dev)
+        t2 = time.perf_counter()
+        r.optimizer.zero_grad(set_to_none=True)
+        r.phases["forward_backward"] = r.phases.get("forward_backward", 0.0) + t1 - t0
+        r.phases["update_and_checkpoint"] = r.phases.get("update_and_checkpoint", 0.0) + t2 - t1
+
+    def run(self) -> None:
+        n = self.s.iters
+        for r in self.runs:
+            self.progress(f"warm-up {r.arm.label}")
+            self.train_block(r, n, timed=False)
+        k = len(self.runs)
+        for rep in range(self.s.repeats):
+            order = [self.runs[(rep + i) % k] for i in range(k)]
+            for r in order:
+                self.progress(f"round {rep + 1}/{self.s.repeats}: {r.arm.label}")
+                self.train_block(r, n, timed=True)
+
+    def results(self) -> dict[str, dict[str, Any]]:
+        return {r.arm.label: {"arm": r.arm.describe(), **r.summary()} for r in self.runs}
+
+    def disk_bytes(self, r: ArmRun) -> int:
+        return dir_bytes(r.directory) if r.directory is not None else 0
+
+
+def dir_bytes(path: Path | None) -> int:
+    if path is None or not path.exists():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def git_revision() -> str | None:
+    """The lowdiff source tree's git revision (with ``-dirty``), or None outside a checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("-dirty" if dirty else "")
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    """Where and with what the numbers were measured."""
+    try:
+        usable: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    info: dict[str, Any] = {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lowdiff": lowdiff.__version__,
+        "git_revision": git_revision(),
+        "device": device,
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

@@ -1,0 +1,509 @@
+"""Writing a bench run: JSON lines, a Markdown report in the paper's layout, PNG plots.
+
+Files in the output folder:
+
+- ``results.jsonl``: one JSON object per line: first ``{"kind": "run", ...}`` (machine,
+  torch, git revision, settings), then one ``{"kind": "row", ...}`` per measurement.
+- ``report.md``: the tables, one section per experiment.
+- ``<experiment>.png``: one figure per experiment (matplotlib, Agg backend).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    if x >= 1:
+        return f"{x:.2f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.1f} ms"
+    return f"{x * 1e6:.0f} µs"
+
+
+def fmt_pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _of(rows: list[dict[str, Any]], exp: str, **match: Any) -> list[dict[str, Any]]:
+    return [
+        r for r in rows if r["experiment"] == exp and all(r.get(k) == v for k, v in match.items())
+    ]
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def section_overhead(rows: list[dict[str, Any]]) -> str:
+    out = [
+        "## Overhead (Exp. 1/2): a checkpoint every iteration",
+        "",
+        "Time per iteration, median of the timed blocks (min–max in brackets); overhead is the "
+        "ratio to the run without checkpointing, measured interleaved in the same run.",
+    ]
+    for setting, title in (
+        ("compressed", "With gradient compression (Exp. 1)"),
+        ("uncompressed", "Without gradient compression (Exp. 2)"),
+    ):
+        rs = _of(rows, "overhead", setting=setting)
+        if not rs:
+            continue
+        out += ["", f"### {title}", ""]
+        out.append(
+            table(
+                [
+                    "method",
+                    "full every",
+                    "time / iteration",
+                    "overhead",
+                    "stall / step",
+                    "written / step",
+                ],
+                [
+                    [
+                        r["method"],
+                        str(r.get("arm_full_every", "")) if r.get("arm_strategy") else "–",
+                        f"{fmt_s(r['median_s'])} ({fmt_s(r['min_s'])}–{fmt_s(r['max_s'])})",
+                        "–" if r["method"].startswith("W/O") else fmt_pct(r["overhead"]),
+                        fmt_s(r.get("stall_s_per_step"))
+                        if r.get("stall_s_per_step") is not None
+                        else "–",
+                        fmt_bytes(r.get("bytes_written_per_step"))
+                        if r.get("bytes_written_per_step") is not None
+                        else "–",
+                    ]
+                    for r in rs
+                ],
+            )
+        )
+    return "\n".join(out)
+
+
+def section_frequency(rows: list[dict[str, Any]]) -> str:
+    summary = [r for r in _of(rows, "frequency") if r.get("summary")]
+    if not summary:
+        return ""
+    tried = [r for r in _of(rows, "frequency") if not r.get("summary")]
+    bound = summary[0]["bound"]
+    body = []
+    for s in summary:
+        per = sorted((r for r in tried if r["method"] == s["method"]), key=lambda r: r["interval"])
+        body.append(
+            [
+                s["method"],
+                str(s["min_interval"])
+                if s["min_interval"] is not None
+                else f"> {s['largest_interval_tried']}",
+                ", ".join(f"{r['interval']}: {fmt_pct(r['overhead'])}" for r in per),
+            ]
+        )
+    return "\n".join(
+        [
+            "## Checkpoint frequency (Exp. 4)",
+            "",
+            f"Smallest checkpoint interval (iterations) whose slowdown is at most {100 * bound:.1f}%. "
+            "For LowDiff and LowDiff+ (S) a checkpoint is a differential one, logged every iteration "
+            "by design; LowDiff+ (P) is the replica's persistence interval.",
+            "",
+            table(["method", "min interval", "overhead per interval tried"], body),
+        ]
+    )
+
+
+def section_recovery(rows: list[dict[str, Any]]) -> str:
+    rs = _of(rows, "recovery")
+    if not rs:
+        return ""
+    body = [
+        [
+            r["method"],
+            str(r["full_every"]),
+            f"{r['recovered_step']} / {r['failure_step']}",
+            fmt_s(r["read_s"]),
+            fmt_s(r["decompress_s"]),
+            fmt_s(r["reconstruct_s"]),
+            fmt_s(r["retrain_s"]) if r["retrained_steps"] else "–",
+            fmt_s(r["total_s"]),
+            str(r["source"]),
+        ]
+        for r in rs
+    ]
+    return "\n".join(
+        [
+            "## Recovery (Exp. 5)",
+            "",
+            "A failure just before the next full checkpoint (step 2f−1). Retrain: the lost "
+            "iterations trained again, which is how a checkpoint older than the failure is "
+            "reconstructed. LowDiff+ (S): the trainer is SIGKILLed and the new one recovers from "
+            "the replica in memory.",
+            "",
+            table(
+                [
+                    "method",
+                    "f",
+                    "recovered / failed at",
+                    "read",
+                    "decompress",
+                    "reconstruct",
+                    "retrain",
+                    "total",
+                    "source",
+                ],
+                body,
+            ),
+        ]
+    )
+
+
+def section_batching(rows: list[dict[str, Any]]) -> str:
+    rs = _of(rows, "batching")
+    if not rs:
+        return ""
+    body = [
+        [
+            str(r["batch_size"]),
+            fmt_s(r["write_s_per_record"]),
+            fmt_s(r["write_s_per_write"]),
+            fmt_bytes(r["record_row_bytes"]),
+            fmt_bytes(r["batch_bytes_held_by_checkpointing_process"]),
+            fmt_bytes(r.get("accelerator_peak_bytes")) if "accelerator_peak_bytes" in r else "–",
+        ]
+        for r in rs
+    ]
+    return "\n".join(
+        [
+            "## Batched writes (Exp. 7)",
+            "",
+            "LowDiff's write time per record against the batch size b. The batch is assembled in "
+            "host memory by the checkpointing process (offloaded batching): the accelerator holds "
+            "no batch, so its peak memory does not grow with b.",
+            "",
+            table(
+                [
+                    "b",
+                    "write / record",
+                    "write / batch",
+                    "record",
+                    "batch in host memory",
+                    "accelerator peak",
+                ],
+                body,
+            ),
+        ]
+    )
+
+
+def section_storage(rows: list[dict[str, Any]]) -> str:
+    rs = _of(rows, "storage")
+    if not rs:
+        return ""
+    body = [
+        [
+            f"{r['method']} ({r['setting']})",
+            fmt_bytes(r.get("full_checkpoint_bytes")),
+            fmt_bytes(r.get("differential_bytes")),
+            fmt_bytes(r["bytes_written_per_step"]),
+            fmt_bytes(r.get("disk_bytes")),
+        ]
+        for r in rs
+    ]
+    return "\n".join(
+        [
+            "## Storage (Exp. 9)",
+            "",
+            "Bytes of one full checkpoint, of one differential checkpoint, written per training "
+            "step, and left on disk at the end of the overhead run (after retention).",
+            "",
+            table(["method", "full checkpoint", "differential", "written / step", "on disk"], body),
+        ]
+    )
+
+
+def section_ratio(rows: list[dict[str, Any]]) -> str:
+    rs = _of(rows, "ratio")
+    if not rs:
+        return ""
+    body = [
+        [
+            f"{r['ratio']:g}",
+            fmt_s(r["reference_median_s"]),
+            fmt_s(r["lowdiff_median_s"]),
+            fmt_pct(r["overhead"]),
+            fmt_bytes(r["record_bytes"]),
+            fmt_s(r["record_write_s"]),
+        ]
+        for r in rs
+    ]
+    return "\n".join(
+        [
+            "## Compression ratio (Exp. 10)",
+            "",
+            table(
+                [
+                    "ρ",
+                    "W/O CKPT / iteration",
+                    "LowDiff / iteration",
+                    "overhead",
+                    "record",
+                    "write / record",
+                ],
+                body,
+            ),
+        ]
+    )
+
+
+def section_breakdown(rows: list[dict[str, Any]]) -> str:
+    per = _of(rows, "breakdown", table="per-method")
+    plus = _of(rows, "breakdown", table="lowdiff+")
+    if not per and not plus:
+        return ""
+    out = ["## Per-iteration breakdown", ""]
+    if per:
+        out += [
+            "One training iteration and one checkpoint of each method (compressed training, a "
+            "checkpoint every iteration). Compression: extra compression the checkpoint needs "
+            "(LowDiff reuses the training's). Checkpoint: time to write one checkpoint (in the "
+            "background for every method but torch.save). Stall: time the training waited per step.",
+            "",
+            table(
+                ["method", "iteration", "compression", "checkpoint", "stall / step"],
+                [
+                    [
+                        r["method"],
+                        fmt_s(r["iteration_s"]),
+                        "0 (reuse)" if r["method"] == "LowDiff" else fmt_s(r["compression_s"]),
+                        fmt_s(r["checkpoint_s"]),
+                        fmt_s(r["stall_s_per_step"]),
+                    ]
+                    for r in per
+                ],
+            ),
+            "",
+        ]
+    if plus:
+        out += [
+            "LowDiff+ (uncompressed training): phases of one iteration on the training side, and "
+            "the replica's CPU optimizer step in its own process.",
+            "",
+            table(
+                ["component", *[r["method"] for r in plus]],
+                [
+                    ["forward + backward", *[fmt_s(r["forward_backward_s"]) for r in plus]],
+                    ["update (+ hand-off)", *[fmt_s(r["update_s"]) for r in plus]],
+                    [
+                        "layer-wise snapshot (finish)",
+                        *[
+                            "–" if r["snapshot_finish_s"] is None else fmt_s(r["snapshot_finish_s"])
+                            for r in plus
+                        ],
+                    ],
+                    [
+                        "CPU replica update (its process)",
+                        *[
+                            "–" if r["replica_update_s"] is None else fmt_s(r["replica_update_s"])
+                            for r in plus
+                        ],
+                    ],
+                    [
+                        "waiting for the replica",
+                        *[
+                            "–" if r["replica_wait_s"] is None else fmt_s(r["replica_wait_s"])
+                            for r in plus
+                        ],
+                    ],
+                    ["iteration (median)", *[fmt_s(r["median_s"]) for r in plus]],
+                ],
+            ),
+        ]
+    return "\n".join(out)
+
+
+SECTIONS = {
+    "overhead": section_overhead,
+    "frequency": section_frequency,
+    "recovery": section_recovery,
+    "batching": section_batching,
+    "storage": section_storage,
+    "ratio": section_ratio,
+    "breakdown": section_breakdown,
+}
+
+
+def markdown(run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    m = run["machine"]
+    s = run["settings"]
+    where = f"{m['processor']}, {m['cpus_usable']} usable CPUs, {m.get('memory_gib', '?')} GiB"
+    if m.get("gpu"):
+        where = f"{m['gpu']} (CUDA {m.get('cuda')}); host: {where}"
+    head = [
+        "# lowdiff bench report",
+        "",
+        f"- Machine: {where}; {m['platform']}",
+        f"- torch {m['torch']}, lowdiff {m['lowdiff']}, git {m['git_revision']}, "
+        f"{m['torch_threads']} torch threads",
+        f"- Workload: {s['workload']} ({run['n_params']:,} parameters), device {s['device']}, "
+        f"{s['iters']} iterations per block, {s['repeats']} timed blocks per method after a warm-up "
+        f"block, amp {s['amp']}, gradient accumulation {s['grad_accum']}",
+        f"- Profile: {'quick' if run['quick'] else 'full'}; experiments: {', '.join(run['experiments'])}; "
+        f"took {run['wall_s']:.0f} s",
+        "",
+    ]
+    parts = [SECTIONS[e](rows) for e in run["experiments"] if e in SECTIONS]
+    return "\n".join(head) + "\n\n".join(p for p in parts if p) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plots(out: Path, rows: list[dict[str, Any]], experiments: list[str]) -> list[Path]:
+    """One PNG per experiment that has rows; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    if "overhead" in experiments and _of(rows, "overhead"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, setting in zip(axes, ("compressed", "uncompressed"), strict=True):
+            rs = _of(rows, "overhead", setting=setting)
+            ax.bar([r["method"] for r in rs], [r["median_s"] * 1e3 for r in rs], color="tab:blue")
+            ax.errorbar(
+                range(len(rs)),
+                [r["median_s"] * 1e3 for r in rs],
+                yerr=[
+                    [(r["median_s"] - r["min_s"]) * 1e3 for r in rs],
+                    [(r["max_s"] - r["median_s"]) * 1e3 for r in rs],
+                ],
+                fmt="none",
+                color="black",
+                capsize=3,
+            )
+            ax.set_title(f"Exp. 1/2: {setting} training, checkpoint every iteration")
+            ax.set_ylabel("ms / iteration")
+            ax.tick_params(axis="x", rotation=35)
+        save(fig, "overhead")
+    summ = [r for r in _of(rows, "frequency") if r.get("summary")]
+    if "frequency" in experiments and summ:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        top = summ[0]["largest_interval_tried"] * 2
+        ax.bar(
+            [r["method"] for r in summ],
+            [r["min_interval"] or top for r in summ],
+            color=["tab:blue" if r["min_interval"] else "tab:gray" for r in summ],
+        )
+        ax.set_yscale("log")
+        ax.set_ylabel("min interval within 3.5% (iterations)")
+        ax.set_title("Exp. 4: maximum checkpoint frequency (gray: none of the intervals tried)")
+        ax.tick_params(axis="x", rotation=35)
+        save(fig, "frequency")
+    rec = _of(rows, "recovery")
+    if "recovery" in experiments and rec:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for method in dict.fromkeys(r["method"] for r in rec):
+            rs = [r for r in rec if r["method"] == method]
+            ax.plot(
+                [r["full_every"] for r in rs], [r["total_s"] for r in rs], marker="o", label=method
+            )
+        ax.set_xlabel("full-checkpoint interval f")
+        ax.set_ylabel("recovery time (s)")
+        ax.set_title("Exp. 5: recovery time")
+        ax.legend(fontsize=8)
+        save(fig, "recovery")
+    bat = _of(rows, "batching")
+    if "batching" in experiments and bat:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(
+            [r["batch_size"] for r in bat], [r["write_s_per_record"] * 1e3 for r in bat], marker="o"
+        )
+        ax.set_xlabel("batch size b")
+        ax.set_ylabel("write time per record (ms)")
+        ax.set_title("Exp. 7: batched writes")
+        save(fig, "batching")
+    sto = _of(rows, "storage")
+    if "storage" in experiments and sto:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.bar(
+            [f"{r['method']}\n({r['setting'][:4]}.)" for r in sto],
+            [r["bytes_written_per_step"] / 2**20 for r in sto],
+            color="tab:orange",
+        )
+        ax.set_yscale("log")
+        ax.set_ylabel("MiB written per step")
+        ax.set_title("Exp. 9: storage")
+        ax.tick_params(axis="x", labelsize=7)
+        save(fig, "storage")
+    rat = _of(rows, "ratio")
+    if "ratio" in experiments and rat:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["ratio"] for r in rat], [100 * r["overhead"] for r in rat], marker="o")
+        ax.axhline(3.5, color="gray", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("compression ratio ρ")
+        ax.set_ylabel("LowDiff overhead (%)")
+        ax.set_title("Exp. 10: compression ratio")
+        save(fig, "ratio")
+    per = _of(rows, "breakdown", table="per-method")
+    if "breakdown" in experiments and per:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = [r["method"] for r in per]
+        ax.bar(names, [r["compression_s"] * 1e3 for r in per], label="compression")
+        ax.bar(
+            names,
+            [r["checkpoint_s"] * 1e3 for r in per],
+            bottom=[r["compression_s"] * 1e3 for r in per],
+            label="checkpoint write",
+        )
+        ax.axhline(per[0]["iteration_s"] * 1e3, color="gray", linestyle="--", label="one iteration")
+        ax.set_yscale("symlog")
+        ax.set_ylabel("ms")
+        ax.set_title("Breakdown: one checkpoint per method")
+        ax.legend(fontsize=8)
+        ax.tick_params(axis="x", rotation=35)
+        save(fig, "breakdown")
+    return written
+
+
+def write(out: Path, run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Path]:
+    """Write ``results.jsonl``, ``report.md`` and the plots into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "w") as f:
+        f.write(json.dumps({"kind": "run", **run}, sort_keys=True) + "\n")
+        for r in rows:
+            f.write(json.dumps({"kind": "row", **r}, sort_keys=True) + "\n")
+    (out / "report.md").write_text(markdown(run, rows))
+    files = {"results": out / "results.jsonl", "report": out / "report.md"}
+    for p in plots(out, rows, run["experiments"]):
+        files[p.stem] = p
+    return files

@@ -1,0 +1,87 @@
+"""``lowdiff bench``: run the benchmark experiments and write the report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from lowdiff.bench.experiments import EXPERIMENTS
+
+    p = subparsers.add_parser(
+        "bench",
+        help="LowDiff, LowDiff+ and the baselines side by side; writes JSON, Markdown and PNG",
+        description=(
+            "Runs the paper's experiments (default: all) with every strategy interleaved in one run, "
+            "and writes results.jsonl, report.md and one PNG per experiment into --out."
+        ),
+    )
+    p.add_argument(
+        "experiments", nargs="*", metavar="EXPERIMENT", help=f"any of: {', '.join(EXPERIMENTS)}"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny workload, few sizes (minutes on a CPU)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=Path("results"), help="output folder (default: results)"
+    )
+    p.add_argument("--workload", default=None, help="workload name (see lowdiff.workloads.zoo)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--iters", type=int, default=None, help="iterations per timed block")
+    p.add_argument("--repeats", type=int, default=None, help="timed blocks per method")
+    p.add_argument("--batch-size", type=int, default=None, help="training batch size")
+    p.add_argument("--amp", choices=("bf16", "fp16"), default=None, help="mixed precision")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--workdir", type=Path, default=None, help="where checkpoints go while it runs")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from lowdiff.bench import FULL_WORKLOAD, QUICK_WORKLOAD, run_bench
+    from lowdiff.bench.core import BenchSettings
+    from lowdiff.bench.experiments import EXPERIMENTS
+
+    experiments = args.experiments or list(EXPERIMENTS)
+    bad = [e for e in experiments if e not in EXPERIMENTS]
+    if bad:
+        raise ValueError(f"unknown experiment(s) {', '.join(bad)}; known: {', '.join(EXPERIMENTS)}")
+    settings = BenchSettings(
+        args.workload or (QUICK_WORKLOAD if args.quick else FULL_WORKLOAD),
+        device=args.device,
+        iters=args.iters or (8 if args.quick else 20),
+        repeats=args.repeats or (3 if args.quick else 5),
+        workdir=args.workdir or Path(tempfile.gettempdir()),
+        amp=args.amp,
+        grad_accum=args.grad_accum,
+        batch_size=args.batch_size,
+    )
+    t0 = time.monotonic()
+    tty = sys.stderr.isatty()
+
+    def progress(msg: str) -> None:
+        if args.quiet:
+            return
+        line = f"[{time.monotonic() - t0:6.0f} s] {msg}"
+        if tty:
+            sys.stderr.write("\r\033[K" + line[:150])
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    files = run_bench(
+        experiments, out=args.out, quick=args.quick, settings=settings, progress=progress
+    )
+    if tty and not args.quiet:
+        sys.stderr.write("\r\033[K")
+    print(f"lowdiff bench: {len(experiments)} experiment(s) in {time.monotonic() - t0:.0f} s")
+    for name, path in files.items():
+        print(f"  {name}: {path}")
+    return 0
