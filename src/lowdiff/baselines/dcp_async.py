@@ -1,0 +1,733 @@
+"""``strategy="dcp-async"``: PyTorch's own ``torch.distributed.checkpoint.async_save``.
+
+What a user of the PyTorch ecosystem picks today (torchtitan's checkpointer is built on
+it). Every ``full_every`` steps, on the training process:
+
+1. back-pressure: wait until the previous save has finished (at most one save in
+   flight, as CheckFreq does; the wait counts as stall);
+2. build the state with DCP's helpers (``get_model_state_dict`` /
+   ``get_optimizer_state_dict``; scheduler, RNG and step go in one small blob);
+3. ``dcp.async_save``: DCP's ``DefaultStager`` copies every tensor into a staging
+   buffer (shared memory for the process saver, pinned as well when CUDA is there; the
+   buffers are cached and reused from one save to the next, which is why step 1 waits
+   first), and hands the staged state to the saver; training goes on. Staging is
+   synchronous (``use_async_staging=False``): the next forward pass updates BatchNorm
+   buffers in place, so a copy still running then would mix two steps.
+
+``stats`` adds ``wait_s`` (step 1) and ``stage_s`` (steps 2-3) to the common counters;
+both are part of ``stall_s``.
+
+The saver is DCP's process-based one (``AsyncCheckpointerType.PROCESS``): one spawned
+daemon per trainer process that receives the staged state through a pipe (shared-memory
+tensors travel as handles, not bytes) and runs the ordinary ``dcp.save``; its errors
+come back through the future and are raised on the trainer's next call as
+:class:`lowdiff.CheckpointWorkerError`. Where this torch lacks it, or with
+``async_mode="thread"``, DCP's thread-based saver runs ``dcp.save`` in a thread of the
+training process instead. The attributes ``async_mode`` and ``staging`` say which saver
+and which staging options run (also in the manifest; ``stats["process_saver"]`` is 1.0
+for the process saver).
+
+Process group: DCP starts its daemon through one (it broadcasts the daemon's TCP store
+address over it, and the daemon joins a gloo group of its own). When the trainer has
+none, this strategy creates a single-rank gloo group over an in-memory ``HashStore`` for
+as long as it runs and destroys it on ``close()``; a group the user initialised is used
+as it is (it needs a CPU backend), and every rank then saves its own directory
+(``no_dist``). Loading never needs a group (``dcp.load(no_dist=True)``).
+
+DCP writes no checksums. The saver's storage writer therefore publishes, as the last
+step of every save and after DCP's own ``.metadata``, a commit file holding the
+xxh3-128 digest of every file of the checkpoint (written by the saver, so hashing costs
+the trainer nothing); a checkpoint is durable, and ``durable_step`` advances, once the
+save's future has completed with its commit in place. The saver holds
+``DIR/.lowdiff.writer.lock`` while it writes, so a restarted trainer waits for a save
+that a killed trainer's daemon is still finishing instead of reading it half-written.
+
+Layout::
+
+    DIR/lowdiff.json                     manifest (strategy, async mode, stager)
+    DIR/full/dcp-{step:012d}/            one DCP checkpoint: .metadata, __0_0.distcp
+    DIR/full/dcp-{step:012d}.commit      {"files": [{name, bytes, xxh3_128}], ...}
+
+Recovery takes the newest directory whose commit is intact and whose files match it
+(a damaged or uncommitted one is named in a :class:`lowdiff.RecoveryWarning` and moved
+to ``DIR/quarantine/``) and ``dcp.load``\\ s it in place into the live objects, then
+applies it with ``set_model_state_dict`` / ``set_optimizer_state_dict``, the
+scheduler's ``load_state_dict`` and the RNG states. If no checkpoint was ever committed
+(the trainer died during its first save), the partial directories are removed and
+training starts afresh.
+
+One deviation from DCP's helpers, for exactness: they initialise an empty optimizer
+state with a zero-gradient step (Adam's step counter would be 1 before the first real
+update, and training would change). A checkpoint taken before the first update (step 0)
+therefore holds the optimizer's own ``state_dict`` (empty state, param groups) in its
+blob instead, and its recovery leaves the state empty as it was.
+
+Note: DCP unpickles ``.metadata`` and non-tensor entries with ``weights_only=False``;
+the commit digests are checked first, but they guard against damage, not against a
+checkpoint written by someone else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from concurrent import futures
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lowdiff.baselines.base import (
+    BaselineCheckpointer,
+    commit_path,
+    published,
+    quarantine,
+)
+from lowdiff.engine import state as st
+from lowdiff.engine.worker import acquire_flock, lock_holder
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    CheckpointWorkerError,
+    CorruptCheckpointError,
+    LowDiffError,
+    RecoveryWarning,
+)
+from lowdiff.format import layout
+from lowdiff.format.atomic import fsync_dir, write_bytes_atomic
+from lowdiff.recovery.replay import RecoveryStats
+
+PREFIX = "dcp-"
+COMMIT_FORMAT = "lowdiff-dcp-commit"
+ASYNC_MODES = ("process", "thread")
+_HASH_CHUNK = 1 << 20
+_NO_DIST_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
+
+
+def dir_name(step: int) -> str:
+    return f"{PREFIX}{step:012d}"
+
+
+# --------------------------------------------------------------------------- the commit file
+# (runs in the saver: DCP's daemon process, or the saver thread)
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    # readinto one reused buffer: several times faster than read() of fresh chunks
+    h, n = xxhash.xxh3_128(), 0
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            h.update(view[:k])
+            n += k
+    return n, h.hexdigest()
+
+
+def publish_commit(ckpt: Path, step: int) -> dict[str, Any]:
+    """Digest every file of the finished DCP checkpoint ``ckpt``; publish ``ckpt.commit``."""
+    fsync_dir(ckpt)  # DCP renames .metadata into place without syncing the directory
+    files: list[dict[str, Any]] = []
+    for p in sorted(ckpt.iterdir()):
+        n, digest = _digest(p)
+        files.append({"name": p.name, "bytes": n, "xxh3_128": digest})
+    commit = {
+        "format": COMMIT_FORMAT,
+        "dir": ckpt.name,
+        "step": step,
+        "bytes": sum(f["bytes"] for f in files),
+        "files": files,
+    }
+    write_bytes_atomic(commit_path(ckpt), json.dumps(commit, sort_keys=True).encode())
+    return commit
+
+
+def verify_commit(ckpt: Path, step: int) -> dict[str, Any]:
+    """Check a checkpoint directory against its commit file; returns the commit.
+
+    Raises:
+        CorruptCheckpointError: naming the directory or file that is missing, uncommitted,
+            truncated, altered or foreign.
+    """
+    cpath = commit_path(ckpt)
+    try:
+        commit = json.loads(cpath.read_bytes())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(ckpt, "no commit file: the save never finished") from None
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(cpath, f"unreadable commit file ({e})") from None
+    if (
+        not isinstance(commit, dict)
+        or commit.get("format") != COMMIT_FORMAT
+        or commit.get("dir") != ckpt.name
+        or commit.get("step") != step
+        or not isinstance(commit.get("files"), list)
+    ):
+        raise CorruptCheckpointError(cpath, "not the commit file of this checkpoint")
+    if not ckpt.is_dir():
+        raise CorruptCheckpointError(ckpt, "the committed checkpoint directory is missing")
+    want = {f["name"]: f for f in commit["files"]}
+    have = {p.name for p in ckpt.iterdir()}
+    if have != set(want):
+        extra, missing = sorted(have - set(want)), sorted(set(want) - have)
+        raise CorruptCheckpointError(
+            ckpt, f"files differ from the commit (missing: {missing}, not committed: {extra})"
+        )
+    for name, f in want.items():
+        n, digest = _digest(ckpt / name)
+        if n != f["bytes"]:
+            raise CorruptCheckpointError(
+                ckpt / name, f"truncated or extended: {n} bytes, {f['bytes']} committed"
+            )
+        if digest != f["xxh3_128"]:
+            raise CorruptCheckpointError(ckpt / name, "checksum mismatch (the file was altered)")
+    return commit
+
+
+_held_locks: dict[str, int] = {}
+"""Writer locks this process holds, by path (the saver is one thread per process)."""
+
+
+def _hold_writer_lock(path: str) -> None:
+    if path not in _held_locks:
+        fd = acquire_flock(Path(path), blocking=True)
+        assert fd is not None
+        _held_locks[path] = fd
+
+
+def _release_writer_lock(path: str) -> None:
+    fd = _held_locks.pop(path, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class CommittingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` that holds the writer lock and publishes a commit file.
+
+    Pickled to the saver with each request, so its methods run where DCP runs ``save``:
+    ``set_up_storage_writer`` (lock) -> DCP writes the data files and ``.metadata`` ->
+    ``finish`` (commit, unlock).
+    """
+
+    def __init__(
+        self, path: Path, *, step: int, lock_path: Path, trainer_pid: int, quiet: bool
+    ) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+        self.lowdiff_step = step
+        self.lowdiff_lock = str(lock_path)
+        self.lowdiff_trainer_pid = trainer_pid
+        self.lowdiff_quiet = quiet
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.lowdiff_quiet and os.getpid() != self.lowdiff_trainer_pid:
+            # DCP's daemon logs three INFO lines per save on the root logger; with a
+            # checkpoint every step that floods the trainer's stderr (daemon only)
+            logging.getLogger().setLevel(logging.WARNING)
+        _hold_writer_lock(self.lowdiff_lock)
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        try:
+            publish_commit(Path(self.path), self.lowdiff_step)
+        finally:
+            _release_writer_lock(self.lowdiff_lock)
+
+
+# --------------------------------------------------------------------------- DCP's daemon
+
+_saver_mutex = threading.Lock()
+_saver_users = 0
+_own_group = False
+_own_daemon = False
+
+
+def _process_saver_available() -> bool:
+    if not dist.is_available():
+        return False
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as ape
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    except ImportError:
+        return False
+    return hasattr(AsyncCheckpointerType, "PROCESS") and all(
+        hasattr(ape, n)
+        for n in ("_CHECKPOINT_PROCESS", "_AsyncCheckpointProcess", "_ProcessGroupInitInfo")
+    )
+
+
+def _acquire_process_saver() -> None:
+    """Start DCP's daemon now (not inside the first ``step()``), with a group if needed.
+
+    DCP starts it lazily inside the first save and keeps it in a module global for the
+    life of the process; starting it here through the same constructor keeps its 2-5 s
+    start out of the step times, and lets ``close()`` stop it.
+    """
+    global _saver_users, _own_group, _own_daemon
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    with _saver_mutex:
+        if _saver_users == 0:
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                _own_group = True
+            try:
+                if ape._CHECKPOINT_PROCESS is None:
+                    info = ape._ProcessGroupInitInfo(None)
+                    if _own_group:
+                        # a one-rank group on this machine: no host name lookup needed
+                        info.tcp_store_master_addr = "127.0.0.1"
+                    ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
+                    _own_daemon = True
+            except BaseException:
+                if _own_group:
+                    dist.destroy_process_group()
+                    _own_group = False
+                raise
+        _saver_users += 1
+
+
+def _release_process_saver(timeout: float) -> None:
+    """Stop DCP's daemon and destroy the group, once the last user is gone (if ours)."""
+    global _saver_users, _own_group, _own_daemon
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    with _saver_mutex:
+        _saver_users -= 1
+        if _saver_users > 0:
+            return
+        if _own_daemon and ape._CHECKPOINT_PROCESS is not None:
+            proc, ape._CHECKPOINT_PROCESS = ape._CHECKPOINT_PROCESS, None
+            sp = proc._save_process
+            with contextlib.suppress(Exception):
+                if sp.is_alive():
+                    proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
+            sp.join(timeout)
+            if sp.is_alive():
+                sp.terminate()
+                sp.join(timeout)
+            if sp.is_alive():
+                sp.kill()
+                sp.join()
+            with contextlib.suppress(Exception):
+                proc._process_pipe.close()
+        _own_daemon = False
+        if _own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        _own_group = False
+
+
+def saver_pid() -> int | None:
+    """Process id of DCP's checkpoint daemon in this process, if one runs."""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as ape
+    except ImportError:
+        return None
+    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
+    return None if proc is None else proc._save_process.pid
+
+
+# --------------------------------------------------------------------------- the strategy
+
+
+class DCPAsyncCheckpointer(BaselineCheckpointer):
+    """Full checkpoints with ``torch.distributed.checkpoint.async_save`` (see the module docstring).
+
+    Args:
+        async_mode: ``"process"`` (DCP's daemon process; the default) or ``"thread"``
+            (a saver thread in the training process). ``"process"`` falls back to
+            ``"thread"`` when this torch has no process-based saver.
+        The other arguments are those of :class:`lowdiff.Checkpointer`.
+
+    Example:
+        >>> ck = lowdiff.Checkpointer(model, opt, "ck", strategy="dcp-async", full_every=1)  # doctest: +SKIP
+        >>> start = ck.resume()  # doctest: +SKIP
+    """
+
+    strategy = "dcp-async"
+
+    def __init__(self, *args: Any, async_mode: str = "process", **kwargs: Any) -> None:
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(
+                f"async_mode must be one of {', '.join(map(repr, ASYNC_MODES))}, got {async_mode!r}"
+            )
+        if dist.is_available() and dist.is_initialized():
+            pg = dist.group.WORLD
+            if pg is not None and torch.device("cpu") not in pg._device_types:
+                raise ValueError(
+                    "strategy 'dcp-async' needs a CPU backend in the default process group "
+                    "(DCP's async_save requires one); initialise it with backend='cpu:gloo,cuda:nccl'"
+                )
+        super().__init__(*args, **kwargs)
+        self.requested_async_mode = async_mode
+        self.async_mode = (
+            "process" if async_mode == "process" and _process_saver_available() else "thread"
+        )
+        cuda = torch.cuda.is_available()
+        # shared memory lets the staged tensors reach the daemon as handles; pinning
+        # needs CUDA (DCP ignores it otherwise)
+        self.staging: dict[str, bool] = {
+            "use_pinned_memory": cuda,
+            "use_shared_memory": self.async_mode == "process",
+            "use_async_staging": False,
+            "use_non_blocking_copy": cuda,
+        }
+        self._stager: Any = None
+        self._saver_held = False
+        self._pending: tuple[int, Future[Any], float] | None = None
+        self._done_at: dict[int, float] = {}
+        self._error: CheckpointWorkerError | None = None
+        self._no_dist = True
+        self._stats.update(
+            {"process_saver": float(self.async_mode == "process"), "stage_s": 0.0, "wait_s": 0.0}
+        )
+
+    # ------------------------------------------------------------------ hooks
+    def _manifest_extra(self) -> dict[str, Any]:
+        return {
+            "dcp": {
+                "async_mode": self.async_mode,
+                "requested_async_mode": self.requested_async_mode,
+                "stager": "DefaultStager",
+                "staging": self.staging,
+                "torch": torch.__version__,
+            }
+        }
+
+    def resume(self) -> int:
+        """As :meth:`BaselineCheckpointer.resume`; first waits for a save that a killed
+        trainer's daemon is still finishing, and drops partial saves if none was ever
+        committed (see the module docstring)."""
+        if not self._started:
+            with self._writer_lock():
+                self._drop_never_committed()
+        return super().resume()
+
+    def _after_resume(self) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=self.staging["use_pinned_memory"],
+                use_shared_memory=self.staging["use_shared_memory"],
+                use_async_staging=False,
+                use_non_blocking_copy=self.staging["use_non_blocking_copy"],
+            )
+        )
+        user_group = dist.is_available() and dist.is_initialized()
+        if self.async_mode == "process":
+            _acquire_process_saver()
+            self._saver_held = True
+            # one rank (our own group): DCP's ordinary collective path in the daemon's
+            # one-rank group; the user's group: each rank saves its own directory
+            self._no_dist = user_group and dist.get_world_size() > 1
+        else:
+            self._no_dist = True
+
+    def _checkpoint(self, step: int) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        t0 = time.perf_counter()
+        self._wait_pending()  # back-pressure: the staging buffers are reused
+        self._raise_background_error()
+        t1 = time.perf_counter()
+        self._stats["wait_s"] += t1 - t0
+        full = self.root / layout.FULL_DIR
+        full.mkdir(exist_ok=True)
+        ckpt = full / dir_name(step)
+        if ckpt.exists():  # a partial save of this step that recovery did not see
+            with contextlib.suppress(FileNotFoundError):
+                commit_path(ckpt).unlink()
+            shutil.rmtree(ckpt)
+        writer = CommittingWriter(
+            ckpt,
+            step=step,
+            lock_path=self.root / layout.WRITER_LOCK_FILE,
+            trainer_pid=os.getpid(),
+            quiet=self.async_mode == "process",
+        )
+        kind = (
+            AsyncCheckpointerType.PROCESS
+            if self.async_mode == "process"
+            else AsyncCheckpointerType.THREAD
+        )
+        fut = dcp.async_save(
+            self._state_dict(step),
+            storage_writer=writer,
+            async_checkpointer_type=kind,
+            async_stager=self._stager,
+            no_dist=self._no_dist,
+        )
+        if not isinstance(fut, Future):  # an AsyncSaveResponse (async staging): not used here
+            fut = fut.upload_completion
+        fut.add_done_callback(functools.partial(self._mark_done, step))
+        self._pending = (step, fut, t1)
+        self._stats["stage_s"] += time.perf_counter() - t1
+
+    def _mark_done(self, step: int, _fut: Future[Any]) -> None:
+        self._done_at[step] = time.perf_counter()  # on the saver's thread
+
+    def _state_dict(self, step: int) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        rng_t, rng_extra = st.capture_rng(self._rng_layout)
+        empty = not self.optimizer.state
+        train: dict[str, Any] = {
+            "step": step,
+            "optimizer_state_empty": empty,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "rng": {"tensors": rng_t, "extra": rng_extra},
+        }
+        if empty:  # before the first update: see the module docstring
+            train["optimizer"] = self.optimizer.state_dict()
+        blob = io.BytesIO()
+        torch.save(train, blob)
+        sd: dict[str, Any] = {
+            "model": get_model_state_dict(self.model),
+            "step": step,
+            "train": blob.getvalue(),
+        }
+        if not empty:
+            sd["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        return sd
+
+    def _poll(self) -> None:
+        if self._pending is None or not self._pending[1].done():
+            return
+        step, fut, t_submit = self._pending
+        self._pending = None
+        exc = fut.exception()
+        if exc is not None:
+            if self._error is None:
+                self._error = CheckpointWorkerError(
+                    f"DCP async_save of step {step} ({self.async_mode} saver) failed: "
+                    f"{type(exc).__name__}: {exc}",
+                    "".join(traceback.format_exception(exc)),
+                    storage=_is_storage_error(exc),
+                )
+            return
+        ckpt = self.root / layout.FULL_DIR / dir_name(step)
+        try:
+            commit = json.loads(commit_path(ckpt).read_bytes())
+            self._stats["bytes_written"] += int(commit["bytes"])
+        except (OSError, ValueError, KeyError) as e:
+            self._error = CheckpointWorkerError(
+                f"DCP async_save of step {step} finished without its commit file: {e}"
+            )
+            return
+        self._stats["write_s"] += self._done_at.pop(step, time.perf_counter()) - t_submit
+        self._durable = max(self._durable, step)
+        self._retain_dirs()
+
+    def _wait_pending(self) -> None:
+        if self._pending is not None:
+            futures.wait([self._pending[1]])  # DCP's CheckpointException is no Exception
+            self._poll()
+
+    def _flush(self) -> None:
+        self._wait_pending()
+
+    def _raise_background_error(self) -> None:
+        self._poll()
+        if self._error is not None:
+            raise self._error
+
+    def _shutdown(self) -> None:
+        if self._pending is not None:  # only after an error: do not wait long for it
+            futures.wait([self._pending[1]], timeout=self.start_timeout)
+            self._pending = None
+        if self._stager is not None:
+            with contextlib.suppress(Exception):
+                self._stager.close()
+            self._stager = None
+        if self._saver_held:
+            self._saver_held = False
+            _release_process_saver(self.start_timeout)
+        _release_writer_lock(str(self.root / layout.WRITER_LOCK_FILE))
+
+    def _retain_dirs(self) -> None:
+        """Keep the newest ``keep_full`` committed checkpoints; delete everything older."""
+        if self.keep_full is None:
+            return
+        full = self.root / layout.FULL_DIR
+        committed = [s for s, p in published(full, PREFIX, "") if commit_path(p).exists()]
+        if len(committed) <= self.keep_full:
+            return
+        oldest_kept = committed[-self.keep_full]
+        for s, p in published(full, PREFIX, ""):
+            if s < oldest_kept:
+                with contextlib.suppress(FileNotFoundError):
+                    commit_path(
+                        p
+                    ).unlink()  # unpublish first: a crash leaves no half-deleted checkpoint
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------------ recovery
+    @contextlib.contextmanager
+    def _writer_lock(self) -> Iterator[None]:
+        """Hold the saver's lock: a killed trainer's daemon may still be finishing a save."""
+        path = self.root / layout.WRITER_LOCK_FILE
+        if not self.root.is_dir():
+            yield
+            return
+        deadline = time.monotonic() + self.start_timeout
+        while (fd := acquire_flock(path, blocking=False)) is None:
+            if time.monotonic() > deadline:
+                raise LowDiffError(
+                    f"{self.root}: a checkpoint save is still running ({lock_holder(path)}) "
+                    f"after {self.start_timeout:.0f} s"
+                )
+            time.sleep(0.05)
+        try:
+            yield
+        finally:
+            os.close(fd)
+
+    def _candidates(self) -> list[tuple[int, Path]]:
+        """Checkpoint directories and stray commit files, oldest first."""
+        full = self.root / layout.FULL_DIR
+        steps = dict(published(full, PREFIX, ""))
+        for s, c in published(full, PREFIX, ".commit"):
+            steps.setdefault(s, c.with_name(dir_name(s)))
+        return sorted(steps.items())
+
+    def _drop_never_committed(self) -> None:
+        """No commit was ever published: remove the partial first saves (nothing was durable)."""
+        full = self.root / layout.FULL_DIR
+        if not full.is_dir() or any(commit_path(p).exists() for _, p in self._candidates()):
+            return
+        for _, p in self._candidates():
+            warnings.warn(
+                f"recovery removed {p}: an unfinished save, and no checkpoint was ever committed",
+                RecoveryWarning,
+                stacklevel=4,
+            )
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _recover(self) -> int | None:
+        t_start = time.perf_counter()
+        skipped: list[tuple[str, str]] = []
+        with self._writer_lock():
+            for step, path in reversed(self._candidates()):
+                stats = RecoveryStats(full_step=step, step=step, source="disk")
+                try:
+                    self._load(path, step, stats)
+                except CorruptCheckpointError as e:
+                    skipped.append((str(e.path), e.reason))
+                    warnings.warn(
+                        f"recovery passed over {e.path}: {e.reason}", RecoveryWarning, stacklevel=3
+                    )
+                    quarantine(self.root, path)
+                    continue
+                stats.skipped = skipped
+                stats.total_s = time.perf_counter() - t_start
+                self.recovery_stats = stats
+                return step
+        return None
+
+    def _load(self, ckpt: Path, step: int, stats: RecoveryStats) -> None:
+        """Verify ``ckpt`` and load it into the live objects."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        t0 = time.perf_counter()
+        commit = verify_commit(ckpt, step)
+        try:
+            saved = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
+        except Exception as e:  # a verified file that DCP cannot read is foreign
+            raise CorruptCheckpointError(ckpt, f"unreadable DCP metadata ({e})") from None
+        stats.read_s += time.perf_counter() - t0
+        stats.bytes_read += int(commit["bytes"])
+        stats.files_read += len(commit["files"])
+
+        t1 = time.perf_counter()
+        template: dict[str, Any] = {
+            "model": get_model_state_dict(self.model),
+            "step": -1,
+            "train": b"",
+        }
+        if any(k.startswith("optim.") for k in saved):
+            template["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
+        flat, _ = flatten_state_dict(template)
+        if saved != set(flat):
+            extra, missing = sorted(saved - set(flat)), sorted(set(flat) - saved)
+            raise CheckpointMismatchError(
+                f"{ckpt.name}: the model or optimizer does not match the checkpoint "
+                f"(only in the checkpoint: {extra[:5]}, only in the training: {missing[:5]})"
+            )
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                dcp.load(template, checkpoint_id=ckpt, no_dist=True)
+        except Exception as e:
+            text = str(e)
+            if "Size mismatch" in text or "Missing key" in text:
+                raise CheckpointMismatchError(
+                    f"{ckpt.name}: the model or optimizer does not match the checkpoint: {e}"
+                ) from None
+            raise CorruptCheckpointError(ckpt, f"DCP cannot load it ({e})") from None
+        try:
+            train = torch.load(io.BytesIO(template["train"]), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptCheckpointError(ckpt, f"unreadable training state ({e})") from None
+        if template["step"] != step or not isinstance(train, dict) or train.get("step") != step:
+            raise CorruptCheckpointError(ckpt, "its contents do not match its name")
+        t2 = time.perf_counter()
+        stats.decode_s += t2 - t1
+
+        try:
+            set_model_state_dict(self.model, template["model"])
+        except RuntimeError as e:
+            raise CheckpointMismatchError(
+                f"{ckpt.name}: the model does not match the checkpoint: {e}"
+            ) from None
+        if train["optimizer_state_empty"]:
+            self.optimizer.state.clear()
+            self.optimizer.load_state_dict(train["optimizer"])
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, template["optim"])
+        if (self.scheduler is None) != (train["scheduler"] is None):
+            raise CheckpointMismatchError(
+                f"{ckpt.name}: the checkpoint {'has no' if self.scheduler is not None else 'has a'} "
+                f"scheduler state, the training {'has a' if self.scheduler is not None else 'has no'} scheduler"
+            )
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(train["scheduler"])
+        st.restore_rng(train["rng"]["tensors"], train["rng"]["extra"])
+        stats.replay_s += time.perf_counter() - t2
+
+
+def _is_storage_error(exc: BaseException) -> bool:
+    """True when the save failed in the storage (DCP wraps the rank's error)."""
+    if isinstance(exc, OSError) and not isinstance(exc, ConnectionError):
+        return True
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> (error, stack)
+    if isinstance(failures, dict):
+        for v in failures.values():
+            e = v[0] if isinstance(v, tuple) and v else v
+            if isinstance(e, BaseException) and _is_storage_error(e):
+                return True
+    return False
