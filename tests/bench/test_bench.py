@@ -74,7 +74,7 @@ def test_bad_settings(tmp_path: Path) -> None:
 def test_every_experiment_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "results"
     s = BenchSettings("gpt2-tiny", iters=2, repeats=1, workdir=tmp_path / "work")
-    p = Profile(intervals=[1, 2], recovery_fulls=[2], batch_sizes=[1, 2], ratios=[0.01, 0.1])
+    p = Profile(intervals=[1], recovery_fulls=[2], batch_sizes=[2], ratios=[0.01, 0.1])
     files = run_bench(list(EXPERIMENTS), out=out, settings=s, profile=p)
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     run, rows = lines[0], lines[1:]

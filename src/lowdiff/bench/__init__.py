@@ -45,7 +45,7 @@ def run_bench(
         raise ValueError(f"unknown experiment(s) {unknown}; known: {list(EXPERIMENTS)}")
     if settings is None:
         settings = (
-            BenchSettings(QUICK_WORKLOAD, iters=8, repeats=3)
+            BenchSettings(QUICK_WORKLOAD, iters=5, repeats=5)
             if quick
             else BenchSettings(FULL_WORKLOAD, iters=20, repeats=5)
         )

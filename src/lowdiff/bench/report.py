@@ -146,6 +146,7 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
             fmt_s(r["reconstruct_s"]),
             fmt_s(r["retrain_s"]) if r["retrained_steps"] else "–",
             fmt_s(r["total_s"]),
+            fmt_s(r["resume_s"]),
             str(r["source"]),
         ]
         for r in rs
@@ -156,8 +157,10 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
             "",
             "A failure just before the next full checkpoint (step 2f−1). Retrain: the lost "
             "iterations trained again, which is how a checkpoint older than the failure is "
-            "reconstructed. LowDiff+ (S): the trainer is SIGKILLed and the new one recovers from "
-            "the replica in memory.",
+            "reconstructed. Total: recovery (as the strategy's recovery stats time it) plus "
+            "retraining. resume() wall: the whole call, including starting the strategy's "
+            "background process. LowDiff+ (S): the trainer is SIGKILLed and the new one "
+            "recovers from the replica in memory.",
             "",
             table(
                 [
@@ -169,6 +172,7 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
                     "reconstruct",
                     "retrain",
                     "total",
+                    "resume() wall",
                     "source",
                 ],
                 body,

@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         args.workload or (QUICK_WORKLOAD if args.quick else FULL_WORKLOAD),
         device=args.device,
-        iters=args.iters or (8 if args.quick else 20),
-        repeats=args.repeats or (3 if args.quick else 5),
+        iters=args.iters or (5 if args.quick else 20),
+        repeats=args.repeats or 5,
         workdir=args.workdir or Path(tempfile.gettempdir()),
         amp=args.amp,
         grad_accum=args.grad_accum,
