@@ -376,7 +376,7 @@ def markdown(run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "",
     ]
     parts = [SECTIONS[e](rows) for e in run["experiments"] if e in SECTIONS]
-    return "\n".join(head) + "\n\n".join(p for p in parts if p) + "\n"
+    return "\n".join(head) + "\n" + "\n\n".join(p for p in parts if p) + "\n"
 
 
 # --------------------------------------------------------------------------- plots
