@@ -146,6 +146,10 @@ def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
         (number of files checked, [(path, reason) for every bad file]).
     """
     root = Path(path)
+    from lowdiff.baselines.base import is_baseline_dir, verify_baseline_dir
+
+    if is_baseline_dir(root):  # a baseline strategy's directory: commit files, not sfiles
+        return verify_baseline_dir(root)
     if is_job(root):
         from lowdiff.dist.context import rank_dir
 

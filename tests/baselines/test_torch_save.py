@@ -93,3 +93,25 @@ def test_retention_keeps_newest(tmp_path: Path) -> None:
         "ckpt-000000000008.pt",
         "ckpt-000000000008.pt.commit",
     ]
+
+
+def test_cli_verify_and_inspect_a_baseline_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lowdiff.cli.main import main
+
+    d = tmp_path / "ckpt"
+    harness.run(d, 0, 4, strategy="torch-save", full_every=2)
+    assert main(["verify", str(d)]) == 0
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "torch-save" in out and "ckpt-000000000004.pt" in out
+    newest = d / "full" / "ckpt-000000000004.pt"
+    raw = bytearray(newest.read_bytes())
+    raw[100] ^= 1
+    newest.write_bytes(bytes(raw))
+    (d / "full" / "ckpt-000000000002.pt").unlink()
+    assert main(["verify", str(d)]) == 1
+    out = capsys.readouterr().out
+    assert "ckpt-000000000004.pt: checksum mismatch" in out
+    assert "ckpt-000000000002.pt.commit: commit file of a checkpoint that is missing" in out

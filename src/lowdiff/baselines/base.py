@@ -562,3 +562,66 @@ def _close_at_exit(ref: weakref.ref[BaselineCheckpointer]) -> None:
     if ck is not None and not ck._closed:
         with contextlib.suppress(Exception):
             ck.close()
+
+
+# --------------------------------------------------------------------------- inspect / verify
+
+
+def is_baseline_dir(root: Path) -> bool:
+    """True when ``root`` holds a baseline strategy's manifest (read, not verified)."""
+    try:
+        body = json.loads((root / layout.MANIFEST).read_bytes()).get("lowdiff_manifest", {})
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(body, dict) and body.get("format") == BASELINE_FORMAT
+
+
+def checkpoint_files(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every published checkpoint (file or DCP directory), oldest first.
+
+    Checkpoints live in ``full/`` (and ``diffs/`` for naive-dc); each has a commit file.
+    """
+    out = []
+    for sub in (layout.FULL_DIR, "diffs"):
+        d = root / sub
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            if p.name.startswith(".") or p.name.endswith(COMMIT_SUFFIX):
+                continue
+            digits = "".join(c for c in p.name.split("-")[-1].split(".")[0] if c.isdigit())
+            out.append((int(digits) if digits else -1, p))
+    return sorted(out)
+
+
+def verify_baseline_dir(root: Path) -> tuple[int, list[tuple[Path, str]]]:
+    """Check the manifest and every checkpoint against its commit file.
+
+    Returns:
+        (number of items checked, [(path, reason) for every bad one]).
+    """
+    bad: list[tuple[Path, str]] = []
+    try:
+        layout.read_manifest(root)
+    except CorruptCheckpointError as e:
+        bad.append((e.path, e.reason))
+    checked = 1
+    for step, p in checkpoint_files(root):
+        checked += 1
+        try:
+            if p.is_dir():
+                from lowdiff.baselines.dcp_async import verify_commit
+
+                verify_commit(p, step)
+            else:
+                read_committed(p)
+        except CorruptCheckpointError as e:
+            bad.append((e.path, e.reason))
+    for sub in (layout.FULL_DIR, "diffs"):
+        d = root / sub
+        if d.is_dir():
+            for c in d.glob(f"*{COMMIT_SUFFIX}"):
+                if not c.with_name(c.name[: -len(COMMIT_SUFFIX)]).exists():
+                    checked += 1
+                    bad.append((c, "commit file of a checkpoint that is missing"))
+    return checked, bad

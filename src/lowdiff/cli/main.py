@@ -11,6 +11,7 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from lowdiff.errors import LowDiffError
 
@@ -29,6 +30,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     if is_job(args.directory):
         return _inspect_job(args)
+    from lowdiff.baselines.base import is_baseline_dir
+
+    if is_baseline_dir(args.directory):
+        return _inspect_baseline(args)
     info = inspect_dir(args.directory)
     m = info.manifest
     if args.json:
@@ -97,6 +102,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"\nproblems ({len(info.problems)}):")
         for p, r in info.problems:
             print(f"  {p}: {r}")
+    return 0
+
+
+def _inspect_baseline(args: argparse.Namespace) -> int:
+    """A baseline strategy's directory: its manifest and checkpoints (sizes, steps)."""
+    from lowdiff.baselines.base import checkpoint_files
+    from lowdiff.format import layout
+
+    m = layout.read_manifest(args.directory)
+    items: list[dict[str, Any]] = []
+    for step, p in checkpoint_files(args.directory):
+        size = (
+            sum(q.stat().st_size for q in p.iterdir() if q.is_file())
+            if p.is_dir()
+            else p.stat().st_size
+        )
+        items.append({"step": step, "bytes": size, "path": str(p)})
+    if args.json:
+        print(
+            json.dumps(
+                {"directory": str(args.directory), "manifest": m, "checkpoints": items}, indent=1
+            )
+        )
+        return 0
+    print(f"directory    {args.directory}")
+    print(
+        f"strategy     {m.get('strategy')}   (a baseline; lowdiff resumes it with the same strategy)"
+    )
+    print(f"optimizer    {m.get('optimizer')}   full_every {m.get('full_every')}")
+    print(f"checkpoints  {len(items)}")
+    for it in items:
+        print(f"  step {it['step']:>10}  {_fmt_bytes(it['bytes']):>10}  {it['path']}")
     return 0
 
 
