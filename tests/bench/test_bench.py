@@ -69,6 +69,8 @@ def test_bad_settings(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown experiment"):
         run_bench(["overhead", "speed"], out=tmp_path)
     assert main(["bench", "speed", "--out", str(tmp_path / "r")]) == 2
+    with pytest.raises(ValueError, match="unknown method"):
+        run_bench(["overhead"], out=tmp_path, methods=["lowdiff", "checkpoint-everything"])
 
 
 def test_every_experiment_end_to_end(tmp_path: Path) -> None:

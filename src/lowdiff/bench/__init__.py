@@ -18,6 +18,8 @@ from lowdiff.bench.core import BenchSettings, build_workload, machine_info
 from lowdiff.bench.experiments import EXPERIMENTS, QUICK_PROFILE, RUNNERS, Context, Profile
 
 QUICK_WORKLOAD = "gpt2-s-tiny"
+METHODS = ("lowdiff", "lowdiff+", "torch-save", "checkfreq", "gemini", "naive-dc", "dcp-async")
+"""The strategies ``lowdiff bench`` compares (``--methods`` picks a subset)."""
 FULL_WORKLOAD = "gpt2-s"
 
 
@@ -29,6 +31,7 @@ def run_bench(
     settings: BenchSettings | None = None,
     profile: Profile | None = None,
     progress: Callable[[str], None] | None = None,
+    methods: list[str] | None = None,
 ) -> dict[str, Path]:
     """Run experiments and write the report; returns the files written.
 
@@ -39,6 +42,8 @@ def run_bench(
         settings: What to train and how long; default: the quick or full profile's.
         profile: Experiment sizes; default: the quick or full profile.
         progress: Called with a short status text as work goes on.
+        methods: Strategies to compare (default: all); training without checkpoints
+            always runs, as the reference.
     """
     unknown = [e for e in experiments if e not in EXPERIMENTS]
     if unknown:
@@ -52,8 +57,12 @@ def run_bench(
     if profile is None:
         profile = QUICK_PROFILE if quick else Profile()
     Path(settings.workdir).mkdir(parents=True, exist_ok=True)
+    if methods is not None:
+        bad = sorted(set(methods) - set(METHODS))
+        if bad:
+            raise ValueError(f"unknown method(s) {bad}; known: {list(METHODS)}")
     say = progress or (lambda _m: None)
-    ctx = Context(settings, profile, say)
+    ctx = Context(settings, profile, say, methods=None if methods is None else frozenset(methods))
     n_params = build_workload(settings).n_params
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -67,6 +76,7 @@ def run_bench(
         "profile": asdict(profile),
         "experiments": ordered,
         "quick": quick,
+        "methods": sorted(methods) if methods is not None else list(METHODS),
         "n_params": n_params,
         "wall_s": time.perf_counter() - t0,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -78,4 +88,4 @@ def _prefixed(say: Callable[[str], None], prefix: str) -> Callable[[str], None]:
     return lambda m: say(f"{prefix} {m}")
 
 
-__all__ = ["EXPERIMENTS", "BenchSettings", "Profile", "run_bench"]
+__all__ = ["EXPERIMENTS", "METHODS", "BenchSettings", "Profile", "run_bench"]

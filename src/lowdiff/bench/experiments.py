@@ -82,6 +82,11 @@ class Context:
     profile: Profile
     progress: Callable[[str], None] = lambda _m: None
     cache: dict[str, Any] = field(default_factory=dict)
+    methods: frozenset[str] | None = None
+    """Strategies to run (None: all); the runs without checkpointing always run."""
+
+    def wants(self, strategy: str | None) -> bool:
+        return strategy in (None, "none") or self.methods is None or strategy in self.methods
 
 
 # --------------------------------------------------------------------------- arms
@@ -137,6 +142,7 @@ def _arena(ctx: Context, key: str, arms: list[Arm]) -> dict[str, Any]:
     """
     if key in ctx.cache:
         return ctx.cache[key]  # type: ignore[no-any-return]
+    arms = [a for a in arms if ctx.wants(a.strategy)]
     with Arena(ctx.settings, arms, ctx.progress, phases=True) as arena:
         arena.run()
         out = arena.results()
@@ -242,14 +248,10 @@ def frequency(ctx: Context) -> list[dict[str, Any]]:
     """Exp. 4: the smallest checkpoint interval whose slowdown is within the bound."""
     p, s = ctx.profile, ctx.settings
     pending = {
-        "LowDiff",
-        "LowDiff+ (P)",
-        "torch.save",
-        "CheckFreq",
-        "Gemini",
-        "Naive DC",
-        "DCP async",
+        a.label for a in compressed_arms(p) if a.strategy != "none" and ctx.wants(a.strategy)
     }
+    if ctx.wants("lowdiff+"):
+        pending.add("LowDiff+ (P)")
     found: dict[str, dict[str, Any]] = {}
     rows: list[dict[str, Any]] = []
     for k in p.intervals:
@@ -271,7 +273,7 @@ def frequency(ctx: Context) -> list[dict[str, Any]]:
             )
         # a block holds at least two checkpoints of the interval
         sub = BenchSettings(**{**asdict(s), "iters": max(s.iters, 2 * k)})
-        sub_ctx = Context(sub, p, ctx.progress)
+        sub_ctx = Context(sub, p, ctx.progress, methods=ctx.methods)
         if k == 1 and "compressed-1" in ctx.cache:  # the overhead run measured interval 1
             res = dict(ctx.cache["compressed-1"])
             if len(plus) > 1:
@@ -325,10 +327,12 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
     for f in p.recovery_fulls:
         target = 2 * f - 1  # the worst case: just before the next full checkpoint
         for label, strategy, ratio, opts in cases:
-            ctx.progress(f"recovery f={f}: {label}")
-            rows.append(_recovery_case(ctx, Arm(label, strategy, ratio, f, opts), target))
-        ctx.progress(f"recovery f={f}: LowDiff+ (S)")
-        rows.append(_plus_memory_case(ctx, f, target))
+            if ctx.wants(strategy):
+                ctx.progress(f"recovery f={f}: {label}")
+                rows.append(_recovery_case(ctx, Arm(label, strategy, ratio, f, opts), target))
+        if ctx.wants("lowdiff+"):
+            ctx.progress(f"recovery f={f}: LowDiff+ (S)")
+            rows.append(_plus_memory_case(ctx, f, target))
     return rows
 
 
@@ -441,7 +445,9 @@ def _plus_memory_case(ctx: Context, f: int, target: int) -> dict[str, Any]:
 def batching(ctx: Context) -> list[dict[str, Any]]:
     """Exp. 7: LowDiff's write time per record against b, and what a batch holds in memory."""
     p, s = ctx.profile, ctx.settings
-    rows = []
+    rows: list[dict[str, Any]] = []
+    if not ctx.wants("lowdiff"):
+        return rows
     steps = max(s.iters * s.repeats, 2 * max(p.batch_sizes))
     for b in p.batch_sizes:
         ctx.progress(f"batching b={b}")
@@ -484,6 +490,8 @@ def batching(ctx: Context) -> list[dict[str, Any]]:
 def ratio(ctx: Context) -> list[dict[str, Any]]:
     """Exp. 10: LowDiff's overhead and record size against the top-k ratio."""
     p = ctx.profile
+    if not ctx.wants("lowdiff"):
+        return []
     arms = []
     for r in p.ratios:
         arms.append(Arm(f"W/O CKPT rho={r:g}", "none", r))

@@ -37,6 +37,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=("bf16", "fp16"), default=None, help="mixed precision")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints go while it runs")
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated strategies to compare (default: all of lowdiff, lowdiff+, "
+        "torch-save, checkfreq, gemini, naive-dc, dcp-async); every arm keeps its own model copy",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.set_defaults(func=run)
     return p
@@ -76,8 +82,16 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
+    methods = (
+        None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    )
     files = run_bench(
-        experiments, out=args.out, quick=args.quick, settings=settings, progress=progress
+        experiments,
+        out=args.out,
+        quick=args.quick,
+        settings=settings,
+        progress=progress,
+        methods=methods,
     )
     if tty and not args.quiet:
         sys.stderr.write("\r\033[K")
