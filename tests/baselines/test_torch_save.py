@@ -115,3 +115,40 @@ def test_cli_verify_and_inspect_a_baseline_directory(
     out = capsys.readouterr().out
     assert "ckpt-000000000004.pt: checksum mismatch" in out
     assert "ckpt-000000000002.pt.commit: commit file of a checkpoint that is missing" in out
+
+
+def test_a_pickle_with_code_is_refused_even_with_a_matching_digest(tmp_path: Path) -> None:
+    """Someone who rewrites both the file and its commit still cannot run code at resume."""
+    import json
+    import os
+    import pickle
+
+    import xxhash
+
+    class Evil:
+        def __reduce__(self):  # type: ignore[no-untyped-def]
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    d = tmp_path / "ckpt"
+    harness.run(d, 0, 2, strategy="torch-save", full_every=2, keep_full=None)
+    newest = d / "full" / "ckpt-000000000002.pt"
+    raw = pickle.dumps({"step": 2, "model": Evil()})
+    newest.write_bytes(raw)
+    commit = {
+        "file": newest.name,
+        "step": 2,
+        "bytes": len(raw),
+        "xxh3_128": xxhash.xxh3_128_hexdigest(raw),
+    }
+    (d / "full" / "ckpt-000000000002.pt.commit").write_text(json.dumps(commit))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        ck, objects, resumed = harness.run(
+            d, 0, 0, strategy="torch-save", full_every=2, close=False
+        )
+    assert resumed == 0 and not (tmp_path / "pwned").exists()
+    assert any(
+        "ckpt-000000000002.pt" in str(x.message) and "not a loadable checkpoint" in str(x.message)
+        for x in w
+    )
+    ck.close()
