@@ -37,15 +37,19 @@ Example:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 __all__ = [
     "CostModel",
     "Plan",
+    "bench_inputs",
     "continuous_f",
+    "cost_model_from_bench",
     "optimize",
     "wasted_time",
     "wasted_time_terms",
@@ -338,3 +342,197 @@ def optimize(
         raise ValueError(f"no candidate pair has b <= f (f_values={fs}, b_values={bs})")
     (f, b), w = min(grid.items(), key=lambda kv: (kv[1], kv[0]))
     return Plan(f=f, b=b, wasted_s=w, grid=grid, model=m)
+
+
+# --------------------------------------------------------------------------- from a bench run
+
+BENCH_EXPERIMENTS = ("overhead", "storage", "batching", "recovery")
+"""The ``lowdiff bench`` experiments :func:`cost_model_from_bench` reads."""
+
+_FROM = {
+    "tau": "overhead",
+    "full_bytes": "storage",
+    "record_bytes": "batching",
+    "batch_overhead_bytes": "storage",
+    "write_bw": "batching",
+    "batch_latency": "batching",
+    "full_latency": "batching",
+    "read_bw": "recovery",
+    "full_recovery_s": "recovery",
+    "decompress_s_per_record": "recovery",
+    "replay_s_per_record": "recovery",
+}
+"""Which experiment each input comes from."""
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Least squares ``y = a + s x``; None without two distinct x."""
+    n = len(xs)
+    if n < 2:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        return None
+    s = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - s * mx, s
+
+
+def fit_bandwidth(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Fit ``seconds = latency + nbytes / bandwidth``; returns ``(bandwidth, latency)``.
+
+    A negative latency is refitted through the origin (latency 0). Without two distinct
+    sizes, or when the time does not grow with the size (latency-bound writes, noise), the
+    whole time is put on the bandwidth and the latency is 0.
+
+    Example:
+        >>> fit_bandwidth([100, 300], [1.5, 3.5])
+        (100.0, 0.5)
+    """
+    line = _fit_line(nbytes, seconds)
+    if line is not None:
+        a, s = line
+        if s > 0 and a >= 0:
+            return 1.0 / s, a
+        sxy = sum(x * y for x, y in zip(nbytes, seconds, strict=True))
+        sxx = sum(x * x for x in nbytes)
+        if s > 0 and sxy > 0:
+            return sxx / sxy, 0.0
+    total_s = sum(seconds)
+    if total_s <= 0:
+        raise ValueError("cannot fit a bandwidth: every measured time is 0")
+    return sum(nbytes) / total_s, 0.0
+
+
+def bench_inputs(results_jsonl_path: str | Path) -> tuple[dict[str, float], list[str]]:
+    """The :class:`CostModel` inputs a ``lowdiff bench`` results file gives.
+
+    Returns:
+        ``(inputs, missing)``: the inputs found (field name to value) and the
+        experiments of :data:`BENCH_EXPERIMENTS` the file lacks.
+
+    How each input is measured:
+
+    - ``tau``: the median iteration time of compressed training without checkpoints
+      (``overhead``, arm "W/O CKPT").
+    - ``full_bytes``: LowDiff's full-checkpoint size (``storage``); the record files'
+      bytes beyond their rows give ``batch_overhead_bytes``.
+    - ``record_bytes``, ``write_bw``, ``batch_latency``: the record row size and a least
+      squares fit of write time per file against bytes per file over the batch sizes
+      (``batching``). ``full_latency`` is taken equal to ``batch_latency`` (the same
+      write, fsync and rename).
+    - ``read_bw``: a fit of read time against bytes read; ``decompress_s_per_record`` and
+      ``replay_s_per_record``: decompression and reconstruction time per replayed
+      record; ``full_recovery_s``: the recovery time left once the records' share is
+      taken off (median over the LowDiff rows of ``recovery``).
+    """
+    path = Path(results_jsonl_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no bench results file at {path}")
+    run: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    with open(path) as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{i}: expected a JSON object")
+            if obj.get("kind") == "run":
+                run = obj
+            elif obj.get("kind") == "row" or "experiment" in obj:
+                rows.append(obj)
+
+    def pick(exp: str, **match: Any) -> list[dict[str, Any]]:
+        return [
+            r
+            for r in rows
+            if r.get("experiment") == exp and all(r.get(k) == v for k, v in match.items())
+        ]
+
+    out: dict[str, float] = {}
+    missing: list[str] = []
+
+    ref = pick("overhead", setting="compressed", method="W/O CKPT")
+    if ref and ref[0].get("median_s"):
+        out["tau"] = float(ref[0]["median_s"])
+    else:
+        missing.append("overhead")
+
+    batching = [r for r in pick("batching") if r.get("writes") and r.get("record_row_bytes")]
+    if batching:
+        row_bytes = float(batching[0]["record_row_bytes"])
+        out["record_bytes"] = row_bytes
+        w, lat = fit_bandwidth(
+            [row_bytes * r["records"] / r["writes"] for r in batching],
+            [float(r["write_s_per_write"]) for r in batching],
+        )
+        out["write_bw"], out["batch_latency"], out["full_latency"] = w, lat, lat
+    else:
+        missing.append("batching")
+
+    store = pick("storage", setting="compressed", method="LowDiff")
+    if store and store[0].get("full_checkpoint_bytes"):
+        out["full_bytes"] = float(store[0]["full_checkpoint_bytes"])
+        per_record = store[0].get("differential_bytes")
+        b = int(run.get("profile", {}).get("lowdiff_batch", 0) or 0)
+        if per_record and b and "record_bytes" in out:
+            out["batch_overhead_bytes"] = max(0.0, (float(per_record) - out["record_bytes"]) * b)
+    else:
+        missing.append("storage")
+
+    rec = [r for r in pick("recovery", method="LowDiff") if r.get("recovery_s") is not None]
+    if rec:
+        bw_r, _ = fit_bandwidth(
+            [float(r["bytes_read"]) for r in rec], [float(r["read_s"]) for r in rec]
+        )
+        n = sum(int(r.get("records_replayed") or 0) for r in rec)
+        dec = sum(float(r["decompress_s"]) for r in rec) / n if n else 0.0
+        rep = sum(float(r["reconstruct_s"]) for r in rec) / n if n else 0.0
+        s_f = out.get("full_bytes", 0.0)
+        rest = sorted(
+            max(
+                0.0,
+                float(r["recovery_s"])
+                - int(r.get("records_replayed") or 0) * (dec + rep)
+                - max(0.0, float(r["bytes_read"]) - s_f) / bw_r,
+            )
+            for r in rec
+        )
+        out["read_bw"] = bw_r
+        out["decompress_s_per_record"] = dec
+        out["replay_s_per_record"] = rep
+        out["full_recovery_s"] = rest[len(rest) // 2]
+    else:
+        missing.append("recovery")
+    return out, missing
+
+
+def cost_model_from_bench(
+    results_jsonl_path: str | Path, *, mtbf: float, total_time: float, n_gpus: int = 1
+) -> CostModel:
+    """A :class:`CostModel` from the measurements of a ``lowdiff bench`` run.
+
+    The file must hold the experiments ``overhead``, ``storage``, ``batching`` and
+    ``recovery`` (``lowdiff bench overhead storage batching recovery``); see
+    :func:`bench_inputs` for how each input is derived.
+
+    Raises:
+        ValueError: the file lacks one of those experiments (named in the message).
+        FileNotFoundError: there is no such file.
+
+    Example:
+        >>> m = cost_model_from_bench("results/results.jsonl", mtbf=3600, total_time=86400)  # doctest: +SKIP
+        >>> optimize(m).f  # doctest: +SKIP
+    """
+    inputs, missing = bench_inputs(results_jsonl_path)
+    if missing:
+        raise ValueError(
+            f"{results_jsonl_path} lacks the bench experiment(s) {', '.join(missing)} "
+            f"(needed for {', '.join(k for k, v in _FROM.items() if v in missing)}); run "
+            f"`lowdiff bench {' '.join(BENCH_EXPERIMENTS)}`"
+        )
+    return CostModel(mtbf=mtbf, total_time=total_time, n_gpus=n_gpus, **inputs)
