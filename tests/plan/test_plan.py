@@ -12,6 +12,7 @@ from lowdiff.plan import (
     continuous_f,
     default_f_values,
     optimize,
+    optimize_exact,
     wasted_time,
     wasted_time_terms,
 )
@@ -168,6 +169,9 @@ def test_optimize_equals_brute_force(m):
     f, b, w = _brute(m, f_max)
     assert (p.f, p.b) == (f, b)
     assert p.wasted_s == w
+    q = optimize_exact(m)  # three evaluations per b find the same pair
+    assert (q.f, q.b, q.wasted_s) == (f, b, w)
+    assert len(q.grid) <= 3 * 32
     assert p.grid[(p.f, p.b)] == p.wasted_s
     assert all(v >= p.wasted_s for v in p.grid.values())
     assert all(1 <= bb <= ff for ff, bb in p.grid)

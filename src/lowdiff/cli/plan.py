@@ -206,7 +206,9 @@ def _table_axes(plan: Any, args: argparse.Namespace) -> tuple[list[int], list[in
     if args.b_values is not None:
         bs = list(args.b_values)
     else:
-        bs = list(range(1, max(6, min(32, plan.b + 2)) + 1))
+        top = max(b for _, b in plan.grid)
+        near = {plan.b - 1, plan.b, plan.b + 1}
+        bs = sorted(b for b in {1, 2, 3, 4, 6, 8, 12, 16, 24, 32} | near if 1 <= b <= top)
     return fs, bs
 
 

@@ -25,6 +25,7 @@ import atexit
 import builtins
 import contextlib
 import datetime as _dt
+import logging
 import os
 import shutil
 import time
@@ -64,6 +65,7 @@ from lowdiff.format import codec, layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.dtypes import dtype_name
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, plan, view_tensors
+from lowdiff.plan import AUTO, START_B, START_F, AutoTuner, resolve_mtbf
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state, check_compatible, recover
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 
@@ -78,6 +80,9 @@ _STORAGE_ERRORS = {
     for c in vars(builtins).values()
     if isinstance(c, type) and issubclass(c, OSError) and not issubclass(c, ConnectionError)
 }
+
+
+_plan_log = logging.getLogger("lowdiff.plan")
 
 
 class _CheckpointingSuspended(Exception):
@@ -115,6 +120,14 @@ def compress_grads(
     return payloads, nograd
 
 
+def _check_int_or_auto(name: str, value: Any) -> int | str:
+    if isinstance(value, str):
+        if value != AUTO:
+            raise ValueError(f"{name} must be an int >= 1 or 'auto', got {value!r}")
+        return value
+    return _check_int(name, value, 1)
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -140,8 +153,14 @@ class Checkpointer:
             returns a :class:`lowdiff.baselines.BaselineCheckpointer` with the same methods.
         compressor: the gradient compressor; default ``TopK(ratio=0.01)``. Must be None
             for ``"lowdiff+"``.
-        full_every: f, a full checkpoint every f steps (and at step 0).
-        batch_size: b, records per file (one write per b steps).
+        full_every: f, a full checkpoint every f steps (and at step 0), or ``"auto"``
+            (strategy ``"lowdiff"``, single process): start at 30 and set f to the
+            argmin of the paper's wasted-time model (:mod:`lowdiff.plan`) once the costs
+            are profiled, then re-plan as they drift. With ``"auto"`` the next full
+            checkpoint comes f steps after the previous one.
+        batch_size: b, records per file (one write per b steps), or ``"auto"`` (start at
+            3, then as for ``full_every``). Changes are logged (logger ``lowdiff.plan``)
+            and listed in :attr:`plan_history`; recovery does not depend on f or b.
         scheduler: optional LR scheduler; ``step()`` steps it after the optimizer.
         keep_full: full checkpoints to keep (records older than the oldest kept one are
             deleted); None keeps everything.
@@ -156,6 +175,8 @@ class Checkpointer:
         idle_timeout: LowDiff+ only: seconds a replica whose trainer died waits for a new
             trainer to attach before it persists and exits.
         replica_threads: LowDiff+ only: torch threads of the replica's optimizer step.
+        mtbf: with ``"auto"``: the job's mean time between failures in seconds; default:
+            the environment variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
         on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,
             ``EIO``, ...) does. ``"raise"``: the next ``step()`` raises
             :class:`CheckpointWorkerError`. ``"warn"`` (strategy ``"lowdiff"`` only):
@@ -190,8 +211,8 @@ class Checkpointer:
         *,
         strategy: str = "lowdiff",
         compressor: Compressor | None = None,
-        full_every: int = 30,
-        batch_size: int = 3,
+        full_every: int | str = 30,
+        batch_size: int | str = 3,
         scheduler: Any | None = None,
         keep_full: int | None = 2,
         max_inflight: int | None = None,
@@ -201,6 +222,7 @@ class Checkpointer:
         idle_timeout: float = 300.0,
         replica_threads: int = 1,
         on_storage_error: str = "raise",
+        mtbf: float | None = None,
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
         if on_storage_error not in STORAGE_ERROR_POLICIES:
@@ -254,8 +276,29 @@ class Checkpointer:
                 )
             self._rank_compressor: Compressor = compressor
             compressor = MergedSparse(compressor, self._dist.world_size)
-        self.full_every = _check_int("full_every", full_every, 1)
-        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self._configured = {
+            "full_every": _check_int_or_auto("full_every", full_every),
+            "batch_size": _check_int_or_auto("batch_size", batch_size),
+        }
+        self._tuner: AutoTuner | None = None
+        auto = [k for k, v in self._configured.items() if v == AUTO]
+        if auto and strategy == "lowdiff+":
+            raise ValueError(
+                f"{auto[0]}='auto' is supported by strategy 'lowdiff' only, got strategy 'lowdiff+'"
+            )
+        if auto and self._dist is not None:
+            raise ValueError(
+                f"{auto[0]}='auto' is not supported under DistributedDataParallel yet (every rank "
+                "must use the same f and b); pass integers"
+            )
+        mtbf_s, self._mtbf_source = resolve_mtbf(mtbf) if auto else (0.0, "")
+        cf, cb = self._configured["full_every"], self._configured["batch_size"]
+        self.full_every: int = START_F if isinstance(cf, str) else cf
+        self.batch_size: int = START_B if isinstance(cb, str) else cb
+        self._last_full = 0
+        """Step of the newest full checkpoint (``"auto"`` schedules the next one from it)."""
+        self._step_t: float | None = None
+        self._ck_s = 0.0
         if keep_full is not None:
             _check_int("keep_full", keep_full, 1)
         if max_inflight is not None:
@@ -360,6 +403,16 @@ class Checkpointer:
                 buffers,
                 self._rng_layout,
             )
+            if auto and strategy == "lowdiff":
+                self._tuner = AutoTuner(
+                    record_bytes=self.layout.row_bytes,
+                    mtbf=mtbf_s,
+                    tune_f=isinstance(cf, str),
+                    tune_b=isinstance(cb, str),
+                    f=self.full_every,
+                    b=self.batch_size,
+                )
+                self.full_every, self.batch_size = self._tuner.f, self._tuner.b
             ref = weakref.ref(self)
             atexit.register(_close_at_exit, ref)
 
@@ -383,7 +436,24 @@ class Checkpointer:
             self._stats,
             durable_step=self._durable,
             record_row_bytes=getattr(self, "layout", None) and self.layout.row_bytes or 0,
+            full_every=self.full_every,
+            batch_size=self.batch_size,
         )
+
+    @property
+    def plan_history(self) -> list[dict[str, Any]]:
+        """With ``"auto"``: every (f, b) this session used, oldest first.
+
+        Each entry: ``step`` (the updates done when it took effect: records of that step
+        on are batched b at a time, and the next full checkpoint is due f steps after the
+        previous one), ``f``, ``b``, ``previous_f``,
+        ``previous_b``, ``reason`` (``"start (profiling)"``, ``"profiled"``,
+        ``"re-planned"``), ``wasted_s`` and ``previous_wasted_s`` (the model's predicted
+        T_w of the new and the old pair, GPU-seconds per hour of training), ``f_c`` and
+        ``inputs`` (the :class:`lowdiff.plan.CostModel` it planned with, as a dict).
+        Empty without ``"auto"``.
+        """
+        return [] if self._tuner is None else [dict(e) for e in self._tuner.history]
 
     def resume(self) -> int:
         """Restore the newest recoverable state, or prepare an empty directory.
@@ -416,6 +486,7 @@ class Checkpointer:
         self.recovery_stats = stats
         self._step = stats.step
         self._durable = stats.step
+        self._last_full = stats.full_step
         self._quarantine_beyond(stats)
         self.compressor.reset_state()
         self._write_manifest()
@@ -443,6 +514,9 @@ class Checkpointer:
         t = self._step
         if self._hook_state is not None:
             self._step_dist(t, metric)
+            return
+        if self._tuner is not None:
+            self._step_auto(t, metric)
             return
         payloads, nograd = compress_grads(self._params, self._numels, self.compressor, t)
         hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
@@ -547,8 +621,8 @@ class Checkpointer:
             else f"{type(self.scheduler).__module__}.{type(self.scheduler).__qualname__}",
             "record_layout": self.layout.to_json(),
             "layout_id": self.layout.layout_id,
-            "full_every": self.full_every,
-            "batch_size": self.batch_size,
+            "full_every": self._configured["full_every"],
+            "batch_size": self._configured["batch_size"],
             "keep_full": self.keep_full,
             "torch": torch.__version__,
             "updated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -723,10 +797,14 @@ class Checkpointer:
             self._stats["records_written"] += msg[1]
             self._stats["record_bytes"] += msg[2]
             self._stats["record_write_s"] += msg[3]
+            if self._tuner is not None:
+                self._tuner.observe_record_file(msg[1], msg[2], msg[3])
         elif kind == "full_done":
             self._stats["fulls_written"] += 1
             self._stats["full_bytes"] += msg[2]
             self._stats["full_write_s"] += msg[3]
+            if self._tuner is not None:
+                self._tuner.observe_full(msg[2], msg[3])
         elif kind == "error":
             _, name, text, tb = msg
             self._worker_error = CheckpointWorkerError(
@@ -873,6 +951,110 @@ class Checkpointer:
         self._stats["fulls_requested"] += 1
         self._stats["full_wait_s"] += t1 - t0
         self._stats["full_copy_s"] += t2 - t1
+        self._last_full = step
+        if self._tuner is not None:
+            self._tuner.observe_full_copy(t2 - t1)
+
+    # ------------------------------------------------------------------ full_every / batch_size "auto"
+    def _step_auto(self, t: int, metric: float | None) -> None:
+        """:meth:`step` of strategy ``"lowdiff"`` with ``"auto"``: timed for the planner.
+
+        tau is the time between two ``step()`` calls without the checkpointing work done
+        in the previous one; the optimizer step stands for the replay of one record.
+        """
+        tuner = self._tuner
+        assert tuner is not None
+        t0 = time.perf_counter()
+        if self._step_t is None:
+            if not tuner.history:
+                tuner.force(t, self.full_every, self.batch_size, "start (profiling)")
+        else:
+            tuner.observe_iteration(t0 - self._step_t - self._ck_s)
+        self._step_t = t0
+        payloads, nograd = compress_grads(self._params, self._numels, self.compressor, t)
+        extra = 0.0
+        if tuner.wants_decompress_sample and payloads:
+            extra = self._time_decompress(payloads)
+        hp = st.capture_hparams(self.optimizer)
+        t1 = time.perf_counter()
+        self._optimizer_step(metric)
+        tuner.observe_optimizer_step(time.perf_counter() - t1)
+        self._step = t + 1
+        self._stats["steps"] += 1
+        t2 = time.perf_counter()
+        with contextlib.suppress(_CheckpointingSuspended):
+            if self._suspended is None:
+                self._emit_record(t, payloads, nograd, hp)
+                if self._step - self._last_full >= self.full_every:
+                    self._emit_full(self._step)
+                self._poll()
+                if tuner.due(self._step):
+                    entry = tuner.decide(self._step, self._state_nbytes())
+                    if entry is not None:
+                        self._apply_plan(entry)
+            elif self._step % self.full_every == 0:
+                self._resume_checkpointing()
+        self._ck_s = time.perf_counter() - t2 + extra
+
+    def _time_decompress(self, payloads: dict[int, dict[str, torch.Tensor]]) -> float:
+        """Decompress one record's payloads again, timed (the replay's decompression)."""
+        assert self._tuner is not None
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for (info, p), numel in zip(self._params, self._numels, strict=True):
+                payload = payloads.get(info.index)
+                if payload is not None:
+                    self.compressor.decompress(payload, numel, p.dtype)
+        took = time.perf_counter() - t0
+        self._tuner.observe_decompress(took)
+        return took
+
+    def _state_nbytes(self) -> int:
+        """Bytes of the model and optimizer tensors now (a full checkpoint's payload)."""
+        msd, _ = st.model_state(self.model)
+        n = sum(v.numel() * v.element_size() for v in msd.values())
+        for s in self.optimizer.state.values():
+            n += sum(v.numel() * v.element_size() for v in s.values() if torch.is_tensor(v))
+        return n
+
+    def _set_plan(self, f: int, b: int, reason: str = "forced") -> None:
+        """Switch to (f, b) now, as the planner does (``"auto"`` only; for tests and tools)."""
+        if self._tuner is None:
+            raise RuntimeError("(f, b) can change only with full_every or batch_size 'auto'")
+        _check_int("f", f, 1)
+        _check_int("b", b, 1)
+        if b > f:
+            raise ValueError(f"need 1 <= b <= f, got f={f}, b={b}")
+        self._apply_plan(self._tuner.force(self._step, f, b, reason))
+
+    def _apply_plan(self, entry: dict[str, Any]) -> None:
+        """Use ``entry``'s (f, b): the next full checkpoint is due f steps after the last
+        one; the checkpointing process writes its partial batch, then batches b records."""
+        f, b = int(entry["f"]), int(entry["b"])
+        if b != self.batch_size:
+            self._send(("batch_size", b))
+        self.full_every, self.batch_size = f, b
+        m = entry.get("inputs")
+        why = ""
+        if m is not None:
+            why = (
+                f"; predicted wasted time {entry['previous_wasted_s']:.4g} -> {entry['wasted_s']:.4g} "
+                f"GPU-s per hour of training (MTBF {m['mtbf']:.4g} s from {self._mtbf_source}, "
+                f"tau {m['tau'] * 1e3:.3g} ms, W {m['write_bw'] / 1e6:.3g} MB/s, "
+                f"latency {m['batch_latency'] * 1e3:.3g} ms, full {m['full_bytes'] / 1e6:.3g} MB, "
+                f"record {m['record_bytes'] / 1e3:.3g} kB)"
+            )
+        _plan_log.info(
+            "%s: step %d: full_every %d -> %d, batch_size %d -> %d (%s%s)",
+            self.root,
+            entry["step"],
+            entry["previous_f"],
+            f,
+            entry["previous_b"],
+            b,
+            entry["reason"],
+            why,
+        )
 
     def _optimizer_step(self, metric: float | None) -> None:
         self.optimizer.step()

@@ -15,6 +15,8 @@ over two pipes. The call sequence:
    keep flowing, then signals that the staging buffer is free and applies retention.
 4) (trainer) ``("flush",)`` / ``("close",)``: write the partial batch, wait for the full
    checkpoint in flight, answer with the durable step. ``close`` also ends the process.
+5) (trainer, ``batch_size="auto"``) ``("batch_size", b)``: write the partial batch, then
+   batch ``b`` records per file (record files name their steps, so recovery reads any mix).
 
 When the trainer dies without ``close`` (its end of the pipe closes, or this process is
 re-parented), the process drains every record already sent, writes them, finishes the
@@ -218,8 +220,16 @@ class _Writer:
         self.batch[n].copy_(row)
         self.steps.append(step)
         self.metas.append(meta)
-        if len(self.steps) == self.cfg.batch_size:
+        if len(self.steps) == len(self.batch):
             self.write_batch()
+
+    def set_batch_size(self, b: int) -> None:
+        """Write the partial batch, then batch ``b`` records per file."""
+        if b < 1:
+            raise ValueError(f"batch size must be >= 1, got {b}")
+        self.write_batch()
+        if b != len(self.batch):
+            self.batch = torch.empty((b, self.cfg.row_bytes), dtype=torch.uint8)
 
     def write_batch(self) -> None:
         if not self.steps:
@@ -298,6 +308,8 @@ class _Writer:
         elif kind == "full":
             _, step, entries_json, meta = msg
             self.start_full(step, entries_json, meta)
+        elif kind == "batch_size":
+            self.set_batch_size(int(msg[1]))
         elif kind == "flush":
             self.write_batch()
             self.wait_full()
@@ -381,7 +393,9 @@ def worker_main(
         w.send(("ready", os.getpid()))
         if serve(requests, w.handle, parent):
             # The trainer died without close(): keep every record it managed to send.
-            drain(requests, w.handle_orphaned, ("record", "record_dev", "full", "stage"))
+            drain(
+                requests, w.handle_orphaned, ("record", "record_dev", "full", "stage", "batch_size")
+            )
             w.write_batch()
             w.wait_full()
     except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
