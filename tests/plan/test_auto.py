@@ -450,3 +450,25 @@ def test_ddp_refuses_auto(tmp_path, one_rank_group, knob):
         ValueError, match=f"{knob}='auto' is not supported under DistributedDataParallel"
     ):
         lowdiff.Checkpointer(model, opt, tmp_path / "ck", **{knob: "auto"})
+
+
+@pytest.mark.multiprocess
+def test_trainer_gone_after_a_switch_keeps_every_record(tmp_path):
+    import gc
+
+    n = 13
+    objs = _build()
+    ck = lowdiff.Checkpointer(
+        objs[0], objs[1], tmp_path, scheduler=objs[2], full_every=50, batch_size="auto"
+    )
+    ck.resume()
+    _train(ck, objs, 0, n, hook=_force_at({5: (50, 4), 9: (50, 7)}))
+    proc = ck._proc
+    del ck
+    gc.collect()
+    # the checkpointing process sees the trainer gone, writes what it was sent, exits
+    proc.join(60)
+    assert proc.exitcode == 0
+    _, files = _files(tmp_path)
+    assert files == [(0, 3), (3, 2), (5, 4), (9, 4)]
+    assert lowdiff.inspect_dir(tmp_path).recoverable == (0, n)
