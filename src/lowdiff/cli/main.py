@@ -237,7 +237,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from lowdiff import __version__
-    from lowdiff.cli import bench, demo, plan
+    from lowdiff.cli import bench, chaos, demo, plan
 
     parser = argparse.ArgumentParser(
         prog="lowdiff", description="Per-iteration checkpointing for PyTorch training."
@@ -247,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     bench.add_parser(sub)
     plan.add_parser(sub)
+    chaos.add_parser(sub)
 
     p = sub.add_parser(
         "inspect", help="list full checkpoints, record files and the recoverable range"

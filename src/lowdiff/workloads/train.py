@@ -18,7 +18,13 @@ Config keys (JSON object; unknown keys are rejected to catch typos):
     model, seed, data_seed, steps, batch_size, seq_len, lr, weight_decay, warmup_steps,
     min_lr_ratio, strategy, directory, compressor, full_every, batch_size_records,
     keep_full, threads, eval_batches, dump_state_at_resume, dump_state_at_step,
-    result_path. See :class:`TrainConfig`.
+    result_path, strategy_options. See :class:`TrainConfig`.
+
+Strategies: ``"lowdiff"``, ``"lowdiff+"``, ``"none"`` and the baselines of
+:data:`lowdiff.baselines.BASELINES` (``"torch-save"``, ``"checkfreq"``, ``"gemini"``,
+``"naive-dc"``, ``"dcp-async"``), all through ``lowdiff.Checkpointer(..., strategy=...)``.
+A baseline trains with ``compressor`` as the ``"none"`` strategy does (``{"kind": "none"}``:
+uncompressed) and takes no ``batch_size_records``.
 """
 
 from __future__ import annotations
@@ -57,16 +63,20 @@ class TrainConfig:
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up length; ``None`` means 10% of ``steps``.
         min_lr_ratio: Cosine floor as a fraction of ``lr``.
-        strategy: Checkpointer strategy (``"lowdiff"`` or ``"none"``).
+        strategy: Checkpointer strategy (``"lowdiff"``, ``"lowdiff+"``, ``"none"`` or a
+            baseline's name, e.g. ``"checkfreq"``).
         compressor: Compressor spec, e.g. ``{"kind": "topk", "ratio": 0.01}``.
-        full_every: Steps between full checkpoints.
-        batch_size_records: Records per write batch (the Checkpointer's ``batch_size``).
+        full_every: Steps between full checkpoints (``"auto"`` where the strategy takes it).
+        batch_size_records: Records per write batch (the Checkpointer's ``batch_size``;
+            LowDiff's strategies only).
         keep_full: Full checkpoints to keep.
         threads: Intra-op torch threads; ``None`` means ``os.cpu_count()``.
         eval_batches: Held-out batches for the final evaluation.
         dump_state_at_resume: Dump ``state_tensors`` here right after ``resume()``.
         dump_state_at_step: ``{"step": s, "path": p}``: dump the state after ``s`` steps.
         result_path: Write the result JSON here at the end.
+        strategy_options: Further keyword arguments of the Checkpointer (e.g.
+            ``{"persist_every": 10}`` for ``"gemini"``).
     """
 
     directory: str
@@ -82,14 +92,15 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     strategy: str = "lowdiff"
     compressor: dict[str, Any] = field(default_factory=lambda: {"kind": "topk", "ratio": 0.01})
-    full_every: int = 30
-    batch_size_records: int = 3
+    full_every: int | str = 30
+    batch_size_records: int | str = 3
     keep_full: int | None = 2
     threads: int | None = None
     eval_batches: int = 8
     dump_state_at_resume: str | None = None
     dump_state_at_step: dict[str, Any] | None = None
     result_path: str | None = None
+    strategy_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -106,6 +117,10 @@ class TrainConfig:
         if not 0 < cfg.seq_len <= models.MODELS[cfg.model].n_positions:
             raise ValueError(
                 f"seq_len must be in 1..{models.MODELS[cfg.model].n_positions}, got {cfg.seq_len}"
+            )
+        if not isinstance(cfg.strategy_options, dict):
+            raise ValueError(
+                f"strategy_options must be a JSON object, got {cfg.strategy_options!r}"
             )
         dsa = cfg.dump_state_at_step
         if dsa is not None and (not isinstance(dsa, dict) or set(dsa) != {"step", "path"}):
@@ -180,6 +195,7 @@ def _recovery_dict(stats: Any) -> dict[str, Any] | None:
         "full_step",
         "step",
         "records_replayed",
+        "bytes_read",
     )
     return {n: getattr(stats, n, None) for n in names}
 
@@ -221,7 +237,7 @@ def probe_recovery(cfg: TrainConfig, directory: str | Path) -> dict[str, Any] | 
         target = fulls[-1]  # LowDiff+ persists whole replicas: a disk recovery loads one
     else:
         base = fulls[-2] if len(fulls) >= 2 else fulls[-1]
-        target = min(base + cfg.full_every - 1, info.recoverable[1])
+        target = min(base + int(cfg.full_every) - 1, info.recoverable[1])
     model, optimizer, scheduler = build_training_objects(cfg)
     stats = recover(directory, model, optimizer, scheduler, step=target)
     return _recovery_dict(stats)
@@ -244,16 +260,25 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     model, optimizer, scheduler = build_training_objects(cfg)
     n_params = models.count_parameters(model)
+    from lowdiff.baselines import BASELINES
+
+    options: dict[str, Any] = dict(cfg.strategy_options)
+    if cfg.strategy in BASELINES:
+        # a baseline trains compressed (or not) as strategy "none" does; it has no batches
+        uncompressed = cfg.compressor.get("kind") == "none"
+    else:
+        uncompressed = cfg.strategy == "lowdiff+"
+        options["batch_size"] = cfg.batch_size_records
     ck = lowdiff.Checkpointer(
         model,
         optimizer,
         cfg.directory,
         strategy=cfg.strategy,
-        compressor=None if cfg.strategy == "lowdiff+" else compressor_from_spec(cfg.compressor),
+        compressor=None if uncompressed else compressor_from_spec(cfg.compressor),
         full_every=cfg.full_every,
-        batch_size=cfg.batch_size_records,
         scheduler=scheduler,
         keep_full=cfg.keep_full,
+        **options,
     )
     emit(
         "start",

@@ -1,0 +1,44 @@
+"""Failure injection and wasted time: ``lowdiff chaos``.
+
+A supervisor runs a real training job (:mod:`lowdiff.workloads.train`) as child
+processes, kills it at exponentially distributed points of its progress for a given MTBF
+(a *software* failure kills the training process; a *hardware* failure kills it with its
+checkpointing processes and removes their shared memory), restarts it until it is done,
+and splits the time of the run into steady-state overhead, lost work and recovery.
+
+- :mod:`.schedule`: seeded failure schedules;
+- :mod:`.procs`: finding, freezing and killing a job's processes, its shared memory;
+- :mod:`.launch` and :mod:`.zygote`: starting training processes (fresh or forked);
+- :mod:`.supervisor`: one job through its failures;
+- :mod:`.accounting`: where the time went;
+- :mod:`.costs`: LowDiff's measured costs as the inputs of :mod:`lowdiff.plan`;
+- :mod:`.run`: the comparison, the (f, b) grid, the GPU-count simulation;
+- :mod:`.report`: JSON lines, Markdown, PNG.
+
+Example:
+    >>> from lowdiff.chaos import ChaosSettings, run_chaos
+    >>> files = run_chaos(ChaosSettings(quick=True), out=Path("chaos"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from lowdiff.chaos.accounting import Accounting, Attempt, account
+from lowdiff.chaos.launch import ChaosError
+from lowdiff.chaos.run import ChaosSettings, run_chaos
+from lowdiff.chaos.schedule import FailurePoint, FailureSchedule, failure_schedule
+from lowdiff.chaos.supervisor import Job, JobResult, supervise
+
+__all__ = [
+    "Accounting",
+    "Attempt",
+    "ChaosError",
+    "ChaosSettings",
+    "FailurePoint",
+    "FailureSchedule",
+    "Job",
+    "JobResult",
+    "account",
+    "failure_schedule",
+    "run_chaos",
+    "supervise",
+]

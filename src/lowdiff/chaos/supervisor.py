@@ -1,0 +1,321 @@
+"""The supervisor: run one training job to the end through the failures of a schedule.
+
+Call sequence (all in the supervising process)::
+
+    job = Job(name, config, kind="software")               # what to run, how it fails
+    result = supervise(job, schedule, launcher, workdir)   # start, kill, restart, ... done
+    acc = account(result.attempts, reference_s)            # lowdiff.chaos.accounting
+
+:func:`supervise` starts the training process, follows its JSON-lines events and arms the
+next failure of the schedule when the job reports the failure's step (or resumes at or
+past it); after the failure's fraction of a reference step it kills the job:
+
+- ``software``: SIGKILL the training process only. Its checkpointing process, and any
+  in-memory state (LowDiff+'s replica, Gemini's holder), survive;
+- ``hardware``: SIGKILL the training process, its checkpointing process and every holder
+  of the directory together, and remove their shared memory
+  (:func:`lowdiff.chaos.procs.kill_job`): recovery has to go to disk. The files already
+  written stay (the page cache is not dropped).
+
+It then starts the job again on the same directory (it resumes through ``ck.resume()``),
+until a process reports its last step and exits cleanly. A failure whose step is never
+reached before the job ends is not injected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from lowdiff.chaos import procs
+from lowdiff.chaos.accounting import Attempt
+from lowdiff.chaos.launch import ChaosError, Child, Launcher
+from lowdiff.chaos.schedule import FailureSchedule
+
+KINDS = ("software", "hardware")
+"""Failure kinds."""
+
+
+@dataclass
+class Job:
+    """One training job of a chaos run.
+
+    Attributes:
+        name: Unique name (file names of its config, logs and checkpoint directory).
+        config: Training config (:class:`lowdiff.workloads.train.TrainConfig` keys); its
+            ``directory`` and ``result_path`` are set by :func:`supervise`.
+        kind: Failure kind, one of :data:`KINDS`, or a sequence of them: failure ``i``
+            is then of kind ``kind[i % len(kind)]``.
+        env: Extra environment of its processes (e.g. ``LOWDIFF_MTBF``).
+    """
+
+    name: str
+    config: dict[str, Any]
+    kind: str | tuple[str, ...] = "software"
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        kinds = (self.kind,) if isinstance(self.kind, str) else tuple(self.kind)
+        bad = [k for k in kinds if k not in KINDS]
+        if bad or not kinds:
+            raise ValueError(f"failure kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    def kind_of(self, failure: int) -> str:
+        """The kind of failure number ``failure`` (0-based)."""
+        kinds = (self.kind,) if isinstance(self.kind, str) else tuple(self.kind)
+        return kinds[failure % len(kinds)]
+
+
+@dataclass
+class JobResult:
+    """What :func:`supervise` saw."""
+
+    name: str
+    attempts: list[Attempt]
+    result: dict[str, Any]
+    """The result JSON of the last training process."""
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    """Per failure: kind, pids killed, shared-memory segments removed, clean-up seconds."""
+    not_injected: int = 0
+    """Failures of the schedule the job ended before."""
+    leftovers_killed: list[int] = field(default_factory=list)
+    """Processes still holding the directory after the end, killed."""
+
+
+def _pump(stream: IO[str], sink: queue.Queue[tuple[float, str] | None], log: IO[str]) -> None:
+    # After a kill the pipe stays open as long as an orphaned checkpointing process holds
+    # it; reading on a thread keeps that from blocking the supervisor.
+    try:
+        for line in stream:
+            sink.put((time.time(), line))
+            log.write(line)
+            log.flush()
+    finally:
+        sink.put(None)
+        with contextlib.suppress(Exception):
+            stream.close()
+        log.close()
+
+
+def _stderr_tail(path: Path, n: int = 20) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    return ""
+
+
+class _Seen:
+    """The events of one training process so far."""
+
+    def __init__(self) -> None:
+        self.start_t: float | None = None
+        self.resumed_t: float | None = None
+        self.resumed_step = 0
+        self.recovery: dict[str, Any] | None = None
+        self.steps: list[tuple[int, float]] = []
+        self.close_s = 0.0
+        self.done = False
+
+    def add(self, t_recv: float, raw: str) -> dict[str, Any] | None:
+        """Take one line of stdout; returns its event (None for anything else)."""
+        raw = raw.strip()
+        if not raw.startswith("{"):
+            return None
+        try:
+            ev = json.loads(raw)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(ev, dict) or "event" not in ev:
+            return None
+        kind = ev["event"]
+        if kind == "start":
+            self.start_t = t_recv
+        elif kind == "resumed":
+            self.resumed_t = t_recv
+            self.resumed_step = int(ev["step"])
+            self.recovery = ev.get("recovery")
+        elif kind == "step":
+            # the job's own clock (the same wall clock) is exact; the receipt time is late
+            self.steps.append((int(ev["step"]), float(ev.get("t", t_recv))))
+        elif kind == "done":
+            self.close_s = float(ev.get("close_s") or 0.0)
+            self.done = True
+        return ev
+
+
+def supervise(
+    job: Job,
+    schedule: FailureSchedule | None,
+    launcher: Launcher,
+    workdir: Path,
+    *,
+    stall_timeout: float = 300.0,
+    on_event: Any = None,
+) -> JobResult:
+    """Run ``job`` to its last step, injecting the failures of ``schedule``.
+
+    Args:
+        job: The job.
+        schedule: Its failures (None: none).
+        launcher: Starts the training processes.
+        workdir: Holds ``<name>/`` (checkpoint directory ``ckpt``, configs, logs).
+        stall_timeout: Seconds without an event before the job counts as hung.
+        on_event: Called with ``(job name, event dict)`` for progress display.
+
+    Raises:
+        ChaosError: a training process exited with an error, or hung.
+    """
+    home = workdir / job.name
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    ckdir = home / "ckpt"
+    result_path = home / "result.json"
+    cfg = dict(job.config, directory=str(ckdir), result_path=str(result_path))
+    cfg_path = home / "config.json"
+    cfg_path.write_text(json.dumps(cfg, indent=1))
+    steps_total = int(cfg.get("steps", 0))
+    points = list(schedule.points) if schedule is not None else []
+    tau = schedule.tau_s if schedule is not None else 0.0
+    out = JobResult(name=job.name, attempts=[], result={})
+    next_failure = 0
+
+    while True:
+        n = len(out.attempts)
+        launch_t = time.time()
+        stderr_path = logs / f"attempt{n}.stderr.log"
+        child: Child = launcher.launch(cfg_path, home, stderr_path, job.env)
+        lines: queue.Queue[tuple[float, str] | None] = queue.Queue()
+        log = open(logs / f"attempt{n}.stdout.jsonl", "w")  # noqa: SIM115 -- closed by _pump
+        threading.Thread(target=_pump, args=(child.stdout, lines, log), daemon=True).start()
+        seen = _Seen()
+        deadline: float | None = None
+        killed_at: float | None = None
+        try:
+            while not seen.done:
+                now = time.time()
+                if deadline is not None and now >= deadline:
+                    killed_at = now
+                    break
+                try:
+                    item = lines.get(timeout=stall_timeout if deadline is None else deadline - now)
+                except queue.Empty:
+                    if deadline is not None:
+                        continue
+                    raise ChaosError(
+                        f"job {job.name!r}: no event for {stall_timeout:.0f} s; stderr "
+                        f"({stderr_path}):\n{_stderr_tail(stderr_path)}"
+                    ) from None
+                if item is None:
+                    break  # EOF: the process (and whatever held its stdout) is gone
+                ev = seen.add(*item)
+                if ev is None:
+                    continue
+                if on_event is not None:
+                    on_event(job.name, ev)
+                step = int(ev.get("step") or 0)
+                if ev["event"] == "step" and step >= steps_total:
+                    deadline = None  # the job is through its steps before the failure struck
+                elif (
+                    ev["event"] in ("resumed", "step")
+                    and deadline is None
+                    and next_failure < len(points)
+                    and step >= points[next_failure].step
+                ):
+                    ev_t = seen.steps[-1][1] if ev["event"] == "step" else seen.resumed_t
+                    assert ev_t is not None
+                    deadline = ev_t + points[next_failure].frac * tau
+        except BaseException:
+            procs.kill_job(child.pid, ckdir)
+            raise
+
+        if killed_at is not None:
+            t0 = time.time()
+            kind = job.kind_of(next_failure)
+            if kind == "hardware":
+                rep = procs.kill_job(child.pid, ckdir)
+            else:
+                rep = procs.kill_trainer(child.pid)
+            with contextlib.suppress(Exception):
+                child.wait(timeout=30)
+            # what the trainer printed before it died may still be in the pipe
+            while True:
+                try:
+                    item = lines.get(timeout=0.05)
+                except queue.Empty:
+                    break
+                if item is None:
+                    break
+                seen.add(*item)
+            out.kills.append(
+                {
+                    "failure": next_failure,
+                    "kind": kind,
+                    "armed_at_step": points[next_failure].step,
+                    "pids": rep.pids,
+                    "segments_removed": rep.segments,
+                    "kill_s": time.time() - t0,
+                }
+            )
+            next_failure += 1
+        else:
+            code = child.wait(timeout=60)
+            if not seen.done or code != 0:
+                procs.kill_job(child.pid, ckdir)
+                raise ChaosError(
+                    f"job {job.name!r}: training process exited with {code} "
+                    f"(attempt {n}); stderr ({stderr_path}):\n{_stderr_tail(stderr_path)}"
+                )
+        if seen.start_t is None or seen.resumed_t is None:
+            raise ChaosError(
+                f"job {job.name!r}: attempt {n} ended before resuming; stderr "
+                f"({stderr_path}):\n{_stderr_tail(stderr_path)}"
+            )
+        # "start" and "resumed" carry no time stamp: they are timed when read, which a busy
+        # machine can delay past the job's own stamp of its first step; that step's stamp
+        # bounds them (the job printed them before it)
+        resumed_t = min(seen.resumed_t, seen.steps[0][1]) if seen.steps else seen.resumed_t
+        start_t = min(seen.start_t, resumed_t)
+        if out.attempts:
+            start_t = max(start_t, out.attempts[-1].end_t)
+            resumed_t = max(resumed_t, start_t)
+        last = seen.steps[-1][1] if seen.steps else resumed_t
+        end_t = max(killed_at, last) if killed_at is not None else last + seen.close_s
+        out.attempts.append(
+            Attempt(
+                start_t=start_t,
+                resumed_t=resumed_t,
+                resumed_step=seen.resumed_step,
+                steps=seen.steps,
+                end_t=end_t,
+                killed=killed_at is not None,
+                launch_t=launch_t,
+                kill_t=killed_at,
+                kind=out.kills[-1]["kind"] if killed_at is not None else None,
+                restore_s=float((seen.recovery or {}).get("total_s") or 0.0) if n > 0 else 0.0,
+                recovery=seen.recovery,
+                close_s=seen.close_s,
+            )
+        )
+        if killed_at is None:
+            break
+
+    out.not_injected = len(points) - next_failure
+    with contextlib.suppress(OSError, ValueError):
+        out.result = json.loads(result_path.read_text())
+    # whatever still holds the directory now (a holder of an earlier trainer that its
+    # successor did not stop) must not outlive the run
+    left = procs.leftovers(ckdir)
+    if left:
+        left = procs.wait_gone(left, 15.0)
+        if left:
+            rep = procs.kill_job(None, ckdir)
+            out.leftovers_killed = rep.pids
+    return out
+
+
+__all__ = ["KINDS", "Job", "JobResult", "supervise"]
