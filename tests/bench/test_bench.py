@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lowdiff.bench import EXPERIMENTS, run_bench
+from lowdiff.bench import DEFAULT_EXPERIMENTS, run_bench
 from lowdiff.bench.core import Arena, Arm, BenchSettings, summarize
 from lowdiff.bench.experiments import Profile
 from lowdiff.bench.report import markdown, plots
@@ -77,12 +77,12 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "results"
     s = BenchSettings("gpt2-tiny", iters=2, repeats=1, workdir=tmp_path / "work")
     p = Profile(intervals=[1], recovery_fulls=[2], batch_sizes=[2], ratios=[0.01, 0.1])
-    files = run_bench(list(EXPERIMENTS), out=out, settings=s, profile=p)
+    files = run_bench(list(DEFAULT_EXPERIMENTS), out=out, settings=s, profile=p)
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     run, rows = lines[0], lines[1:]
     assert run["kind"] == "run" and run["machine"]["torch"] and "git_revision" in run["machine"]
-    by_exp = {e: [r for r in rows if r["experiment"] == e] for e in EXPERIMENTS}
-    assert all(by_exp[e] for e in EXPERIMENTS), {e: len(v) for e, v in by_exp.items()}
+    by_exp = {e: [r for r in rows if r["experiment"] == e] for e in DEFAULT_EXPERIMENTS}
+    assert all(by_exp[e] for e in DEFAULT_EXPERIMENTS), {e: len(v) for e, v in by_exp.items()}
     methods = {r["method"] for r in by_exp["overhead"] if r["setting"] == "compressed"}
     assert methods == {
         "W/O CKPT",

@@ -15,7 +15,14 @@ from typing import Any
 
 from lowdiff.bench import report
 from lowdiff.bench.core import BenchSettings, build_workload, machine_info
-from lowdiff.bench.experiments import EXPERIMENTS, QUICK_PROFILE, RUNNERS, Context, Profile
+from lowdiff.bench.experiments import (
+    DEFAULT_EXPERIMENTS,
+    EXPERIMENTS,
+    QUICK_PROFILE,
+    RUNNERS,
+    Context,
+    Profile,
+)
 
 QUICK_WORKLOAD = "gpt2-s-tiny"
 METHODS = ("lowdiff", "lowdiff+", "torch-save", "checkfreq", "gemini", "naive-dc", "dcp-async")
@@ -88,4 +95,4 @@ def _prefixed(say: Callable[[str], None], prefix: str) -> Callable[[str], None]:
     return lambda m: say(f"{prefix} {m}")
 
 
-__all__ = ["EXPERIMENTS", "METHODS", "BenchSettings", "Profile", "run_bench"]
+__all__ = ["DEFAULT_EXPERIMENTS", "EXPERIMENTS", "METHODS", "BenchSettings", "Profile", "run_bench"]

@@ -36,7 +36,19 @@ import torch
 from lowdiff.bench.core import Arena, Arm, BenchSettings, build_workload, make_checkpointer
 from lowdiff.bench.core import make_optimizer as _make_optimizer
 
-EXPERIMENTS = ("overhead", "breakdown", "storage", "frequency", "recovery", "batching", "ratio")
+EXPERIMENTS = (
+    "overhead",
+    "breakdown",
+    "storage",
+    "frequency",
+    "recovery",
+    "batching",
+    "ratio",
+    "fidelity",
+)
+"""Every experiment, in the order they run."""
+DEFAULT_EXPERIMENTS = EXPERIMENTS[:-1]
+"""What ``lowdiff bench`` runs when no experiment is named (``fidelity`` runs when named)."""
 OVERHEAD_BOUND = 0.035
 """The slowdown bound of Exp. 4 (3.5%, after CheckFreq)."""
 
@@ -584,6 +596,13 @@ def breakdown(ctx: Context) -> list[dict[str, Any]]:
     return rows
 
 
+def _fidelity(ctx: Context) -> list[dict[str, Any]]:
+    # imported here: lowdiff.bench.fidelity imports this module
+    from lowdiff.bench.fidelity import fidelity
+
+    return fidelity(ctx)
+
+
 RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
     "overhead": overhead,
     "frequency": frequency,
@@ -591,6 +610,7 @@ RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
     "batching": batching,
     "storage": storage,
     "ratio": ratio,
+    "fidelity": _fidelity,
     "breakdown": breakdown,
 }
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lowdiff.bench.fidelity import plot_fidelity, section_fidelity
+
 
 def fmt_s(x: float | None) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
@@ -353,6 +355,7 @@ SECTIONS = {
     "storage": section_storage,
     "ratio": section_ratio,
     "breakdown": section_breakdown,
+    "fidelity": section_fidelity,
 }
 
 
@@ -496,6 +499,8 @@ def plots(out: Path, rows: list[dict[str, Any]], experiments: list[str]) -> list
         ax.legend(fontsize=8)
         ax.tick_params(axis="x", rotation=35)
         save(fig, "breakdown")
+    if "fidelity" in experiments and (fp := plot_fidelity(out, rows)) is not None:
+        written.append(fp)
     return written
 
 

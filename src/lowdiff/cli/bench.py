@@ -21,7 +21,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "experiments", nargs="*", metavar="EXPERIMENT", help=f"any of: {', '.join(EXPERIMENTS)}"
+        "experiments",
+        nargs="*",
+        metavar="EXPERIMENT",
+        help=f"any of: {', '.join(EXPERIMENTS)} (default: all but fidelity)",
     )
     p.add_argument(
         "--quick", action="store_true", help="tiny workload, few sizes (minutes on a CPU)"
@@ -53,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
 
     from lowdiff.bench import FULL_WORKLOAD, QUICK_WORKLOAD, run_bench
     from lowdiff.bench.core import BenchSettings
-    from lowdiff.bench.experiments import EXPERIMENTS
+    from lowdiff.bench.experiments import DEFAULT_EXPERIMENTS, EXPERIMENTS
 
-    experiments = args.experiments or list(EXPERIMENTS)
+    experiments = args.experiments or list(DEFAULT_EXPERIMENTS)
     bad = [e for e in experiments if e not in EXPERIMENTS]
     if bad:
         raise ValueError(f"unknown experiment(s) {', '.join(bad)}; known: {', '.join(EXPERIMENTS)}")
