@@ -25,7 +25,9 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -400,17 +402,23 @@ def _recovery_case(ctx: Context, arm: Arm, target: int) -> dict[str, Any]:
 
 def _plus_child(settings: dict[str, Any], directory: str, full_every: int, steps: int) -> None:
     """Train ``steps`` LowDiff+ steps, then die by SIGKILL (a software failure)."""
-    s = BenchSettings(**{**settings, "workdir": Path(settings["workdir"])})
-    wl = build_workload(s)
-    opt = _make_optimizer(wl.model, s.lr)
-    ck = make_checkpointer(
-        Arm("LowDiff+", "lowdiff+", None, full_every), wl.model, opt, Path(directory)
-    )
-    for t in range(steps):
-        wl.forward_backward(t)
-        ck.step()
-        opt.zero_grad(set_to_none=True)
-    ck.flush()  # the replica has merged every step (and persisted it)
+    try:
+        s = BenchSettings(**{**settings, "workdir": Path(settings["workdir"])})
+        wl = build_workload(s)
+        opt = _make_optimizer(wl.model, s.lr)
+        ck = make_checkpointer(
+            Arm("LowDiff+", "lowdiff+", None, full_every), wl.model, opt, Path(directory)
+        )
+        for t in range(steps):
+            wl.forward_backward(t)
+            ck.step()
+            opt.zero_grad(set_to_none=True)
+        ck.flush()  # the replica has merged every step (and persisted it)
+    except BaseException:
+        # exiting normally would wait for the replica process, which waits for this one
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -424,6 +432,13 @@ def _plus_memory_case(ctx: Context, f: int, target: int) -> dict[str, Any]:
         )
         proc.start()
         proc.join(600)
+        if proc.exitcode != -signal.SIGKILL:
+            if proc.is_alive():
+                proc.kill()
+            raise RuntimeError(
+                f"the LowDiff+ training child did not reach its failure point (exit code "
+                f"{proc.exitcode}); its traceback is above"
+            )
         wl = build_workload(s)
         opt = _make_optimizer(wl.model, s.lr)
         t0 = time.perf_counter()
