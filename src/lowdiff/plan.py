@@ -399,7 +399,7 @@ _FROM = {
 """Which experiment each input comes from."""
 
 
-def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     """Least squares ``y = a + s x``; None without two distinct x."""
     n = len(xs)
     if n < 2:
@@ -423,7 +423,7 @@ def fit_bandwidth(nbytes: list[float], seconds: list[float]) -> tuple[float, flo
         >>> fit_bandwidth([100, 300], [1.5, 3.5])
         (100.0, 0.5)
     """
-    line = _fit_line(nbytes, seconds)
+    line = fit_line(nbytes, seconds)
     if line is not None:
         a, s = line
         if s > 0 and a >= 0:

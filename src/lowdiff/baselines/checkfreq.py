@@ -78,10 +78,10 @@ from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
     drain,
-    lock_holder,
     serve,
+    wait_for_writer,
 )
-from lowdiff.errors import CheckpointWorkerError, DirectoryLockedError
+from lowdiff.errors import CheckpointWorkerError
 from lowdiff.format import layout
 from lowdiff.format.atomic import _hook, remove_stale_temps
 from lowdiff.format.sfile import plan
@@ -377,23 +377,6 @@ def persist_main(cfg: PersistConfig, requests: Connection, results: Connection) 
     os._exit(code)
 
 
-def _wait_for_writer(root: Path, timeout: float) -> None:
-    """A killed trainer's persist process may still be writing: wait until it is done."""
-    path = root / layout.WRITER_LOCK_FILE
-    deadline = time.monotonic() + timeout
-    while True:
-        fd = acquire_flock(path, blocking=False)
-        if fd is not None:
-            os.close(fd)
-            return
-        if time.monotonic() > deadline:
-            raise DirectoryLockedError(
-                f"a persist process ({lock_holder(path)}) is still writing to {root} after "
-                f"{timeout:.0f} s"
-            )
-        time.sleep(0.05)
-
-
 # --------------------------------------------------------------------------- the strategy
 
 
@@ -589,7 +572,7 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
         """As :meth:`BaselineCheckpointer.resume`, once a previous session's persist
         process (still writing the snapshot its killed trainer handed it) is done."""
         if not self._started:
-            _wait_for_writer(self.root, self.start_timeout)
+            wait_for_writer(self.root, self.start_timeout, "a persist process")
             remove_stale_temps(self.root / layout.FULL_DIR)
         return super().resume()
 

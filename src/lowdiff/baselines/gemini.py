@@ -120,7 +120,13 @@ from lowdiff.dist.context import DistContext, rank_dir
 from lowdiff.dist.context import detect as detect_dist
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
-from lowdiff.engine.worker import acquire_flock, detach_from_trainer_group, drain, lock_holder
+from lowdiff.engine.worker import (
+    acquire_flock,
+    detach_from_trainer_group,
+    drain,
+    lock_holder,
+    wait_for_writer,
+)
 from lowdiff.errors import (
     CheckpointMismatchError,
     CheckpointWorkerError,
@@ -194,17 +200,6 @@ def _writer_busy(root: Path) -> bool:
     return False
 
 
-def _wait_writer_free(root: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while _writer_busy(root):
-        if time.monotonic() > deadline:
-            raise DirectoryLockedError(
-                f"the holder process of {root} ({lock_holder(root / layout.WRITER_LOCK_FILE)}) "
-                f"did not exit within {timeout:.0f} s"
-            )
-        time.sleep(0.05)
-
-
 def _stop_stale_holder(root: Path, timeout: float) -> None:
     """End a holder that this session cannot use (it persists its newest checkpoint first),
     and remove the segments of one that died without cleaning up."""
@@ -215,7 +210,7 @@ def _stop_stale_holder(root: Path, timeout: float) -> None:
             if f"pid={d.pid} " in holder + " ":
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(d.pid, signal.SIGTERM)
-        _wait_writer_free(root, timeout)
+        wait_for_writer(root, timeout, "the holder process")
     d = rp.read_descriptor(root)
     if d is not None:
         rp._cleanup_stale(root, d)
@@ -1213,7 +1208,7 @@ class GeminiCheckpointer(BaselineCheckpointer):
                 self._proc.join(self.start_timeout)
             else:
                 with contextlib.suppress(DirectoryLockedError):
-                    _wait_writer_free(self.root, self.start_timeout)
+                    wait_for_writer(self.root, self.start_timeout, "the holder process")
         self._proc = None
         self._bufs.close()
 

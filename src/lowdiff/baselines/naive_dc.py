@@ -98,13 +98,12 @@ from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
     drain,
-    lock_holder,
     serve,
+    wait_for_writer,
 )
 from lowdiff.errors import (
     CheckpointWorkerError,
     CorruptCheckpointError,
-    DirectoryLockedError,
     RecoveryWarning,
 )
 from lowdiff.format import layout
@@ -661,7 +660,7 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
 
     # ------------------------------------------------------------------ recovery
     def _recover(self) -> int | None:
-        _wait_for_previous_writer(self.root, self.start_timeout)
+        wait_for_writer(self.root, self.start_timeout)
         full_dir, diff_dir = self.root / layout.FULL_DIR, self.root / DIFF_DIR
         for d in (full_dir, diff_dir):
             remove_stale_temps(d)
@@ -751,23 +750,6 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
         stats.total_s = time.perf_counter() - t_start
         self.recovery_stats = stats
         return step
-
-
-def _wait_for_previous_writer(root: Path, timeout: float) -> None:
-    """A killed trainer's checkpointing process may still be writing: wait for it."""
-    path = root / layout.WRITER_LOCK_FILE
-    deadline = time.monotonic() + timeout
-    while True:
-        fd = acquire_flock(path, blocking=False)
-        if fd is not None:
-            os.close(fd)
-            return
-        if time.monotonic() > deadline:
-            raise DirectoryLockedError(
-                f"a checkpointing process ({lock_holder(path)}) is still writing to {root} "
-                f"after {timeout:.0f} s"
-            )
-        time.sleep(0.05)
 
 
 class _ChainBreak(CorruptCheckpointError):

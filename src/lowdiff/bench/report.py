@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.bench.fidelity import plot_fidelity, section_fidelity
+from lowdiff.cli.common import fmt_bytes
 
 
 def fmt_s(x: float | None) -> str:
@@ -31,16 +32,6 @@ def fmt_s(x: float | None) -> str:
 
 def fmt_pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

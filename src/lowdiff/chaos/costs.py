@@ -26,18 +26,6 @@ from typing import Any
 from lowdiff.chaos.supervisor import JobResult
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    n = len(xs)
-    if n < 2:
-        return None
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx <= 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    return my - slope * mx, slope
-
-
 def measured_costs(jobs: list[JobResult]) -> dict[str, Any]:
     """The raw LowDiff cost measurements of ``jobs`` (JSON-able).
 
@@ -81,7 +69,7 @@ def cost_inputs(costs: dict[str, Any]) -> dict[str, float]:
     Raises:
         ValueError: no record file, full checkpoint or recovery from disk was measured.
     """
-    from lowdiff.plan import fit_bandwidth
+    from lowdiff.plan import fit_bandwidth, fit_line
 
     files, fulls, recs = costs["files"], costs["fulls"], costs["recoveries"]
     missing = [n for n, v in (("record files", files), ("full checkpoints", fulls)) if not v]
@@ -89,7 +77,7 @@ def cost_inputs(costs: dict[str, Any]) -> dict[str, float]:
         missing.append("recoveries that replayed records")
     if missing:
         raise ValueError(f"cannot build the cost model: no {', '.join(missing)} measured")
-    line = _line([f["records_per_file"] for f in files], [f["bytes_per_file"] for f in files])
+    line = fit_line([f["records_per_file"] for f in files], [f["bytes_per_file"] for f in files])
     if line is not None and line[1] > 0:
         overhead, record_bytes = max(0.0, line[0]), line[1]
     else:

@@ -37,27 +37,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
+from lowdiff.cli.common import child_env
+
 
 class ChaosError(RuntimeError):
     """The chaos run could not go on: a training process failed, hung, or did not start."""
-
-
-def child_env(threads: int) -> dict[str, str]:
-    """Environment of every training process: this lowdiff, pinned threads, no downloads."""
-    import lowdiff
-
-    env = dict(os.environ)
-    src = str(Path(lowdiff.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        env[var] = str(threads)
-    # spinning OpenMP threads make steps several times slower in bursts on a shared
-    # machine (see lowdiff.cli.demo); passive waiting keeps the timings usable
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
 
 
 class Child(Protocol):

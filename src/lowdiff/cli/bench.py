@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from lowdiff.cli.common import end_progress, progress_printer
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -73,18 +74,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
     )
     t0 = time.monotonic()
-    tty = sys.stderr.isatty()
-
-    def progress(msg: str) -> None:
-        if args.quiet:
-            return
-        line = f"[{time.monotonic() - t0:6.0f} s] {msg}"
-        if tty:
-            sys.stderr.write("\r\033[K" + line[:150])
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
+    progress = progress_printer(args.quiet)
     methods = (
         None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
     )
@@ -96,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
         progress=progress,
         methods=methods,
     )
-    if tty and not args.quiet:
-        sys.stderr.write("\r\033[K")
+    end_progress(args.quiet)
     print(f"lowdiff bench: {len(experiments)} experiment(s) in {time.monotonic() - t0:.0f} s")
     for name, path in files.items():
         print(f"  {name}: {path}")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from lowdiff.cli.common import end_progress, progress_printer, sigterm_as_interrupt
 
 
 def _floats(option: str) -> Any:
@@ -127,18 +128,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _sigterm_as_interrupt() -> Any:
-    # the training processes live in sessions of their own: a SIGTERM that ended the
-    # supervisor without its clean-up would leave them running
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``lowdiff chaos``."""
     from lowdiff.chaos.run import DEFAULT_METHODS, ChaosSettings, run_chaos
@@ -173,17 +162,10 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.monotonic()
     tty = sys.stderr.isatty()
-
-    def progress(msg: str) -> None:
-        if args.quiet:
-            return
-        line = f"[{time.monotonic() - t0:6.0f} s] {msg}"
-        sys.stderr.write(("\r\033[K" + line[:150]) if tty else line + "\n")
-        sys.stderr.flush()
-
+    progress = progress_printer(args.quiet)
     from lowdiff.chaos.launch import ChaosError
 
-    previous = _sigterm_as_interrupt()
+    previous = sigterm_as_interrupt()
     try:
         files = run_chaos(settings, args.out, progress)
     except ChaosError as e:
@@ -194,8 +176,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    if tty and not args.quiet:
-        sys.stderr.write("\r\033[K")
+    end_progress(args.quiet)
     print(f"lowdiff chaos: done in {time.monotonic() - t0:.0f} s")
     for name, path in files.items():
         print(f"  {name}: {path}")

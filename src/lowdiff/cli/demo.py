@@ -39,6 +39,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+from lowdiff.cli.common import child_env, fmt_bytes, sigterm_as_interrupt
+
 COMPRESSORS: dict[str, str] = {
     "topk": "TopK",
     "approx-topk": "ApproxTopK",
@@ -195,27 +197,6 @@ class _Children:
             if running:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10)
-
-
-def _child_env(threads: int) -> dict[str, str]:
-    import lowdiff
-
-    env = dict(os.environ)
-    # The child must import this very lowdiff, installed or not.
-    src = str(Path(lowdiff.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(threads)
-    # On a shared machine, OpenMP threads that spin at barriers while a sibling thread is
-    # descheduled make steps 5-10x slower in bursts (measured: ~1 s instead of ~160 ms);
-    # passive waiting costs a few percent when idle and keeps timings usable. It does not
-    # change how work is split, so results stay bit-identical.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env["PYTHONUNBUFFERED"] = "1"
-    # Nothing may be downloaded at run time.
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
 
 
 def _pump(stream: IO[str], sink: queue.Queue[str | None], log: IO[str]) -> None:
@@ -439,16 +420,6 @@ def compressor_spec(kind: str, ratio: float) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- report
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _fmt(x: float | None, spec: str = ".4f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
@@ -459,11 +430,11 @@ def lowdiff_rows(
     return [
         (
             "bytes per record",
-            f"{_fmt_bytes(sg['bytes_per_record'])}  ({sg['records']} records in {sg['record_files']} files)",
+            f"{fmt_bytes(sg['bytes_per_record'])}  ({sg['records']} records in {sg['record_files']} files)",
         ),
         (
             "bytes per full checkpoint",
-            f"{_fmt_bytes(sg['bytes_per_full'])}  ({_fmt(sg['full_over_record'], '.0f', 'x')} a record)",
+            f"{fmt_bytes(sg['bytes_per_full'])}  ({_fmt(sg['full_over_record'], '.0f', 'x')} a record)",
         ),
         (
             "record bytes per parameter",
@@ -497,7 +468,7 @@ def plus_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     return [
         (
             "bytes per full checkpoint",
-            f"{_fmt_bytes(sg['bytes_per_full'])}  ({sg['full_checkpoints']} persisted replicas kept)",
+            f"{fmt_bytes(sg['bytes_per_full'])}  ({sg['full_checkpoints']} persisted replicas kept)",
         ),
         (
             "recovery from memory",
@@ -729,7 +700,7 @@ def orchestrate(s: DemoSettings) -> dict[str, Any]:
     t0 = time.perf_counter()
     p = s.profile
     out = s.out_dir
-    env = _child_env(s.threads)
+    env = child_env(s.threads)
     children = _Children()
     target = kill_target(s.seed, p.steps)
     ck_crash, ck_fresh, ck_none = out / "ckpt-killed", out / "ckpt-uninterrupted", out / "none"
@@ -855,18 +826,6 @@ def _torch_threads(n: int) -> int:
     return before
 
 
-def _sigterm_as_interrupt() -> Any:
-    # A SIGTERM would end the demo without running its finally blocks, leaving the
-    # training processes (in their own sessions) behind; turn it into KeyboardInterrupt.
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    return signal.signal(signal.SIGTERM, handler)
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """Entry point of ``lowdiff demo``.
 
@@ -880,7 +839,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"lowdiff demo: {e}", file=sys.stderr)
         return 1
     print(f"lowdiff demo: writing to {settings.out_dir}", file=sys.stderr)
-    previous = _sigterm_as_interrupt()
+    previous = sigterm_as_interrupt()
     try:
         report = orchestrate(settings)
     except DemoError as e:

@@ -13,15 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from lowdiff.cli.common import fmt_bytes
 from lowdiff.errors import LowDiffError
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -83,9 +76,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     print(f"\nfull checkpoints ({len(info.full_checkpoints)}):")
     for f in info.full_checkpoints:
-        print(f"  step {f.first_step:>8}  {_fmt_bytes(f.nbytes):>10}  {f.path.name}")
+        print(f"  step {f.first_step:>8}  {fmt_bytes(f.nbytes):>10}  {f.path.name}")
     print(
-        f"\nrecord files ({len(info.record_files)}, {info.n_records} records, {_fmt_bytes(info.bytes_per_record)} per record):"
+        f"\nrecord files ({len(info.record_files)}, {info.n_records} records, {fmt_bytes(info.bytes_per_record)} per record):"
     )
     files = info.record_files
     shown: list[FileInfo | None] = (
@@ -96,7 +89,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  ... {len(files) - 10} more (use --all)")
             continue
         print(
-            f"  steps {rf.first_step:>6}..{rf.last_step:<6} {rf.n_records:>3} records  {_fmt_bytes(rf.nbytes):>10}  {rf.path.name}"
+            f"  steps {rf.first_step:>6}..{rf.last_step:<6} {rf.n_records:>3} records  {fmt_bytes(rf.nbytes):>10}  {rf.path.name}"
         )
     if info.problems:
         print(f"\nproblems ({len(info.problems)}):")
@@ -133,7 +126,7 @@ def _inspect_baseline(args: argparse.Namespace) -> int:
     print(f"optimizer    {m.get('optimizer')}   full_every {m.get('full_every')}")
     print(f"checkpoints  {len(items)}")
     for it in items:
-        print(f"  step {it['step']:>10}  {_fmt_bytes(it['bytes']):>10}  {it['path']}")
+        print(f"  step {it['step']:>10}  {fmt_bytes(it['bytes']):>10}  {it['path']}")
     return 0
 
 
@@ -177,8 +170,8 @@ def _inspect_job(args: argparse.Namespace) -> int:
         siv = ", ".join(f"{lo}..{hi}" for lo, hi in s.recoverable_intervals) or "nothing"
         line = (
             f"  {s.root.name}  {s.n_parameters:>12,} params  recoverable {siv}  "
-            f"{len(s.full_checkpoints)} full ({_fmt_bytes(s.bytes_per_full)} each)  "
-            f"{s.n_records} records ({_fmt_bytes(s.bytes_per_record)} each)"
+            f"{len(s.full_checkpoints)} full ({fmt_bytes(s.bytes_per_full)} each)  "
+            f"{s.n_records} records ({fmt_bytes(s.bytes_per_record)} each)"
         )
         if s.live_replica is not None:
             line += f"  live replica: {s.live_replica['state']}"

@@ -52,7 +52,13 @@ from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
 from lowdiff.engine.replica_worker import ReplicaConfig, optimizer_class, replica_worker_main
 from lowdiff.engine.snapshot import GradSnapshotter
-from lowdiff.engine.worker import WorkerConfig, acquire_flock, lock_holder, worker_main
+from lowdiff.engine.worker import (
+    WorkerConfig,
+    acquire_flock,
+    lock_holder,
+    wait_for_writer,
+    worker_main,
+)
 from lowdiff.errors import (
     CheckpointMismatchError,
     CheckpointWorkerError,
@@ -663,19 +669,7 @@ class Checkpointer:
     def _wait_for_previous_writer(self) -> None:
         """A killed trainer's checkpointing process may still be flushing: wait for it."""
         assert self.root is not None
-        path = self.root / layout.WRITER_LOCK_FILE
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            fd = acquire_flock(path, blocking=False)
-            if fd is not None:
-                os.close(fd)
-                return
-            if time.monotonic() > deadline:
-                raise DirectoryLockedError(
-                    f"a checkpointing process ({lock_holder(path)}) is still writing to {self.root} after "
-                    f"{self.start_timeout:.0f} s"
-                )
-            time.sleep(0.05)
+        wait_for_writer(self.root, self.start_timeout)
 
     def _quarantine_beyond(self, stats: RecoveryStats) -> None:
         """Move files that are damaged or lie past the recovered step out of the chain."""

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from lowdiff.errors import DirectoryLockedError
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
@@ -74,6 +75,28 @@ def lock_holder(path: Path) -> str:
         return path.read_text().strip() or "unknown holder"
     except OSError:
         return "unknown holder"
+
+
+def wait_for_writer(root: Path, timeout: float, who: str = "a checkpointing process") -> None:
+    """Wait until no process holds ``DIR/.lowdiff.writer.lock``: a killed trainer's
+    checkpointing process may still be writing (the lock goes with the process, even a
+    killed one, so a lingering zombie pid cannot fool it).
+
+    Raises:
+        DirectoryLockedError: still held after ``timeout`` seconds.
+    """
+    path = root / layout.WRITER_LOCK_FILE
+    deadline = time.monotonic() + timeout
+    while True:
+        fd = acquire_flock(path, blocking=False)
+        if fd is not None:
+            os.close(fd)
+            return
+        if time.monotonic() > deadline:
+            raise DirectoryLockedError(
+                f"{who} ({lock_holder(path)}) is still writing to {root} after {timeout:.0f} s"
+            )
+        time.sleep(0.05)
 
 
 def retention(root: Path, keep_full: int | None) -> list[Path]:
