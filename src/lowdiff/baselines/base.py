@@ -49,6 +49,7 @@ import xxhash
 
 from lowdiff.compressors.base import Compressor
 from lowdiff.engine import state as st
+from lowdiff.engine.checkpointer import _check_int, compress_grads
 from lowdiff.engine.worker import acquire_flock, lock_holder
 from lowdiff.errors import (
     CheckpointMismatchError,
@@ -283,8 +284,6 @@ class BaselineCheckpointer:
         keep_full: int | None = 2,
         start_timeout: float = 120.0,
     ) -> None:
-        from lowdiff.engine.checkpointer import _check_int
-
         st.check_training_objects(model, optimizer, scheduler)
         if compressor is not None and not isinstance(compressor, Compressor):
             raise TypeError(
@@ -385,8 +384,6 @@ class BaselineCheckpointer:
         self._before_update(t)
         self._stats["stall_s"] += time.perf_counter() - t0
         if self.compressor is not None:
-            from lowdiff.engine.checkpointer import compress_grads
-
             compress_grads(self._params, self._numels, self.compressor, t)
         self.optimizer.step()
         if self.scheduler is not None:
