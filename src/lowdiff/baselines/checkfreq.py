@@ -160,22 +160,41 @@ class _Flattener:
     optimizer state): the snapshot thread may copy it during the next forward/backward.
     Everything else (buffers, RNG states, tensors among hyperparameters) is copied
     before ``step()`` returns.
+
+    A tensor that appears under several keys (tied weights: one parameter in two
+    modules) is one leaf, so that it is copied and written once, as ``torch.save`` of
+    the live state would (it stores a shared storage once).
     """
 
     def __init__(self, param_ptrs: set[int]) -> None:
         self.param_ptrs = param_ptrs
         self.leaves: list[torch.Tensor] = []
         self.deferrable: list[bool] = []
+        self._seen: dict[tuple[Any, ...], int] = {}
+
+    @staticmethod
+    def _identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+        """Same identity: the same view of the same memory (None for an empty tensor)."""
+        if t.numel() == 0:
+            return None
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
     def walk(self, obj: Any, deferrable: bool = False) -> Any:
         if isinstance(obj, torch.Tensor):
             t = obj.detach()
             if t.is_sparse or t.layout != torch.strided:
                 raise TypeError(f"checkfreq checkpoints dense tensors only, got {t.layout}")
+            defer = deferrable or (t.numel() > 0 and t.data_ptr() in self.param_ptrs)
+            key = self._identity(t)
+            if key is not None and key in self._seen:
+                i = self._seen[key]
+                # copied before step() returns if any of its uses needs that
+                self.deferrable[i] = self.deferrable[i] and defer
+                return _Leaf(i)
             self.leaves.append(t)
-            self.deferrable.append(
-                deferrable or (t.numel() > 0 and t.data_ptr() in self.param_ptrs)
-            )
+            self.deferrable.append(defer)
+            if key is not None:
+                self._seen[key] = len(self.leaves) - 1
             return _Leaf(len(self.leaves) - 1)
         if isinstance(obj, dict):
             out: dict[Any, Any] = OrderedDict() if isinstance(obj, OrderedDict) else {}
