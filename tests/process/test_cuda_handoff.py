@@ -1,4 +1,4 @@
-"""CUDA path: records leave the GPU as IPC handles; the checkpointing process copies them."""
+"""CUDA path: records are copied into pinned host slots on a side stream before they are handed over."""
 
 from __future__ import annotations
 

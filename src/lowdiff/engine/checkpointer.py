@@ -47,6 +47,7 @@ from lowdiff.dist.context import assign_shards, rank_dir
 from lowdiff.dist.context import detect as detect_dist
 from lowdiff.dist.hooks import LowDiffHookState, PlusHookState, lowdiff_hook, plus_hook
 from lowdiff.dist.shard import shard_model_tensors, shard_state_dict
+from lowdiff.engine import channel
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
@@ -174,6 +175,11 @@ class Checkpointer:
             process before ``step()`` blocks; default ``2 * batch_size + 2``.
         start_timeout: seconds to wait for the checkpointing process to start, or for a
             previous session's checkpointing process to finish writing.
+        stall_timeout: seconds the trainer waits on a live checkpointing process that makes
+            no progress (writes nothing, handles nothing) before it raises
+            :class:`CheckpointWorkerError`. A process that is still writing (a large full
+            checkpoint, a slow disk) is waited for as long as it makes progress; a dead one
+            raises at once.
         max_lag: LowDiff+ only: how many steps the CPU replica may trail the trainer
             before ``step()`` waits (also the number of gradient snapshot buffers).
         persist_every: LowDiff+ only: persist the replica every this many steps, or
@@ -223,6 +229,7 @@ class Checkpointer:
         keep_full: int | None = 2,
         max_inflight: int | None = None,
         start_timeout: float = 120.0,
+        stall_timeout: float = 300.0,
         max_lag: int = 2,
         persist_every: int | str = "auto",
         idle_timeout: float = 300.0,
@@ -315,6 +322,10 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.strategy, self.compressor, self.keep_full = strategy, compressor, keep_full
         self.start_timeout = float(start_timeout)
+        for name, v in (("start_timeout", start_timeout), ("stall_timeout", stall_timeout)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
+        self.stall_timeout = float(stall_timeout)
         self.max_inflight = max_inflight
         self.max_lag, self.persist_every = max_lag, persist_every
         if self._dist is not None and persist_every == "auto":
@@ -368,6 +379,12 @@ class Checkpointer:
         self._req: Connection | None = None
         self._res: Connection | None = None
         self._worker_error: CheckpointWorkerError | None = None
+        self._replies: dict[str, int] = {}
+        self._filled = 0
+        """Slots handed to the checkpointing process (compared with its SLOTS_DONE count)."""
+        self._staged = 0
+        """Full-checkpoint stagings handed over (compared with its STAGING_DONE count)."""
+        self._side_stream: Any = None
         self._staging: torch.Tensor | None = None
         self._lock_fd: int | None = None
         self.root: Path | None = None
@@ -566,10 +583,10 @@ class Checkpointer:
             if self._proc is not None and self._suspended is None:
                 self._send(("close",))
                 self._wait_reply("closed")
-                self._proc.join(self.start_timeout)
         except _CheckpointingSuspended:
             pass
         finally:
+            self._join_worker()
             self._release()
         if self._suspended is not None:
             self._warn_not_durable("close()")
@@ -708,14 +725,21 @@ class Checkpointer:
         n_slots = self.max_lag if self.strategy == "lowdiff+" else self._max_inflight()
         rp.ensure_shm_space(n_slots * self.layout.row_bytes, "the record slots")
         slots = torch.zeros((n_slots, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
-        if self.strategy == "lowdiff+" and self._record_device is not None and _pin(slots):
+        if self._pinned is not None:
+            _unpin(self._pinned)
+            self._pinned = None
+        if self._record_device is not None and _pin(slots):
+            # a device copies records (and LowDiff+ snapshots) straight into these host
+            # slots: the checkpointing process never depends on the trainer's device memory
             self._pinned = slots
         self._slots = slots
         self._slot_views = [self.layout.views(slots[i]) for i in range(n_slots)]
         self._next_slot = 0
-        self._free = ctx.Semaphore(n_slots)
-        self._staging_free = ctx.Event()
-        self._staging_free.set()
+        self._filled = 0
+        self._staged = 0
+        self._replies = {}
+        self._ctr = channel.new_counters()
+        self._ctr_view = channel.view(self._ctr)
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
         target: Any
@@ -745,7 +769,7 @@ class Checkpointer:
             )
         self._proc = ctx.Process(
             target=target,
-            args=(cfg, slots, self._free, self._staging_free, req_r, res_w),
+            args=(cfg, slots, self._ctr, req_r, res_w),
             name="lowdiff-checkpointing",
             daemon=False,
         )
@@ -753,7 +777,7 @@ class Checkpointer:
         req_r.close()
         res_w.close()
         self._req, self._res = req_w, res_r
-        self._wait_reply("ready")
+        self._wait_reply("ready", timeout=self.start_timeout)
         if self.strategy == "lowdiff+":
             if self._snap is not None:
                 self._snap.close()
@@ -779,6 +803,7 @@ class Checkpointer:
 
     def _handle(self, msg: tuple[Any, ...]) -> str:
         kind = msg[0]
+        self._replies[kind] = self._replies.get(kind, 0) + 1
         if kind in ("durable", "flushed", "closed"):
             self._durable = max(self._durable, int(msg[1]))
         elif kind == "merged":
@@ -806,26 +831,40 @@ class Checkpointer:
             )
         return str(kind)
 
-    def _wait_reply(self, want: str) -> None:
-        assert self._res is not None
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if self._res.poll(0.1):
-                try:
-                    kind = self._handle(self._res.recv())
-                except (EOFError, OSError):
-                    kind = "eof"
-                if kind == want:
-                    return
-                if kind in ("error", "eof"):
-                    self._raise_worker_error(force=True)
-            elif not self._proc.is_alive():
-                self._poll()
-                self._raise_worker_error(force=True)
-            if time.monotonic() > deadline:
-                raise CheckpointWorkerError(
-                    f"the checkpointing process did not answer {want!r} within {self.start_timeout:.0f} s"
-                )
+    def _await(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        """Wait until ``ready()`` while the checkpointing process lives and makes progress."""
+        assert self._proc is not None
+        channel.wait_until(
+            ready,
+            proc=self._proc,
+            results=self._res,
+            counters=self._ctr_view,
+            check=self._raise_worker_error,
+            stall_timeout=self.stall_timeout,
+            what=what,
+            deadline=None if timeout is None else time.monotonic() + timeout,
+        )
+
+    def _wait_reply(self, want: str, timeout: float | None = None) -> None:
+        """Wait for the next ``want`` message (sent after the request just made)."""
+        seen = self._replies.get(want, 0)
+        self._await(lambda: self._replies.get(want, 0) > seen, repr(want), timeout)
+
+    def _wait_slot(self, what: str) -> int:
+        """A free record/snapshot slot (slots are consumed in order, round-robin)."""
+        n = len(self._slot_views)
+        ctr = self._ctr_view
+        if self._filled - int(ctr[channel.SLOTS_DONE]) >= n:
+            self._await(lambda: self._filled - int(ctr[channel.SLOTS_DONE]) < n, what)
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % n
+        self._filled += 1
+        return slot
+
+    def _unfill_slot(self) -> None:
+        """Give back the slot taken last, never handed over."""
+        self._filled -= 1
+        self._next_slot = (self._next_slot - 1) % len(self._slot_views)
 
     def _raise_worker_error(self, force: bool = False) -> None:
         if self._suspended is not None:
@@ -836,13 +875,13 @@ class Checkpointer:
             if self.on_storage_error == "warn" and err.storage:
                 self._suspend_checkpointing(err)
             raise err
-        if (
-            self._proc is not None
-            and (force or not self._proc.is_alive())
-            and not self._proc.is_alive()
-        ):
+        if self._proc is not None and not self._proc.is_alive():
+            self._poll()  # an error it sent just before exiting
+            if self._worker_error is not None:
+                self._raise_worker_error()
             raise CheckpointWorkerError(
-                f"the checkpointing process exited unexpectedly (exit code {self._proc.exitcode})"
+                f"the checkpointing process (pid {self._proc.pid}) exited unexpectedly "
+                f"(exit code {self._proc.exitcode}) without reporting an error"
             )
         if force:
             raise CheckpointWorkerError("the checkpointing process closed its connection")
@@ -862,34 +901,49 @@ class Checkpointer:
         hp: list[dict[str, Any]],
     ) -> None:
         t0 = time.perf_counter()
-        while not self._free.acquire(timeout=0.5):
-            self._raise_worker_error()
+        slot = self._wait_slot("a free record slot")
         t1 = time.perf_counter()
-        device = self._record_device
-        if device is None:
-            slot = self._next_slot
-            self._next_slot = (slot + 1) % len(self._slot_views)
-            views = self._slot_views[slot]
+        views = self._slot_views[slot]
+        done = None
+        if self._record_device is None or self._record_device.type != "cuda":
+            self._copy_payloads(views, payloads)  # synchronous device-to-host copies
         else:
-            # Accelerator training: build the row on the device and hand over an IPC
-            # handle; the checkpointing process does the device-to-host copy and frees it.
-            row = torch.empty(self.layout.row_bytes, dtype=torch.uint8, device=device)
-            views = self.layout.views(row)
+            # Accelerator training: copy the payloads into the (pinned) host slot on a side
+            # stream, after the compute stream's work that produced them. The record is
+            # complete in host memory before it is handed over, so nothing of it depends
+            # on the trainer (or its device memory) staying alive.
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=self._record_device)
+            ready = torch.cuda.Event()
+            ready.record()
+            with torch.cuda.stream(self._side_stream):
+                self._side_stream.wait_event(ready)
+                self._copy_payloads(views, payloads, non_blocking=self._pinned is not None)
+                done = torch.cuda.Event()
+                done.record(self._side_stream)
+        try:
+            meta = self._fill_row_state(views, t, nograd, hp)
+            if done is not None:
+                done.synchronize()
+        except BaseException:
+            self._unfill_slot()
+            raise
+        self._send(("record", slot, t, meta))
+        self._stats["slot_wait_s"] += t1 - t0
+        self._stats["record_send_s"] += time.perf_counter() - t1
+
+    def _copy_payloads(
+        self,
+        views: dict[str, torch.Tensor],
+        payloads: dict[int, dict[str, torch.Tensor]],
+        non_blocking: bool = False,
+    ) -> None:
         for info in self.layout.params:
             payload = payloads.get(info.index)
             if payload is None:
                 continue
             for name, tensor in payload.items():
-                views[f"g{info.index}.{name}"].copy_(tensor)
-        meta = self._fill_row_state(views, t, nograd, hp)
-        if device is None:
-            self._send(("record", slot, t, meta))
-        else:
-            # no stream sync: sharing a CUDA tensor records an event the receiver waits on
-            self._send(("record_dev", row, t, meta))
-            del row
-        self._stats["slot_wait_s"] += t1 - t0
-        self._stats["record_send_s"] += time.perf_counter() - t1
+                views[f"g{info.index}.{name}"].copy_(tensor, non_blocking=non_blocking)
 
     def _emit_full(self, step: int, kind: str = "full") -> None:
         msd, aliases = st.model_state(self.model)
@@ -906,20 +960,16 @@ class Checkpointer:
         tensors.update(rng_t)
         entries, size = plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
         t0 = time.perf_counter()
-        while not self._staging_free.wait(timeout=0.5):
-            self._raise_worker_error()
-        self._staging_free.clear()
+        ctr = self._ctr_view
+        self._await(
+            lambda: int(ctr[channel.STAGING_DONE]) >= self._staged,
+            "the previous full checkpoint to release the staging buffer",
+        )
         t1 = time.perf_counter()
         if self._staging is None or self._staging.numel() < size:
             # grow with slack: optimizer state appears after the first step
-            try:
-                rp.ensure_shm_space(size + size // 8, "staging a full checkpoint")
-                self._staging = torch.empty(
-                    max(size, 1) + size // 8, dtype=torch.uint8
-                ).share_memory_()
-            except BaseException:
-                self._staging_free.set()  # nothing is in flight: do not block the next attempt
-                raise
+            rp.ensure_shm_space(size + size // 8, "staging a full checkpoint")
+            self._staging = torch.empty(max(size, 1) + size // 8, dtype=torch.uint8).share_memory_()
             self._send(("stage", self._staging))
         views = view_tensors(entries, self._staging[:size])
         with torch.no_grad():
@@ -941,6 +991,7 @@ class Checkpointer:
         entries_json = [
             [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries
         ]
+        self._staged += 1
         self._send((kind, step, entries_json, meta))
         self._stats["fulls_requested"] += 1
         self._stats["full_wait_s"] += t1 - t0
@@ -1234,11 +1285,8 @@ class Checkpointer:
     def _acquire_slot(self) -> int:
         """A free snapshot slot; waits while the replica lags ``max_lag`` steps behind."""
         t0 = time.perf_counter()
-        while not self._free.acquire(timeout=0.5):
-            self._raise_worker_error()
+        slot = self._wait_slot(f"the replica to catch up (max_lag={self.max_lag})")
         self._stats["lag_wait_s"] += time.perf_counter() - t0
-        slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self._slot_views)
         return slot
 
     def _step_plus(self, metric: float | None) -> None:
@@ -1251,7 +1299,7 @@ class Checkpointer:
         except BaseException:
             held = self._snap.abandon()
             if held is not None:
-                self._free.release()
+                self._unfill_slot()
             raise
         t1 = time.perf_counter()
         hp = st.capture_hparams(self.optimizer)
@@ -1339,6 +1387,28 @@ class Checkpointer:
             DurabilityWarning,
             stacklevel=4,
         )
+
+    def _join_worker(self) -> None:
+        """Wait for the checkpointing process to exit (it has been told to, or it failed and
+        is finishing what it was writing), as long as it makes progress."""
+        proc = self._proc
+        if proc is None:
+            return
+        beat, since = int(self._ctr_view[channel.BEAT]), time.monotonic()
+        while proc.is_alive():
+            proc.join(0.05)
+            b = int(self._ctr_view[channel.BEAT])
+            if b != beat:
+                beat, since = b, time.monotonic()
+            elif time.monotonic() - since > self.stall_timeout:
+                warnings.warn(
+                    f"lowdiff: the checkpointing process (pid {proc.pid}) made no progress for "
+                    f"{self.stall_timeout:.0f} s after it was told to stop; leaving it running "
+                    "(the next session waits for it before touching the directory)",
+                    DurabilityWarning,
+                    stacklevel=3,
+                )
+                return
 
     def _stop_worker(self) -> None:
         """Wait for a checkpointing process that reported an error to exit; drop its pipes."""

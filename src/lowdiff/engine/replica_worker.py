@@ -41,6 +41,7 @@ import torch
 
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
+from lowdiff.engine.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
 from lowdiff.engine.record import RecordLayout
 from lowdiff.engine.worker import (
     FullWriter,
@@ -294,8 +295,8 @@ def _unlink_and_close(shm: Any) -> None:
 class _Persister(FullWriter):
     """Writes exact snapshots of the replica in a background thread, one at a time."""
 
-    def __init__(self, root: Path, keep_full: int | None, send: Any) -> None:
-        super().__init__(root, keep_full, send, announce_durable=True)
+    def __init__(self, root: Path, keep_full: int | None, send: Any, progress: Any = None) -> None:
+        super().__init__(root, keep_full, send, announce_durable=True, progress=progress)
         self.buf: torch.Tensor | None = None
 
     def snapshot(self, rep: _Replica) -> None:
@@ -321,14 +322,14 @@ def _warm_up(optimizer_path: str) -> None:
 def replica_worker_main(
     cfg: ReplicaConfig,
     slots: torch.Tensor,
-    free_slots: Any,
-    staging_free: Any,
+    counters: torch.Tensor,
     requests: Connection,
     results: Connection,
 ) -> None:
     """Entry point of the LowDiff+ checkpointing process."""
     detach_from_trainer_group()
     torch.set_num_threads(max(1, cfg.threads))
+    ctr = Counters(counters)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
     released = [False]  # a flag, not an Event: set from a signal handler
 
@@ -346,6 +347,7 @@ def replica_worker_main(
     lock_fd = None
     ctl_shm = None
     rep: _Replica | None = None
+    in_flight: _Persister | None = None
     parent = os.getppid()
     try:
         lock_fd = acquire_flock(root / layout.WRITER_LOCK_FILE, blocking=True)
@@ -369,7 +371,8 @@ def replica_worker_main(
         )
         _warm_up(cfg.optimizer)
         rep = _Replica(cfg, ctl)
-        persister = _Persister(root, cfg.keep_full, send)
+        persister = _Persister(root, cfg.keep_full, send, progress=lambda _n: ctr.add(BEAT))
+        in_flight = persister
         staging: torch.Tensor | None = None
         persist_every = cfg.persist_every
         send(("ready", os.getpid()))
@@ -393,7 +396,8 @@ def replica_worker_main(
                 _, slot, step, meta_json = msg
                 t0 = time.perf_counter()
                 rep.merge(slots[slot], step, codec.loads(meta_json))
-                free_slots.release()
+                ctr.add(SLOTS_DONE)
+                ctr.add(BEAT)
                 send(("merged", rep.step, time.perf_counter() - t0))
                 maybe_persist()
             elif kind == "stage":
@@ -402,7 +406,8 @@ def replica_worker_main(
                 _, step, entries_json, meta = msg
                 assert staging is not None
                 rep.init_from(staging, step, entries_json, meta)
-                staging_free.set()
+                ctr.add(STAGING_DONE)
+                ctr.add(BEAT)
                 send(("merged", rep.step))
                 persister.snapshot(rep)
             elif kind in ("flush", "close"):
@@ -428,7 +433,11 @@ def replica_worker_main(
                     time.sleep(0.05)
                 persister.wait()
     except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
-        send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        tb = traceback.format_exc()
+        if in_flight is not None:  # finish (or clean up) the write in flight first
+            with contextlib.suppress(BaseException):
+                in_flight.wait()
+        send(("error", type(e).__name__, str(e), tb))
         raise SystemExit(1) from None
     finally:
         if rep is not None:

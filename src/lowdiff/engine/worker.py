@@ -3,16 +3,17 @@
 It is started with ``spawn`` by :class:`lowdiff.Checkpointer` and talks to the trainer
 over two pipes. The call sequence:
 
-0) (trainer) creates the shared record slots and the pipes, starts this process.
+0) (trainer) creates the shared record slots, the shared progress counters
+   (:mod:`lowdiff.engine.channel`) and the pipes, starts this process.
 1) (checkpointing) takes the directory's writer lock.
-2) (trainer, every step) acquires a free slot, writes the record row into it and sends
-   ``("record", slot, step, meta)``; for a CUDA run it sends the row as a CUDA tensor
-   instead (an IPC handle). (checkpointing) copies the row into its batch buffer (the
-   device-to-host copy happens here, and the CUDA memory is released right after),
-   frees the slot, and after ``batch_size`` records writes them as one file.
+2) (trainer, every step) waits for a free slot, writes the record row into it (from a
+   device: a copy into the pinned host slot, finished before the message is sent) and
+   sends ``("record", slot, step, meta)``. (checkpointing) copies the row into its batch
+   buffer, counts the slot as consumed, and after ``batch_size`` records writes them as
+   one file.
 3) (trainer, every ``full_every`` steps) copies the state into the shared staging
    buffer and sends ``("full", ...)``; a thread of this process writes it while records
-   keep flowing, then signals that the staging buffer is free and applies retention.
+   keep flowing, then counts the staging buffer as released and applies retention.
 4) (trainer) ``("flush",)`` / ``("close",)``: write the partial batch, wait for the full
    checkpoint in flight, answer with the durable step. ``close`` also ends the process.
 5) (trainer, ``batch_size="auto"``) ``("batch_size", b)``: write the partial batch, then
@@ -21,7 +22,12 @@ over two pipes. The call sequence:
 When the trainer dies without ``close`` (its end of the pipe closes, or this process is
 re-parented), the process drains every record already sent, writes them, finishes the
 full checkpoint in flight and exits. Every error is sent back to the trainer with its
-traceback and raised there on its next call.
+traceback and raised there on its next call; the full checkpoint in flight is finished
+(or its temp file removed) before the error is sent and the process exits.
+
+No lock is shared with the trainer: flow control and progress go through counters in
+shared memory that only this process writes, so a process killed at any moment can
+never leave the other one blocked (see :mod:`lowdiff.engine.channel`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any
 
 import torch
 
+from lowdiff.engine.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
 from lowdiff.errors import DirectoryLockedError
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import _hook
@@ -139,9 +146,11 @@ class FullWriter:
         *,
         announce_durable: bool = False,
         on_released: Any = None,
+        progress: Any = None,
     ) -> None:
         self.root, self.keep_full, self.send = root, keep_full, send
         self.announce_durable, self.on_released = announce_durable, on_released
+        self.progress = progress
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.persisted = -1
@@ -164,9 +173,13 @@ class FullWriter:
     def _write(
         self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]
     ) -> None:
+        released = False
         try:
             t0 = time.perf_counter()
-            nbytes = sfile.write(layout.full_path(self.root, step), entries, blob, meta)
+            nbytes = sfile.write(
+                layout.full_path(self.root, step), entries, blob, meta, progress=self.progress
+            )
+            released = True
             if self.on_released is not None:
                 self.on_released()
             removed = retention(self.root, self.keep_full)
@@ -178,7 +191,7 @@ class FullWriter:
             self.send(("full_done", step, nbytes, took, len(removed)))
         except BaseException as e:  # noqa: BLE001 -- raised in the owner's thread by wait()
             self.error = e
-            if self.on_released is not None:
+            if not released and self.on_released is not None:
                 self.on_released()
 
     def wait(self) -> None:
@@ -198,15 +211,13 @@ class _Writer:
         self,
         cfg: WorkerConfig,
         slots: torch.Tensor,
-        free_slots: Any,
-        staging_free: Any,
+        counters: Counters,
         results: Connection,
     ) -> None:
         self.cfg = cfg
         self.root = Path(cfg.root)
         self.slots = slots
-        self.free_slots = free_slots
-        self.staging_free = staging_free
+        self.counters = counters
         self.results = results
         self.batch = torch.empty((cfg.batch_size, cfg.row_bytes), dtype=torch.uint8)
         self.metas: list[str] = []
@@ -214,7 +225,12 @@ class _Writer:
         self.staging: torch.Tensor | None = None
         self.send_lock = threading.Lock()
         self.full = FullWriter(
-            self.root, cfg.keep_full, self.send, announce_durable=True, on_released=staging_free.set
+            self.root,
+            cfg.keep_full,
+            self.send,
+            announce_durable=True,
+            on_released=lambda: counters.add(STAGING_DONE),
+            progress=lambda _n: counters.add(BEAT),
         )
         self.durable = -1
         self.acked = -1
@@ -313,18 +329,14 @@ class _Writer:
         if self.full.error is not None:
             self.full.wait()  # a failed full checkpoint is reported on the next step
         kind = msg[0]
-        if self.resumed is None and kind in ("record", "record_dev", "full"):
+        if self.resumed is None and kind in ("record", "full"):
             self.resumed = kind != "full"
         self.ack()
+        self.counters.add(BEAT)
         if kind == "record":
             _, slot, step, meta = msg
             self.add_record(self.slots[slot], step, meta)
-            self.free_slots.release()
-        elif kind == "record_dev":
-            _, row, step, meta = msg
-            self.add_record(row, step, meta)  # device-to-host copy here
-            del row  # release the trainer's device memory right away
-            self.free_slots.release()
+            self.counters.add(SLOTS_DONE)
         elif kind == "stage":
             self.wait_full()
             self.staging = msg[1]
@@ -400,15 +412,14 @@ def detach_from_trainer_group() -> None:
 def worker_main(
     cfg: WorkerConfig,
     slots: torch.Tensor,
-    free_slots: Any,
-    staging_free: Any,
+    counters: torch.Tensor,
     requests: Connection,
     results: Connection,
 ) -> None:
     """Entry point of the checkpointing process."""
     detach_from_trainer_group()
     torch.set_num_threads(1)  # leave the cores to training
-    w = _Writer(cfg, slots, free_slots, staging_free, results)
+    w = _Writer(cfg, slots, Counters(counters), results)
     lock_fd = None
     parent = os.getppid()
     try:
@@ -416,13 +427,16 @@ def worker_main(
         w.send(("ready", os.getpid()))
         if serve(requests, w.handle, parent):
             # The trainer died without close(): keep every record it managed to send.
-            drain(
-                requests, w.handle_orphaned, ("record", "record_dev", "full", "stage", "batch_size")
-            )
+            drain(requests, w.handle_orphaned, ("record", "full", "stage", "batch_size"))
             w.write_batch()
             w.wait_full()
     except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
-        w.send(("error", type(e).__name__, str(e), traceback.format_exc()))
+        tb = traceback.format_exc()
+        # finish the full checkpoint in flight (or let it remove its temp file) before the
+        # trainer learns of the error: once it has, nothing of this process is still writing
+        with contextlib.suppress(BaseException):
+            w.wait_full()
+        w.send(("error", type(e).__name__, str(e), tb))
         raise SystemExit(1) from None
     finally:
         if lock_fd is not None:
