@@ -72,7 +72,7 @@ def _train(ck: BaselineCheckpointer, objects: tuple, start: int, stop: int) -> N
 def test_process_saver_resume_is_exact_and_leaves_no_process(tmp_path: Path) -> None:
     d = tmp_path / "ckpt"
     before = _children()
-    ck, _, _ = harness.run(d, 0, 7, strategy="dcp-async", full_every=3)
+    ck, _, _ = harness.run(d, 0, 7, strategy="dcp-async", full_every=3, async_mode="process")
     assert isinstance(ck, BaselineCheckpointer) and ck.strategy == "dcp-async"
     assert ck.async_mode == "process" and ck.stats["process_saver"] == 1.0
     assert ck.stats["durable_step"] == 6 and ck.stats["bytes_written"] > 0
@@ -86,7 +86,9 @@ def test_process_saver_resume_is_exact_and_leaves_no_process(tmp_path: Path) -> 
         "dcp-000000000006.commit",
     ]
 
-    ck, objects, resumed = harness.run(d, 0, 6, strategy="dcp-async", full_every=3, close=False)
+    ck, objects, resumed = harness.run(
+        d, 0, 6, strategy="dcp-async", full_every=3, async_mode="process", close=False
+    )
     assert resumed == 6  # step 7 was never saved
     rs = ck.recovery_stats
     assert rs is not None and rs.bytes_read > 0 and rs.files_read == 2
@@ -98,6 +100,16 @@ def test_process_saver_resume_is_exact_and_leaves_no_process(tmp_path: Path) -> 
     assert ck.durable_step == 9
     harness.assert_exact(harness.reference(9), objects)
     assert _children() == before and not dist.is_initialized()
+
+
+def test_default_is_dcps_own_default_the_thread_saver_without_a_group(tmp_path: Path) -> None:
+    # what async_save does when not told otherwise (and torchtitan's "async" mode)
+    before = _children()
+    ck, _, _ = harness.run(tmp_path / "ckpt", 0, 4, strategy="dcp-async", full_every=2)
+    assert ck.async_mode == "thread" and ck.requested_async_mode == "thread"
+    assert ck.stats["process_saver"] == 0.0 and ck.staging["use_shared_memory"] is False
+    assert ck.durable_step == 4 and _children() == before and not dist.is_initialized()
+    assert layout.read_manifest(tmp_path / "ckpt")["dcp"]["async_mode"] == "thread"
 
 
 def test_thread_saver_resume_from_step_zero_is_exact(tmp_path: Path) -> None:
@@ -132,7 +144,7 @@ def main():
     torch.set_num_threads(1)  # as the tests' conftest: the reference is computed so
     model, opt, sched = harness.build()
     ck = lowdiff.Checkpointer(model, opt, sys.argv[1], strategy="dcp-async", scheduler=sched,
-                              full_every=1, keep_full=3)
+                              full_every=1, keep_full=3, async_mode="process")
     start = ck.resume()
     print("saver", saver_pid(), flush=True)
     for t in range(start, 10_000):

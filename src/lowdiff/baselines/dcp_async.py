@@ -17,18 +17,20 @@ it). Every ``full_every`` steps, on the training process:
 ``stats`` adds ``wait_s`` (step 1) and ``stage_s`` (steps 2-3) to the common counters;
 both are part of ``stall_s``.
 
-The saver is DCP's process-based one (``AsyncCheckpointerType.PROCESS``): one spawned
-daemon per trainer process that receives the staged state through a pipe (shared-memory
-tensors travel as handles, not bytes) and runs the ordinary ``dcp.save``; its errors
-come back through the future and are raised on the trainer's next call as
-:class:`lowdiff.CheckpointWorkerError`. Where this torch lacks it, or with
-``async_mode="thread"``, DCP's thread-based saver runs ``dcp.save`` in a thread of the
-training process instead. The attributes ``async_mode`` and ``staging`` say which saver
-and which staging options run (also in the manifest; ``stats["process_saver"]`` is 1.0
-for the process saver).
+The saver is DCP's default, the thread-based one (``AsyncCheckpointerType.THREAD``, what
+``async_save`` does when not told otherwise and what torchtitan's ``async`` mode runs):
+``dcp.save`` runs in a thread of the training process, from a staged copy in ordinary
+CPU memory, with no process group (``no_dist=True``). ``async_mode="process"`` runs
+DCP's process-based saver instead: one spawned daemon per trainer process that receives
+the staged state through a pipe (staging then goes to shared memory, so tensors travel
+as handles, not bytes) and runs the ordinary ``dcp.save``; it falls back to the thread
+saver where this torch lacks it. Errors of either saver come back through the future
+and are raised on the trainer's next call as :class:`lowdiff.CheckpointWorkerError`.
+The attributes ``async_mode`` and ``staging`` say which saver and which staging options
+run (also in the manifest; ``stats["process_saver"]`` is 1.0 for the process saver).
 
-Process group: DCP starts its daemon through one (it broadcasts the daemon's TCP store
-address over it, and the daemon joins a gloo group of its own). When the trainer has
+Process group (process saver only): DCP starts its daemon through one (it broadcasts
+the daemon's TCP store address over it, and the daemon joins a gloo group of its own). When the trainer has
 none, this strategy creates a single-rank gloo group over an in-memory ``HashStore`` for
 as long as it runs and destroys it on ``close()``; a group the user initialised is used
 as it is (it needs a CPU backend), and every rank then saves its own directory
@@ -349,9 +351,9 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
     """Full checkpoints with ``torch.distributed.checkpoint.async_save`` (see the module docstring).
 
     Args:
-        async_mode: ``"process"`` (DCP's daemon process; the default) or ``"thread"``
-            (a saver thread in the training process). ``"process"`` falls back to
-            ``"thread"`` when this torch has no process-based saver.
+        async_mode: ``"thread"`` (a saver thread in the training process: DCP's default,
+            and the default here) or ``"process"`` (DCP's daemon process), which falls
+            back to ``"thread"`` when this torch has no process-based saver.
         The other arguments are those of :class:`lowdiff.Checkpointer`.
 
     Example:
@@ -361,7 +363,7 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
 
     strategy = "dcp-async"
 
-    def __init__(self, *args: Any, async_mode: str = "process", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, async_mode: str = "thread", **kwargs: Any) -> None:
         if async_mode not in ASYNC_MODES:
             raise ValueError(
                 f"async_mode must be one of {', '.join(map(repr, ASYNC_MODES))}, got {async_mode!r}"
