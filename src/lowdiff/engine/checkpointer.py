@@ -27,7 +27,6 @@ import contextlib
 import datetime as _dt
 import logging
 import os
-import shutil
 import time
 import uuid
 import warnings
@@ -66,13 +65,13 @@ from lowdiff.errors import (
     DirectoryLockedError,
     DurabilityWarning,
     LowDiffError,
-    RecoveryWarning,
 )
 from lowdiff.format import codec, layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.dtypes import dtype_name
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, plan, view_tensors
 from lowdiff.plan import AUTO, START_B, START_F, AutoTuner, resolve_mtbf
+from lowdiff.recovery.quarantine import quarantine_beyond
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state, check_compatible, recover
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 
@@ -691,32 +690,7 @@ class Checkpointer:
     def _quarantine_beyond(self, stats: RecoveryStats) -> None:
         """Move files that are damaged or lie past the recovered step out of the chain."""
         assert self.root is not None
-        s = stats.step
-        move: list[Path] = [Path(p) for p, _ in stats.skipped]
-        for p in (self.root / layout.FULL_DIR).glob("full-*.safetensors"):
-            step = layout.parse_full_name(p.name)
-            if step is not None and step > s:
-                move.append(p)
-        for p in (self.root / layout.RECORDS_DIR).glob("rec-*.safetensors"):
-            r = layout.parse_records_name(p.name)
-            if r is not None and r[1] >= s:
-                move.append(p)
-        move = [p for p in dict.fromkeys(move) if p.exists()]
-        if not move:
-            return
-        dest = (
-            self.root
-            / layout.QUARANTINE_DIR
-            / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + self._run_id[:8])
-        )
-        dest.mkdir(parents=True, exist_ok=True)
-        for p in move:
-            shutil.move(str(p), dest / f"{p.parent.name}--{p.name}")
-        warnings.warn(
-            f"lowdiff: moved {len(move)} file(s) that are damaged or past the recovered step {s} to {dest}",
-            RecoveryWarning,
-            stacklevel=3,
-        )
+        quarantine_beyond(self.root, stats, self._run_id)
 
     # ------------------------------------------------------------------ checkpointing process
     def _launch_worker(self) -> None:
