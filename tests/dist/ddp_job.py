@@ -76,20 +76,30 @@ def train(args: argparse.Namespace) -> None:
     (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(f"{start} {source}")
     torch.save(snapshot_state(model, opt, sched), out / f"resumed-{start}-rank{rank}.pt")
     save = {int(s) for s in args.save_steps.split(",") if s}
+    clipped = 0
     for step in range(start, args.steps):
-        if step == args.kill_at and rank == args.kill_rank and not (out / "killed").exists():
-            (out / "killed").write_text(str(step))
+        kill = step == args.kill_at and rank == args.kill_rank and not (out / "killed").exists()
+        if kill and args.kill_point == "before-forward":
+            (out / "killed").write_text(f"{step} {args.kill_point}")
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
+        if kill and args.kill_point == "after-backward":
+            # the gradients are merged (every rank's hook ran), ck.step() has not run
+            (out / "killed").write_text(f"{step} {args.kill_point}")
+            os.kill(os.getpid(), signal.SIGKILL)
         if args.check_merge:
             check_merge(ck, model)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        clipped += int(norm > args.clip)
         ck.step()
         opt.zero_grad()
         if step + 1 in save:
             torch.save(snapshot_state(model, opt, sched), out / f"state-{step + 1}-rank{rank}.pt")
+    (out / f"flushed-rank{rank}-{os.getpid()}.txt").write_text(str(ck.flush()))
     ck.close()
+    # steps whose gradient norm exceeded --clip (so clipping changed the gradient)
+    (out / f"clipped-rank{rank}-{os.getpid()}.txt").write_text(f"{clipped} {args.steps - start}")
     torch.save(snapshot_state(model, opt, sched), out / f"final-rank{rank}.pt")
 
 
@@ -123,6 +133,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--save-steps", default="")
     ap.add_argument("--kill-at", type=int, default=-1)
     ap.add_argument("--kill-rank", type=int, default=-1)
+    ap.add_argument(
+        "--kill-point", choices=("before-forward", "after-backward"), default="before-forward"
+    )
+    ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--check-merge", action="store_true")
     return ap.parse_args(argv)
 

@@ -157,11 +157,64 @@ def test_sigkill_of_one_rank_under_torchrun_max_restarts(tmp_path):
         *common,
         restarts=1,
     )
-    assert (run / "killed").read_text() == "11", p.stderr[-3000:]
+    assert (run / "killed").read_text() == "11 before-forward", p.stderr[-3000:]
     starts = sorted(int(f.read_text().split()[0]) for f in run.glob("start-rank*.txt"))
     # first attempt starts both ranks at 0; the restart starts both at one agreed step
     assert starts[:2] == [0, 0] and len(starts) == 4
     assert starts[2] == starts[3] and 0 < starts[2] <= 11
+    for r in (0, 1):
+        want, got = _load(ref / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt")
+        assert diff_states(want, got) == []
+
+
+def _clipped(out: Path) -> list[tuple[int, int]]:
+    return [tuple(map(int, f.read_text().split())) for f in sorted(out.glob("clipped-rank*.txt"))]
+
+
+def test_clipping_that_fires_replays_exactly(tmp_path):
+    """Clipping changes .grad after the hook merged it: the record must be what was applied."""
+    ck, out1, out2 = tmp_path / "ck", tmp_path / "o1", tmp_path / "o2"
+    out1.mkdir()
+    out2.mkdir()
+    common = ("--dir", str(ck), "--clip", "0.05", "--full-every", "5", "--batch-size", "2")
+    torchrun(*common, "--out", str(out1), "--save-steps", "12", "--steps", "12")
+    # the clip fired on every step of both ranks (the gradient norm is far above 0.05)
+    assert _clipped(out1) == [(12, 12), (12, 12)]
+    # flush() is collective and reports the step every shard made durable
+    assert [f.read_text() for f in out1.glob("flushed-rank*.txt")] == ["12", "12"]
+    # the full checkpoint of step 10 and the clipped records of steps 10 and 11
+    torchrun(*common, "--out", str(out2), "--steps", "12")
+    for r in (0, 1):
+        want = _load(out1 / f"state-12-rank{r}.pt")
+        assert diff_states(want, _load(out2 / f"resumed-12-rank{r}.pt")) == []
+
+
+def test_rank_killed_between_backward_and_step_with_clipping(tmp_path):
+    """A rank dies after its gradients were merged and clipped-to-be, before ck.step():
+    the restarted job agrees on a step and ends exactly where an uninterrupted run does."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, run):
+        d.mkdir()
+    common = ("--steps", "14", "--full-every", "6", "--batch-size", "3", "--clip", "0.05")
+    torchrun("--dir", str(tmp_path / "ck-ref"), "--out", str(ref), *common)
+    p = torchrun(
+        "--dir",
+        str(tmp_path / "ck-run"),
+        "--out",
+        str(run),
+        "--kill-rank",
+        "0",
+        "--kill-at",
+        "10",
+        "--kill-point",
+        "after-backward",
+        *common,
+        restarts=1,
+    )
+    assert (run / "killed").read_text() == "10 after-backward", p.stderr[-3000:]
+    starts = sorted(int(f.read_text().split()[0]) for f in run.glob("start-rank*.txt"))
+    assert len(starts) == 4 and starts[2] == starts[3] and 6 <= starts[2] <= 10
+    assert all(fired == n and n > 0 for fired, n in _clipped(run))
     for r in (0, 1):
         want, got = _load(ref / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt")
         assert diff_states(want, got) == []

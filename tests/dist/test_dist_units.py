@@ -165,3 +165,30 @@ def test_ddp_without_a_process_group_is_a_clear_error():
     opt = torch.optim.SGD(fake.module.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="init_process_group"):
         lowdiff.Checkpointer(fake, opt, None, strategy="none")
+
+
+def test_record_takes_the_clipped_values_and_refuses_new_entries():
+    from lowdiff.dist.hooks import record_consumed
+    from lowdiff.engine.state import ParamInfo
+
+    p = torch.nn.Parameter(torch.zeros(6))
+    info = ParamInfo(index=0, name="w", shape=(6,), dtype=torch.float32)
+    merged = MergedSparse(lowdiff.TopK(0.5, error_feedback=False), world_size=2)
+    dense = merge_sparse(
+        [
+            (torch.tensor([1.0, 3.0]), torch.tensor([0, 4])),
+            (torch.tensor([2.0]), torch.tensor([4])),
+        ],
+        6,
+        2,
+    )
+    support = torch.tensor([0, 4, 4])
+    p.grad = dense.clone()
+    payloads = {0: merged.compress(dense, key=0, step=0, support=support)}
+    norm = torch.nn.utils.clip_grad_norm_([p], 0.1)
+    assert norm > 0.1  # the clip fired
+    record_consumed(payloads, [(info, p)])
+    assert torch.equal(merged.decompress(payloads[0], 6, torch.float32), p.grad)
+    p.grad[2] = 0.5  # an entry the hook did not merge
+    with pytest.raises(lowdiff.LowDiffError, match="'w' changed outside"):
+        record_consumed(payloads, [(info, p)])

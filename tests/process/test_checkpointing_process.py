@@ -118,13 +118,56 @@ def test_retention_keeps_newest_full_checkpoints(tmp_path):
     assert info.recoverable == (6, 10)
 
 
-def test_full_checkpoint_does_not_wait_for_disk(tmp_path):
-    """Staging copies the state once; the write happens in the checkpointing process."""
-    model, opt, ck = _setup(tmp_path, full_every=1, batch_size=1)
+def test_full_checkpoint_does_not_wait_for_disk(tmp_path, monkeypatch):
+    """step() returns while the full checkpoint is still being written (its fsync stalls
+    for 3 s); flush() then waits for the writing process, which is alive and finishes."""
+    from lowdiff.format import atomic
+
+    monkeypatch.setenv(atomic.FAULT_ENV, "before_fsync:full:2:slow")
+    monkeypatch.setenv(atomic.SLOW_ENV, "3")
+    model, opt, ck = _setup(tmp_path, full_every=1, batch_size=1, stall_timeout=60)
     ck.resume()
-    t0 = time.perf_counter()
-    _train(model, opt, ck, 5)
+    monkeypatch.delenv(atomic.FAULT_ENV)
+    _train(model, opt, ck, 1)  # requests the full checkpoint of step 1, the stalled one
+    s = ck.stats
+    assert s["fulls_requested"] == 2 and s["fulls_written"] <= 1  # still being written
+    assert ck.flush() == 1
+    assert ck.stats["fulls_written"] == 2
+    _train(model, opt, ck, 3)
     ck.close()
     s = ck.stats
-    assert s["fulls_requested"] == 6 and s["fulls_written"] == 6
-    assert time.perf_counter() - t0 > 0  # the stats above are what matters; no timing assertion
+    assert s["fulls_requested"] == 5 and s["fulls_written"] == 5
+
+
+def test_a_stuck_checkpointing_process_fails_after_stall_timeout(tmp_path, monkeypatch):
+    from lowdiff.format import atomic
+
+    monkeypatch.setenv(atomic.FAULT_ENV, "before_fsync:full:2:slow")
+    monkeypatch.setenv(atomic.SLOW_ENV, "8")
+    model, opt, ck = _setup(tmp_path, full_every=1, batch_size=1, stall_timeout=1.5)
+    ck.resume()
+    monkeypatch.delenv(atomic.FAULT_ENV)
+    _train(model, opt, ck, 1)
+    t0 = time.monotonic()
+    with pytest.raises(lowdiff.CheckpointWorkerError, match="made no progress for 2 s"):
+        ck.flush()
+    assert time.monotonic() - t0 < 7  # it gave up before the stalled write finished
+    with pytest.raises(lowdiff.CheckpointWorkerError):
+        ck.close()
+
+
+def test_checkpointing_process_killed_during_a_full_checkpoint(tmp_path, monkeypatch):
+    """The process dies while it writes a full checkpoint and the trainer waits for the
+    staging buffer: the trainer raises with the exit code instead of waiting forever."""
+    from lowdiff.format import atomic
+
+    monkeypatch.setenv(atomic.FAULT_ENV, "before_fsync:full:2:kill-self")
+    model, opt, ck = _setup(tmp_path, full_every=1, batch_size=1, stall_timeout=600)
+    ck.resume()
+    monkeypatch.delenv(atomic.FAULT_ENV)
+    with pytest.raises(lowdiff.CheckpointWorkerError, match="exit code -9"):
+        _train(model, opt, ck, 3)  # the full of step 2 waits for the staging of step 1
+    assert ck._proc is not None and ck._proc.exitcode == -signal.SIGKILL
+    with pytest.raises(lowdiff.CheckpointWorkerError):
+        ck.close()
+    assert lowdiff.restore(tmp_path / "ck", *_setup(tmp_path / "r")[:2]) >= 1

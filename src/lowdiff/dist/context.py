@@ -126,6 +126,55 @@ class DistContext:
         return out
 
 
+class JobMin:
+    """The minimum of a per-rank, non-decreasing value (a durable step) over the job.
+
+    :meth:`refresh` is called by every rank at the same point of every step: it collects
+    the previous step's all-reduce (long done by then) and starts the next one in the
+    background, so the job-wide value costs no wait. :attr:`value` is therefore the
+    minimum as of the previous step: never more than any rank has, at most a step behind.
+    :meth:`now` is a blocking all-reduce for collective calls (``flush()``).
+    """
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.value = -1
+        self._t: torch.Tensor | None = None
+        self._work: Any = None
+
+    def _collect(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            assert self._t is not None
+            self.value = max(self.value, int(self._t[0]))
+            self._work = self._t = None
+
+    def refresh(self, local: int) -> None:
+        self._collect()
+        self._t = self.ctx._t([local])
+        self._work = dist.all_reduce(
+            self._t, op=dist.ReduceOp.MIN, group=self.ctx.group, async_op=True
+        )
+
+    def now(self, local: int) -> int:
+        self._collect()
+        self.value = max(self.value, self.ctx.all_min([local])[0])
+        return self.value
+
+    def settle(self, timeout: float = 5.0) -> None:
+        """Collect the all-reduce in flight if it completes within ``timeout`` seconds
+        (at close: a peer that died before starting it must not hang this rank)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self._work is not None and time.monotonic() < deadline:
+            if self._work.is_completed():
+                self._collect()
+                return
+            time.sleep(0.01)
+        self._work = self._t = None
+
+
 def detect(model: torch.nn.Module) -> DistContext | None:
     """A :class:`DistContext` when ``model`` is DDP-wrapped in an initialised group, else None.
 

@@ -30,6 +30,7 @@ from lowdiff.compressors.merged import MergedSparse, merge_sparse
 from lowdiff.compressors.sparse import _Sparsifier
 from lowdiff.dist.context import DistContext
 from lowdiff.engine.state import ParamInfo
+from lowdiff.errors import LowDiffError
 
 
 class LowDiffHookState:
@@ -114,6 +115,38 @@ def lowdiff_hook(
         return bucket.buffer()
 
     return torch.futures.collect_all([fv, fi]).then(merge)
+
+
+def record_consumed(
+    payloads: dict[int, dict[str, torch.Tensor]],
+    params: list[tuple[ParamInfo, torch.nn.Parameter]],
+) -> None:
+    """Make each merged payload hold exactly the gradient the optimizer is about to apply.
+
+    Between the hook and ``step()`` the user may change ``.grad``: gradient clipping, a
+    constant scale, any edit of the merged entries. The record keeps the hook's support
+    (the merged indices) and takes its values from ``.grad`` as it is now, so replay
+    applies the same bits. An edit that makes an entry outside the support non-zero
+    cannot be recorded in the merged layout and is refused, naming the parameter.
+    """
+    with torch.no_grad():
+        for info, p in params:
+            payload = payloads.get(info.index)
+            g = p.grad
+            if payload is None or g is None:
+                continue
+            n = int(payload["count"][0])
+            flat = g.detach().reshape(-1)
+            idx = payload["indices"][:n].long()
+            vals = flat.index_select(0, idx)
+            if int(torch.count_nonzero(flat)) != int(torch.count_nonzero(vals)):
+                raise LowDiffError(
+                    f"the gradient of {info.name!r} changed outside the entries lowdiff's DDP "
+                    "hook merged (between backward and ck.step()); lowdiff records a scaled or "
+                    "clipped gradient exactly, but not new non-zero entries: apply such "
+                    "changes before the gradients are synchronised"
+                )
+            payload["values"][:n].copy_(vals)
 
 
 class PlusHookState:

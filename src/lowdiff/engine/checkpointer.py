@@ -42,9 +42,15 @@ import torch.multiprocessing as tmp
 from lowdiff.compressors.base import Compressor, NoCompression
 from lowdiff.compressors.merged import MergedSparse
 from lowdiff.compressors.sparse import _Sparsifier
-from lowdiff.dist.context import assign_shards, rank_dir
+from lowdiff.dist.context import JobMin, assign_shards, rank_dir
 from lowdiff.dist.context import detect as detect_dist
-from lowdiff.dist.hooks import LowDiffHookState, PlusHookState, lowdiff_hook, plus_hook
+from lowdiff.dist.hooks import (
+    LowDiffHookState,
+    PlusHookState,
+    lowdiff_hook,
+    plus_hook,
+    record_consumed,
+)
 from lowdiff.dist.shard import shard_model_tensors, shard_state_dict
 from lowdiff.engine import channel
 from lowdiff.engine import replica as rp
@@ -279,6 +285,13 @@ class Checkpointer:
                 f"compressor must be a lowdiff.Compressor, got {type(compressor).__name__}"
             )
         self._dist = detect_dist(model)
+        if self._dist is not None and on_storage_error == "warn":
+            raise ValueError(
+                "on_storage_error='warn' is not supported under DistributedDataParallel: every "
+                "rank would have to suspend and retry checkpointing together; use 'raise' (the "
+                "job stops, and a restart resumes from the newest step every shard holds)"
+            )
+        self._job: JobMin | None = None if self._dist is None else JobMin(self._dist)
         self._hook_state: LowDiffHookState | None = None
         if self._dist is not None and strategy != "lowdiff+":
             if not isinstance(compressor, _Sparsifier):
@@ -446,9 +459,14 @@ class Checkpointer:
 
     @property
     def durable_step(self) -> int:
-        """Newest step whose state is recoverable from disk (-1 before the first write)."""
+        """Newest step whose state is recoverable from disk (-1 before the first write).
+
+        Under DDP: the newest step that every rank's shard has made durable, as of the
+        previous ``step()`` (the ranks exchange it in the background once per step, so it
+        may trail this rank's own progress by a step; it never runs ahead of any shard).
+        """
         self._poll()
-        return self._durable
+        return self._durable if self._job is None else min(self._durable, self._job.value)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -456,7 +474,7 @@ class Checkpointer:
         self._poll()
         return dict(
             self._stats,
-            durable_step=self._durable,
+            durable_step=self.durable_step,
             record_row_bytes=getattr(self, "layout", None) and self.layout.row_bytes or 0,
             full_every=self.full_every,
             batch_size=self.batch_size,
@@ -558,11 +576,14 @@ class Checkpointer:
     def flush(self) -> int:
         """Write the records waiting for a full batch and wait until they are durable.
 
+        Under DDP this is a collective call (every rank calls it at the same point): it
+        returns the newest step that every shard has made durable.
+
         Returns:
             The newest durable step.
         """
         if self.strategy == "none" or not self._started or self._closed:
-            return self._durable
+            return self.durable_step
         try:
             if self._suspended is None:
                 self._send(("flush",))
@@ -571,6 +592,8 @@ class Checkpointer:
             pass
         if self._suspended is not None:
             self._warn_not_durable("flush()")
+        if self._job is not None:
+            return self._job.now(self._durable)
         return self._durable
 
     def close(self) -> None:
@@ -585,6 +608,8 @@ class Checkpointer:
         except _CheckpointingSuspended:
             pass
         finally:
+            if self._job is not None:
+                self._job.settle()
             self._join_worker()
             self._release()
         if self._suspended is not None:
@@ -1156,6 +1181,7 @@ class Checkpointer:
                 "did not pass through lowdiff's DDP hook (was backward run under no_sync(), or were "
                 "gradients set by hand?)"
             )
+        record_consumed(payloads, self._params)
         hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
         self._optimizer_step(metric)
         self._step = t + 1
@@ -1165,6 +1191,7 @@ class Checkpointer:
             self._emit_record(t, payloads, nograd, hp)
             if self._step % self.full_every == 0:
                 self._emit_full(self._step)
+            self._refresh_job_durable()
 
     def _resume_dist(self) -> int:
         """Distributed resume: every rank ends at one agreed step (see lowdiff.dist.recovery)."""
@@ -1286,6 +1313,14 @@ class Checkpointer:
         self._send(("step", slot, t, meta))
         self._stats["snapshot_finish_s"] += t1 - t0
         self._stats["record_send_s"] += time.perf_counter() - t2
+        self._refresh_job_durable()
+
+    def _refresh_job_durable(self) -> None:
+        """Under DDP: exchange this shard's durable step with the other ranks (in the
+        background; every rank calls this at the end of every step)."""
+        if self._job is not None:
+            self._poll()
+            self._job.refresh(self._durable)
 
     def _resume_from_memory(self) -> bool:
         """Restore from a live replica left by a crashed trainer; False when there is none."""

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import os
 import signal
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,8 +27,10 @@ TMP_PREFIX = ".tmp-"
 
 FAULT_POINTS = ("before_write", "before_fsync", "before_rename", "after_rename", "retention")
 FAULT_KINDS = ("records", "full", "manifest", "any")
-FAULT_ACTIONS = ("kill-self", "kill-parent", "kill-both", "enospc", "eio")
+FAULT_ACTIONS = ("kill-self", "kill-parent", "kill-both", "enospc", "eio", "slow")
 FAULT_ENV = "LOWDIFF_FAULTS"
+SLOW_ENV = "LOWDIFF_FAULT_SLOW_S"
+"""Seconds the ``slow`` action sleeps (a disk that stalls; default 2)."""
 
 _HOOKS: dict[str, Callable[[Path], None]] = {}
 
@@ -75,6 +78,8 @@ class _Fault:
             os.kill(os.getppid(), signal.SIGKILL)
         if self.action in ("kill-self", "kill-both"):
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.action == "slow":
+            time.sleep(float(os.environ.get(SLOW_ENV, "2")))
         if self.action in ("enospc", "eio"):
             code = errno.ENOSPC if self.action == "enospc" else errno.EIO
             raise OSError(code, os.strerror(code), str(path))
@@ -85,7 +90,8 @@ def parse_faults(spec: str) -> dict[str, Callable[[Path], None]]:
 
     ``point`` is one of :data:`FAULT_POINTS`, ``kind`` one of :data:`FAULT_KINDS`,
     ``nth`` counts matching events from 1, and ``action`` is one of :data:`FAULT_ACTIONS`:
-    SIGKILL this process, its parent or both, or fail with ``ENOSPC`` / ``EIO``.
+    SIGKILL this process, its parent or both, fail with ``ENOSPC`` / ``EIO``, or stall
+    (``slow``: sleep ``LOWDIFF_FAULT_SLOW_S`` seconds, default 2, then go on).
 
     Example:
         >>> sorted(parse_faults("before_rename:records:2:kill-self"))
