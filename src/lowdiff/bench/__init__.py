@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -69,6 +70,10 @@ def run_bench(
         if bad:
             raise ValueError(f"unknown method(s) {bad}; known: {list(METHODS)}")
     say = progress or (lambda _m: None)
+    machine = machine_info(settings.device)  # the environment this process started with
+    # every background process gets passive OpenMP waiting, as the demo's processes do
+    # (``lowdiff bench`` on the command line sets it for the trainer as well)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = Context(settings, profile, say, methods=None if methods is None else frozenset(methods))
     n_params = build_workload(settings).n_params
     t0 = time.perf_counter()
@@ -78,7 +83,8 @@ def run_bench(
         ctx.progress = _prefixed(say, f"[{i + 1}/{len(ordered)} {name}]")
         rows += RUNNERS[name](ctx)
     run = {
-        "machine": machine_info(settings.device),
+        "machine": machine,
+        "background_env": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
         "settings": {**asdict(settings), "workdir": str(settings.workdir)},
         "profile": asdict(profile),
         "experiments": ordered,

@@ -6,15 +6,23 @@ options. :class:`Arena` builds every arm of an experiment on its own copy of the
 workload (same initial weights, same data), then times them **interleaved**: round by
 round, each arm trains one block of iterations, in an order that rotates every round, so
 that drift of a shared machine falls on every arm alike. The first block of each arm is a
-warm-up and is not reported. Devices are synchronised before every clock read. A block's
-time covers the iterations only (forward, backward, ``ck.step()``, ``zero_grad``); the
-drain of in-flight checkpoints at the end of a block (``ck.flush()``) is timed
-separately, so that no arm's background work spills into the next arm's block.
+warm-up and is not reported. Devices are synchronised before every clock read.
+
+A block's time covers every iteration (forward, backward, ``ck.step()``, ``zero_grad``)
+**and** the drain that ends it (``ck.flush()``: everything checkpointed in the block is
+durable when the clock stops). Each arm therefore pays for all of its own work inside its
+own timed blocks: nothing it checkpointed is written in untimed time, and none of its
+background work spills into the next arm's block. The drain is also kept apart
+(``drain_s``), and so is the time of the iterations alone (``iter_median_s``). Blocks
+should be a multiple of every periodic interval of the arms (full-checkpoint interval,
+record batch, durability interval): then every block holds the same share of each
+periodic cost, and the median block is their fair average (:func:`block_length`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import platform
 import shutil
@@ -42,15 +50,21 @@ class Arm:
         strategy: Checkpointer strategy, ``"none"`` (compressed training, no checkpoint) or
             None (the plain loop: no Checkpointer at all).
         ratio: Top-k ratio of the training's gradient compression; None: uncompressed.
-        full_every: The strategy's ``full_every``.
+        full_every: The strategy's ``full_every`` (``"auto"``: the strategy's own policy).
         options: Further Checkpointer options, as ``(name, value)`` pairs.
+        durable_every: Steps between two points at which the whole state is recoverable
+            from disk (None: not fixed in advance, or no checkpoint).
+        memory_every: Steps between two points that survive a crash of the training
+            process alone (1 when every step is handed to a process that outlives it).
     """
 
     label: str
     strategy: str | None
     ratio: float | None = None
-    full_every: int = 1
+    full_every: int | str = 1
     options: tuple[tuple[str, Any], ...] = ()
+    durable_every: int | None = None
+    memory_every: int | None = None
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -58,6 +72,8 @@ class Arm:
             "strategy": self.strategy,
             "compression": None if self.ratio is None else f"topk:{self.ratio}",
             "full_every": self.full_every,
+            "durable_every": self.durable_every,
+            "memory_every": self.memory_every,
             **dict(self.options),
         }
 
@@ -73,15 +89,21 @@ class ArmRun:
     directory: Path | None
     step: int = 0
     blocks: list[float] = field(default_factory=list)
-    """Seconds per iteration of each timed block."""
+    """Seconds per iteration of each timed block, its final drain (``ck.flush()``) included."""
+    iter_blocks: list[float] = field(default_factory=list)
+    """Seconds per iteration of each timed block, iterations only (the drain left out)."""
     drains: list[float] = field(default_factory=list)
+    """Seconds of each timed block's final drain."""
     phases: dict[str, float] = field(default_factory=dict)
     """Per-phase seconds summed over timed iterations (with ``phases=True``)."""
     timed_iters: int = 0
 
     def summary(self) -> dict[str, Any]:
         s = summarize(self.blocks)
+        s["iter_median_s"] = statistics.median(self.iter_blocks) if self.iter_blocks else None
         s["drain_s"] = statistics.median(self.drains) if self.drains else 0.0
+        s["drain_max_s"] = max(self.drains) if self.drains else 0.0
+        s["block_iters"] = self.timed_iters // max(1, len(self.blocks))
         if self.phases and self.timed_iters:
             s["phases_s"] = {k: v / self.timed_iters for k, v in self.phases.items()}
         if self.ck is not None:
@@ -253,11 +275,13 @@ class Arena:
         sync(dev)
         t1 = time.perf_counter()
         if r.ck is not None:
-            r.ck.flush()
+            r.ck.flush()  # durable before the clock stops: the drain is the arm's own work
         sync(dev)
+        t2 = time.perf_counter()
         if timed:
-            r.blocks.append((t1 - t0) / n)
-            r.drains.append(time.perf_counter() - t1)
+            r.blocks.append((t2 - t0) / n)
+            r.iter_blocks.append((t1 - t0) / n)
+            r.drains.append(t2 - t1)
             r.timed_iters += n
 
     def _timed_iteration(self, r: ArmRun) -> None:
@@ -294,6 +318,50 @@ class Arena:
 
     def disk_bytes(self, r: ArmRun) -> int:
         return dir_bytes(r.directory) if r.directory is not None else 0
+
+
+def block_length(iters: int, periods: list[int]) -> int:
+    """The smallest multiple of every period in ``periods`` that is at least ``iters``.
+
+    Example:
+        >>> block_length(5, [20, 5])
+        20
+        >>> block_length(30, [4, 6])
+        36
+    """
+    unit = 1
+    for p in periods:
+        if p < 1:
+            raise ValueError(f"periods must be >= 1, got {p}")
+        unit = math.lcm(unit, p)
+    return unit * max(1, -(-iters // unit))
+
+
+def newest_full_bytes(directory: Path | None) -> int | None:
+    """Bytes of the newest full checkpoint after step 0 in ``directory/full`` (a file, or a
+    DCP directory), or None when there is none.
+
+    Step 0's checkpoint holds no optimizer state yet (nothing has been updated), so it
+    is not the size a checkpoint has during training.
+    """
+    if directory is None:
+        return None
+    best: tuple[int, Path] | None = None
+    for d in sorted(directory.rglob("full")):
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            if p.name.startswith(".") or p.name.endswith((".commit", ".tmp")):
+                continue
+            digits = "".join(c for c in p.name.split("-")[-1].split(".")[0] if c.isdigit())
+            if not digits or int(digits) == 0:
+                continue
+            if best is None or int(digits) > best[0]:
+                best = (int(digits), p)
+    if best is None:
+        return None
+    p = best[1]
+    return dir_bytes(p) if p.is_dir() else p.stat().st_size
 
 
 def dir_bytes(path: Path | None) -> int:
@@ -346,6 +414,9 @@ def machine_info(device: str) -> dict[str, Any]:
         "lowdiff": lowdiff.__version__,
         "git_revision": git_revision(),
         "device": device,
+        "env": {
+            k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        },
     }
     try:
         with open("/proc/meminfo") as f:

@@ -5,13 +5,25 @@ with an ``"experiment"`` key. Rows are measurements only: nothing is filled in f
 paper or from a model of the costs. Values that are computed from measurements (such as
 an overhead ratio) say so in their key.
 
-- ``overhead`` (Exp. 1/2): time per iteration with a checkpoint every iteration, with and
-  without gradient compression, against the same training without checkpoints, all in
-  one interleaved run.
-- ``frequency`` (Exp. 4): the smallest interval (of the candidates) that keeps the
-  slowdown at or under the bound (3.5%).
-- ``recovery`` (Exp. 5): recovery time, split into read, decompress and reconstruct,
-  against the full-checkpoint interval f.
+**Equal durability.** Methods are compared at the same *durable interval* ``k``: the
+steps between two points at which the whole training state is recoverable from disk.
+LowDiff at ``k`` writes its records in batches of ``b = k``; LowDiff+ persists its
+replica every ``k`` steps; Gemini keeps a checkpoint in its holder's memory every step
+and persists every ``k``-th; torch.save, CheckFreq and DCP async checkpoint every ``k``
+steps; Naive DC writes a difference every ``k`` steps. LowDiff, LowDiff+ and Gemini also
+hand every step to a process that outlives a crash of the trainer; every row says so
+(``arm_memory_every``). Every time covers the drain of the block's checkpoints
+(:mod:`lowdiff.bench.core`).
+
+- ``overhead`` (Exp. 1/2): time per iteration at durable intervals ``k`` (the profile's
+  ``intervals``), with and without gradient compression, against the same training
+  without checkpoints, every method of one ``k`` in one interleaved run. At ``k = 1``
+  CheckFreq also runs with its own adaptive interval.
+- ``frequency`` (Exp. 4): the smallest durable interval (of the candidates) that keeps
+  the slowdown at or under the bound (3.5%), from the ``overhead`` runs.
+- ``recovery`` (Exp. 5): every method restarted after a failure at step 2f−1: its own
+  recovery time (read, decompress, reconstruct), ``resume()`` wall time, wall time to the
+  end of the first training step after the restart, and to the failure step again.
 - ``batching`` (Exp. 7): LowDiff's write time per record against the batch size b, and
   the memory a batch holds.
 - ``storage`` (Exp. 9): bytes per checkpoint and bytes written per step.
@@ -35,7 +47,15 @@ from typing import Any
 
 import torch
 
-from lowdiff.bench.core import Arena, Arm, BenchSettings, build_workload, make_checkpointer
+from lowdiff.bench.core import (
+    Arena,
+    Arm,
+    BenchSettings,
+    block_length,
+    build_workload,
+    make_checkpointer,
+    newest_full_bytes,
+)
 from lowdiff.bench.core import make_optimizer as _make_optimizer
 
 EXPERIMENTS = (
@@ -53,6 +73,9 @@ DEFAULT_EXPERIMENTS = EXPERIMENTS[:-1]
 """What ``lowdiff bench`` runs when no experiment is named (``fidelity`` runs when named)."""
 OVERHEAD_BOUND = 0.035
 """The slowdown bound of Exp. 4 (3.5%, after CheckFreq)."""
+DCP_MODES = ("thread", "process")
+"""DCP ``async_save`` savers the timing experiments compare (the thread saver is DCP's
+default and torchtitan's ``async`` mode)."""
 
 
 @dataclass
@@ -61,27 +84,37 @@ class Profile:
 
     Attributes:
         ratio: The top-k ratio of compressed training (the paper's 0.01).
-        lowdiff_full_every: LowDiff's full-checkpoint interval f in the timing experiments.
-        lowdiff_batch: LowDiff's batch size b in the timing experiments.
-        intervals: Candidate checkpoint intervals of ``frequency``.
+        lowdiff_full_every: LowDiff's (and LowDiff+'s, Naive DC's) full-checkpoint
+            interval f in the timing experiments.
+        lowdiff_batch: LowDiff's batch size b in ``recovery`` and ``ratio``.
+        intervals: Durable intervals k of ``overhead`` and ``frequency``.
         recovery_fulls: Full-checkpoint intervals f of ``recovery``.
         batch_sizes: Batch sizes b of ``batching``.
         ratios: Top-k ratios of ``ratio``.
-        gemini_persist_every: Gemini persists every this many in-memory checkpoints.
+        gemini_persist_every: Gemini's persistence interval where no durable interval is
+            asked for (``fidelity``).
     """
 
     ratio: float = 0.01
     lowdiff_full_every: int = 20
     lowdiff_batch: int = 5
-    intervals: list[int] = field(default_factory=lambda: [1, 2, 5, 10, 20])
+    intervals: list[int] = field(default_factory=lambda: [1, 5, 10, 20])
     recovery_fulls: list[int] = field(default_factory=lambda: [5, 10, 20, 50])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 5, 10, 20])
     ratios: list[float] = field(default_factory=lambda: [0.001, 0.005, 0.01, 0.05, 0.1])
     gemini_persist_every: int = 10
 
+    def __post_init__(self) -> None:
+        for name in ("intervals", "recovery_fulls", "batch_sizes"):
+            vals = getattr(self, name)
+            if not vals or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals
+            ):
+                raise ValueError(f"{name} must be integers >= 1, got {vals!r}")
+
 
 QUICK_PROFILE = Profile(
-    intervals=[1, 2, 5],
+    intervals=[1, 5, 10],
     recovery_fulls=[5, 10],
     batch_sizes=[1, 2, 5, 10],
     ratios=[0.001, 0.01, 0.1],
@@ -106,87 +139,174 @@ class Context:
 # --------------------------------------------------------------------------- arms
 
 
-def compressed_arms(p: Profile, interval: int = 1) -> list[Arm]:
-    """Compressed training: no checkpoint, LowDiff, and every baseline at ``interval``."""
-    r = p.ratio
+def _full_every(p: Profile, k: int) -> int:
+    """LowDiff's f at durable interval k: the profile's f, or k when k is larger."""
+    return max(p.lowdiff_full_every, k)
+
+
+def compressed_arms(p: Profile, interval: int = 1, *, own_policies: bool = False) -> list[Arm]:
+    """Compressed training at durable interval ``interval``: no checkpoint, LowDiff with
+    ``b = interval``, and every baseline (see the module docstring)."""
+    r, k = p.ratio, interval
     return [
         Arm("W/O CKPT", "none", r),
         Arm(
             "LowDiff",
             "lowdiff",
             r,
-            p.lowdiff_full_every,
-            (("batch_size", p.lowdiff_batch),),
+            _full_every(p, k),
+            (("batch_size", k),),
+            durable_every=k,
+            memory_every=1,
         ),
-        *baseline_arms(p, r, interval),
+        *baseline_arms(p, r, k, dcp_modes=DCP_MODES, own_policies=own_policies),
     ]
 
 
-def uncompressed_arms(p: Profile, interval: int = 1) -> list[Arm]:
-    """Uncompressed training: no checkpoint, LowDiff+, and every baseline at ``interval``."""
+def uncompressed_arms(p: Profile, interval: int = 1, *, own_policies: bool = False) -> list[Arm]:
+    """Uncompressed training at durable interval ``interval``: no checkpoint, LowDiff+
+    persisting every ``interval`` steps, and every baseline."""
+    k = interval
     return [
         Arm("W/O CKPT", None),
-        Arm("LowDiff+", "lowdiff+", None, p.lowdiff_full_every, (("persist_every", "auto"),)),
-        *baseline_arms(p, None, interval),
+        Arm(
+            "LowDiff+",
+            "lowdiff+",
+            None,
+            _full_every(p, k),
+            (("persist_every", k),),
+            durable_every=k,
+            memory_every=1,
+        ),
+        *baseline_arms(p, None, k, dcp_modes=DCP_MODES, own_policies=own_policies),
     ]
 
 
-def baseline_arms(p: Profile, ratio: float | None, interval: int) -> list[Arm]:
+def baseline_arms(
+    p: Profile,
+    ratio: float | None,
+    interval: int | None,
+    *,
+    dcp_modes: tuple[str, ...] = ("thread",),
+    own_policies: bool = False,
+) -> list[Arm]:
+    """The baselines at durable interval ``interval``.
+
+    ``interval=None``: Gemini checkpoints every step and persists every
+    ``p.gemini_persist_every``, the others checkpoint every step (``fidelity``).
+    ``own_policies`` adds CheckFreq with its own adaptive interval (``full_every="auto"``).
+    With one DCP mode its label is ``"DCP async"``, else the mode is named.
+    """
     nd_ratio = p.ratio if ratio is None else ratio
-    return [
-        Arm("torch.save", "torch-save", ratio, interval),
-        Arm("CheckFreq", "checkfreq", ratio, interval),
-        Arm("Gemini", "gemini", ratio, interval, (("persist_every", p.gemini_persist_every),)),
+    k = 1 if interval is None else interval
+    persist = p.gemini_persist_every if interval is None else interval
+    arms = [
+        Arm("torch.save", "torch-save", ratio, k, durable_every=k, memory_every=k),
+        Arm("CheckFreq", "checkfreq", ratio, k, durable_every=k, memory_every=k),
+    ]
+    if own_policies:
+        arms.append(Arm("CheckFreq (auto)", "checkfreq", ratio, "auto"))
+    arms += [
+        Arm(
+            "Gemini",
+            "gemini",
+            ratio,
+            1,
+            (("persist_every", persist),),
+            durable_every=persist,
+            memory_every=1,
+        ),
         Arm(
             "Naive DC",
             "naive-dc",
             ratio,
-            max(p.lowdiff_full_every, interval),
-            (("ratio", nd_ratio), ("diff_every", interval)),
+            _full_every(p, k),
+            (("ratio", nd_ratio), ("diff_every", k)),
+            durable_every=k,
+            memory_every=k,
         ),
-        Arm("DCP async", "dcp-async", ratio, interval),
     ]
+    for mode in dcp_modes:
+        label = "DCP async" if len(dcp_modes) == 1 else f"DCP async ({mode})"
+        arms.append(
+            Arm(
+                label,
+                "dcp-async",
+                ratio,
+                k,
+                (("async_mode", mode),),
+                durable_every=k,
+                memory_every=k,
+            )
+        )
+    return arms
 
 
-def _arena(ctx: Context, key: str, arms: list[Arm]) -> dict[str, Any]:
+def _arena(ctx: Context, key: str, arms: list[Arm], periods: list[int]) -> dict[str, Any]:
     """Run (or reuse) one interleaved arena; returns ``{label: summary}`` plus disk bytes.
 
-    Phases are timed apart in every arena (forward+backward, update+checkpoint): the
-    breakdown tables reuse the overhead runs instead of training once more.
+    Blocks are a multiple of every interval in ``periods`` (:func:`block_length`). Phases
+    are timed apart in every arena (forward+backward, update+checkpoint): the breakdown
+    tables reuse the overhead runs instead of training once more.
     """
     if key in ctx.cache:
         return ctx.cache[key]  # type: ignore[no-any-return]
+    s = ctx.settings
     arms = [a for a in arms if ctx.wants(a.strategy)]
-    with Arena(ctx.settings, arms, ctx.progress, phases=True) as arena:
+    sub = BenchSettings(**{**asdict(s), "iters": block_length(s.iters, periods)})
+    with Arena(sub, arms, ctx.progress, phases=True) as arena:
         arena.run()
         out = arena.results()
         for r in arena.runs:
             out[r.arm.label]["disk_bytes"] = arena.disk_bytes(r)
+            out[r.arm.label]["steady_full_bytes"] = newest_full_bytes(r.directory)
+            if r.arm.full_every == "auto" and r.ck is not None:
+                out[r.arm.label]["chosen_interval"] = r.ck.stats.get("interval")
     ctx.cache[key] = out
     return out
 
 
-def _overhead_rows(exp: str, setting: str, res: dict[str, Any], ref: str) -> list[dict[str, Any]]:
+def _timing_arena(ctx: Context, setting: str, k: int) -> dict[str, Any]:
+    p = ctx.profile
+    own = k == min(p.intervals)
+    arms = (compressed_arms if setting == "compressed" else uncompressed_arms)(
+        p, k, own_policies=own
+    )
+    return _arena(ctx, f"{setting}-{k}", arms, [_full_every(p, k), k])
+
+
+def _overhead_rows(
+    exp: str, setting: str, res: dict[str, Any], ref: str, interval: int
+) -> list[dict[str, Any]]:
     base = res[ref]["median_s"]
     rows = []
     for label, r in res.items():
         st = r.get("stats", {})
         steps = max(1.0, st.get("steps", 0.0))
+        arm = r["arm"]
+        durable = arm.get("durable_every")
+        if arm.get("full_every") == "auto":  # 0: the policy has not chosen yet
+            durable = int(r.get("chosen_interval") or 0) or None
         rows.append(
             {
                 "experiment": exp,
                 "setting": setting,
+                "interval": interval,
                 "method": label,
-                **{f"arm_{k}": v for k, v in r["arm"].items() if k != "label"},
+                **{f"arm_{k}": v for k, v in arm.items() if k != "label"},
+                "durable_every": durable,
                 "median_s": r["median_s"],
                 "min_s": r["min_s"],
                 "max_s": r["max_s"],
+                "iter_median_s": r.get("iter_median_s"),
+                "block_iters": r.get("block_iters"),
                 "blocks": r["n"],
                 "overhead": r["median_s"] / base - 1.0,
                 "overhead_min": r["min_s"] / res[ref]["max_s"] - 1.0,
                 "overhead_max": r["max_s"] / res[ref]["min_s"] - 1.0,
                 "stall_s_per_step": st.get("stall_s", 0.0) / steps if st else None,
                 "drain_s": r.get("drain_s"),
+                "drain_max_s": r.get("drain_max_s"),
                 "bytes_written_per_step": _bytes_written(st) / steps if st else None,
                 "disk_bytes": r.get("disk_bytes"),
             }
@@ -205,26 +325,22 @@ def _bytes_written(st: dict[str, float]) -> float:
 
 
 def overhead(ctx: Context) -> list[dict[str, Any]]:
-    """Exp. 1/2: per-iteration time with a checkpoint every iteration."""
-    p = ctx.profile
-    rows = _overhead_rows(
-        "overhead", "compressed", _arena(ctx, "compressed-1", compressed_arms(p)), "W/O CKPT"
-    )
-    rows += _overhead_rows(
-        "overhead", "uncompressed", _arena(ctx, "uncompressed-1", uncompressed_arms(p)), "W/O CKPT"
-    )
+    """Exp. 1/2: per-iteration time at every durable interval of the profile."""
+    rows: list[dict[str, Any]] = []
+    for setting in ("compressed", "uncompressed"):
+        for k in ctx.profile.intervals:
+            res = _timing_arena(ctx, setting, k)
+            rows += _overhead_rows("overhead", setting, res, "W/O CKPT", k)
     return rows
 
 
 def storage(ctx: Context) -> list[dict[str, Any]]:
-    """Exp. 9: bytes per checkpoint and bytes written per step (from the overhead runs)."""
-    p = ctx.profile
+    """Exp. 9: bytes per checkpoint and bytes written per step (from the overhead runs at
+    the smallest durable interval)."""
+    k = min(ctx.profile.intervals)
     rows = []
-    for setting, key, arms in (
-        ("compressed", "compressed-1", compressed_arms(p)),
-        ("uncompressed", "uncompressed-1", uncompressed_arms(p)),
-    ):
-        res = _arena(ctx, key, arms)
+    for setting in ("compressed", "uncompressed"):
+        res = _timing_arena(ctx, setting, k)
         for label, r in res.items():
             st = r.get("stats")
             if not st:
@@ -233,87 +349,60 @@ def storage(ctx: Context) -> list[dict[str, Any]]:
             row: dict[str, Any] = {
                 "experiment": "storage",
                 "setting": setting,
+                "interval": k,
                 "method": label,
                 "steps": st.get("steps"),
                 "bytes_written_per_step": _bytes_written(st) / steps,
                 "disk_bytes": r.get("disk_bytes"),
+                # the newest full checkpoint on disk: it holds the optimizer state, which
+                # the step-0 checkpoint does not have yet
+                "full_checkpoint_bytes": r.get("steady_full_bytes"),
             }
             if "record_bytes" in st:
-                row["full_checkpoint_bytes"] = st["full_bytes"] / max(1.0, st["fulls_written"])
                 if st.get("records_written"):
                     row["differential_bytes"] = st["record_bytes"] / st["records_written"]
-            else:
-                n = max(1.0, st.get("checkpoints", 0.0) + st.get("fulls", 0.0))
-                if "diff_bytes" in st and st.get("diffs"):
-                    row["differential_bytes"] = st["diff_bytes"] / st["diffs"]
-                    row["full_checkpoint_bytes"] = (st["bytes_written"] - st["diff_bytes"]) / max(
-                        1.0, st.get("fulls", 1.0)
-                    )
-                elif st.get("persists"):  # Gemini: in memory every interval, on disk rarely
-                    row["full_checkpoint_bytes"] = st["bytes_written"] / st["persists"]
-                    row["memory_bytes_per_checkpoint"] = st.get("memory_bytes", 0.0) / n
-                else:
-                    row["full_checkpoint_bytes"] = st.get("bytes_written", 0.0) / n
+            elif "diff_bytes" in st and st.get("diffs"):
+                row["differential_bytes"] = st["diff_bytes"] / st["diffs"]
+            if st.get("persists") and "memory_bytes" in st:  # Gemini: in memory every step
+                n = max(1.0, st.get("checkpoints", 0.0))
+                row["memory_bytes_per_checkpoint"] = st["memory_bytes"] / n
             rows.append(row)
     return rows
 
 
 def frequency(ctx: Context) -> list[dict[str, Any]]:
-    """Exp. 4: the smallest checkpoint interval whose slowdown is within the bound."""
-    p, s = ctx.profile, ctx.settings
-    pending = {
-        a.label for a in compressed_arms(p) if a.strategy != "none" and ctx.wants(a.strategy)
-    }
-    if ctx.wants("lowdiff+"):
-        pending.add("LowDiff+ (P)")
-    found: dict[str, dict[str, Any]] = {}
+    """Exp. 4: the smallest durable interval whose slowdown is within the bound."""
+    p = ctx.profile
     rows: list[dict[str, Any]] = []
-    for k in p.intervals:
-        if not pending:
-            break
-        arms = [a for a in compressed_arms(p, k) if a.label in pending | {"W/O CKPT"}]
-        if k > 1:  # LowDiff logs every step by design: its interval is 1
-            arms = [a for a in arms if a.label != "LowDiff"]
-        plus = [Arm("W/O CKPT (uncompressed)", None)]
-        if "LowDiff+ (P)" in pending:
-            plus.append(
-                Arm(
-                    "LowDiff+ (P)",
-                    "lowdiff+",
-                    None,
-                    max(k, p.lowdiff_full_every),
-                    (("persist_every", k),),
+    found: dict[str, int] = {}
+    labels: list[str] = []
+    for k in sorted(p.intervals):
+        for setting in ("compressed", "uncompressed"):
+            res = _timing_arena(ctx, setting, k)
+            ref = res["W/O CKPT"]["median_s"]
+            for label, r in res.items():
+                if label.startswith("W/O") or r["arm"]["full_every"] == "auto":
+                    continue
+                if setting == "uncompressed" and label != "LowDiff+":
+                    continue  # the baselines' figure is the compressed run's
+                ov = r["median_s"] / ref - 1.0
+                if label not in labels:
+                    labels.append(label)
+                rows.append(
+                    {
+                        "experiment": "frequency",
+                        "method": label,
+                        "setting": setting,
+                        "interval": k,
+                        "overhead": ov,
+                        "median_s": r["median_s"],
+                        "reference_median_s": ref,
+                        "within_bound": ov <= OVERHEAD_BOUND,
+                    }
                 )
-            )
-        # a block holds at least two checkpoints of the interval
-        sub = BenchSettings(**{**asdict(s), "iters": max(s.iters, 2 * k)})
-        sub_ctx = Context(sub, p, ctx.progress, methods=ctx.methods)
-        if k == 1 and "compressed-1" in ctx.cache:  # the overhead run measured interval 1
-            res = dict(ctx.cache["compressed-1"])
-            if len(plus) > 1:
-                res.update(_arena(sub_ctx, "frequency-plus-1", plus))
-        else:
-            res = _arena(sub_ctx, f"frequency-{k}", arms + plus)
-        for label, r in res.items():
-            if label.startswith("W/O"):
-                continue
-            ref = res["W/O CKPT (uncompressed)" if label.startswith("LowDiff+") else "W/O CKPT"]
-            ov = r["median_s"] / ref["median_s"] - 1.0
-            rows.append(
-                {
-                    "experiment": "frequency",
-                    "method": label,
-                    "interval": k,
-                    "overhead": ov,
-                    "median_s": r["median_s"],
-                    "reference_median_s": ref["median_s"],
-                    "within_bound": ov <= OVERHEAD_BOUND,
-                }
-            )
-            if ov <= OVERHEAD_BOUND and label in pending:
-                pending.discard(label)
-                found[label] = {"interval": k, "overhead": ov}
-    for label in sorted(found.keys() | pending):
+                if ov <= OVERHEAD_BOUND and label not in found:
+                    found[label] = k
+    for label in labels:
         tried = [r["interval"] for r in rows if r["method"] == label and "interval" in r]
         rows.append(
             {
@@ -321,7 +410,7 @@ def frequency(ctx: Context) -> list[dict[str, Any]]:
                 "method": label,
                 "summary": True,
                 "bound": OVERHEAD_BOUND,
-                "min_interval": found.get(label, {}).get("interval"),
+                "min_interval": found.get(label),
                 "largest_interval_tried": max(tried, default=None),
             }
         )
@@ -329,30 +418,107 @@ def frequency(ctx: Context) -> list[dict[str, Any]]:
 
 
 def recovery(ctx: Context) -> list[dict[str, Any]]:
-    """Exp. 5: recovery time against the full-checkpoint interval."""
+    """Exp. 5: every method restarted after a failure at step 2f−1.
+
+    The failure of a method whose state lives on disk only is a stop of its training
+    (``close()``, which adds no checkpoint that the interval f does not take; what is
+    durable then is what a SIGKILL would have left). LowDiff+ and Gemini recover from the
+    memory of a process that outlives the trainer, so their trainer is a child process
+    killed with SIGKILL.
+    """
     p = ctx.profile
     rows = []
-    cases: list[tuple[str, str, float | None, tuple[tuple[str, Any], ...]]] = [
-        ("Baseline (torch.save)", "torch-save", None, ()),
-        ("Naive DC w/o OC", "naive-dc", None, (("ratio", p.ratio),)),
-        ("Naive DC w/ OC", "naive-dc", None, (("ratio", p.ratio), ("compress_optimizer", True))),
-        ("LowDiff", "lowdiff", p.ratio, (("batch_size", p.lowdiff_batch),)),
-    ]
+    b = p.lowdiff_batch
     for f in p.recovery_fulls:
         target = 2 * f - 1  # the worst case: just before the next full checkpoint
-        for label, strategy, ratio, opts in cases:
-            if ctx.wants(strategy):
-                ctx.progress(f"recovery f={f}: {label}")
-                rows.append(_recovery_case(ctx, Arm(label, strategy, ratio, f, opts), target))
-        if ctx.wants("lowdiff+"):
-            ctx.progress(f"recovery f={f}: LowDiff+ (S)")
-            rows.append(_plus_memory_case(ctx, f, target))
+        cases = [
+            Arm("torch.save", "torch-save", None, f),
+            Arm("CheckFreq", "checkfreq", None, f),
+            Arm("DCP async", "dcp-async", None, f, (("async_mode", "thread"),)),
+            Arm("Naive DC w/o OC", "naive-dc", None, f, (("ratio", p.ratio),)),
+            Arm(
+                "Naive DC w/ OC",
+                "naive-dc",
+                None,
+                f,
+                (("ratio", p.ratio), ("compress_optimizer", True)),
+            ),
+            Arm("LowDiff", "lowdiff", p.ratio, f, (("batch_size", min(b, f)),)),
+        ]
+        for arm in cases:
+            if ctx.wants(arm.strategy):
+                ctx.progress(f"recovery f={f}: {arm.label}")
+                rows.append(_recovery_case(ctx, arm, target))
+        killed = [
+            Arm("Gemini (S)", "gemini", None, 1, (("persist_every", f),)),
+            Arm("LowDiff+ (S)", "lowdiff+", None, f),
+        ]
+        for arm in killed:
+            if ctx.wants(arm.strategy):
+                ctx.progress(f"recovery f={f}: {arm.label}")
+                rows.append(_killed_case(ctx, arm, f, target))
     return rows
+
+
+def _restart(
+    s: BenchSettings, arm: Arm, d: Path, f: int, target: int
+) -> tuple[dict[str, Any], Any]:
+    """Build the training job afresh, restart the strategy on ``d`` and train back to
+    ``target`` (and one step beyond it when nothing was lost); the timings of the restart.
+
+    Every method is timed the same way, from just before its Checkpointer is built (the
+    model and optimizer exist, as in a restarted job): ``resume_s`` to the end of
+    ``resume()``, ``first_step_s`` to the end of the first training step after it,
+    ``back_s`` until the job is at ``target`` again (lost steps retrained).
+    """
+    wl = build_workload(s)
+    opt = _make_optimizer(wl.model, s.lr)
+    t0 = time.perf_counter()
+    ck = make_checkpointer(arm, wl.model, opt, d)
+    t_resume = time.perf_counter() - t0
+    step = ck.step_count
+    t_first = None
+    t = step
+    while t < max(target, step + 1):
+        wl.forward_backward(t)
+        ck.step()
+        opt.zero_grad(set_to_none=True)
+        t += 1
+        if t_first is None:
+            t_first = time.perf_counter() - t0
+        if t == target:
+            break
+    t_back = time.perf_counter() - t0 if step < target else t_resume
+    rs = ck.recovery_stats
+    own = None
+    if rs is not None:
+        own = rs.total_s or rs.read_s + rs.decode_s + rs.replay_s
+    row = {
+        "experiment": "recovery",
+        "method": arm.label,
+        "full_every": f,
+        "failure_step": target,
+        "recovered_step": step,
+        "read_s": rs.read_s if rs else None,
+        "decompress_s": rs.decode_s if rs else None,
+        "reconstruct_s": rs.replay_s if rs else None,
+        "recovery_s": own,
+        "resume_s": t_resume,
+        "first_step_s": t_first,
+        "retrained_steps": target - step,
+        "retrain_s": t_back - t_resume if step < target else 0.0,
+        "back_s": t_back,
+        "bytes_read": rs.bytes_read if rs else None,
+        "records_replayed": rs.records_replayed if rs else None,
+        "source": rs.source if rs else None,
+    }
+    return row, ck
 
 
 def _recovery_case(ctx: Context, arm: Arm, target: int) -> dict[str, Any]:
     s = ctx.settings
-    d = Path(s.workdir) / f"lowdiff-bench-recovery-{os.getpid()}-{arm.strategy}-{arm.full_every}"
+    f = int(arm.full_every)
+    d = Path(s.workdir) / f"lowdiff-bench-recovery-{os.getpid()}-{arm.strategy}-{f}"
     _rmtree(d)
     try:
         wl = build_workload(s)
@@ -363,72 +529,41 @@ def _recovery_case(ctx: Context, arm: Arm, target: int) -> dict[str, Any]:
             ck.step()
             opt.zero_grad(set_to_none=True)
         ck.close()
-        wl2 = build_workload(s)
-        opt2 = _make_optimizer(wl2.model, s.lr)
-        t0 = time.perf_counter()
-        ck2 = make_checkpointer(arm, wl2.model, opt2, d)
-        total = time.perf_counter() - t0
-        rs = ck2.recovery_stats
-        step = ck2.step_count
-        # lost work: a checkpoint older than the failure is reconstructed by retraining
-        t1 = time.perf_counter()
-        for t in range(step, target):
-            wl2.forward_backward(t)
-            ck2.step()
-            opt2.zero_grad(set_to_none=True)
-        retrain = time.perf_counter() - t1
+        row, ck2 = _restart(s, arm, d, f, target)
         ck2.close()
-        return {
-            "experiment": "recovery",
-            "method": arm.label,
-            "full_every": arm.full_every,
-            "failure_step": target,
-            "recovered_step": step,
-            "read_s": rs.read_s,
-            "decompress_s": rs.decode_s,
-            "reconstruct_s": rs.replay_s,
-            "retrain_s": retrain,
-            "retrained_steps": target - step,
-            "recovery_s": rs.total_s or rs.read_s + rs.decode_s + rs.replay_s,
-            "resume_s": total,
-            "total_s": (rs.total_s or rs.read_s + rs.decode_s + rs.replay_s) + retrain,
-            "bytes_read": rs.bytes_read,
-            "records_replayed": rs.records_replayed,
-            "source": rs.source,
-        }
+        return row
     finally:
         _rmtree(d)
 
 
-def _plus_child(settings: dict[str, Any], directory: str, full_every: int, steps: int) -> None:
-    """Train ``steps`` LowDiff+ steps, then die by SIGKILL (a software failure)."""
+def _killed_child(settings: dict[str, Any], directory: str, arm: Arm, steps: int) -> None:
+    """Train ``steps`` steps of ``arm``, then die by SIGKILL (a software failure)."""
     try:
         s = BenchSettings(**{**settings, "workdir": Path(settings["workdir"])})
         wl = build_workload(s)
         opt = _make_optimizer(wl.model, s.lr)
-        ck = make_checkpointer(
-            Arm("LowDiff+", "lowdiff+", None, full_every), wl.model, opt, Path(directory)
-        )
+        ck = make_checkpointer(arm, wl.model, opt, Path(directory))
         for t in range(steps):
             wl.forward_backward(t)
             ck.step()
             opt.zero_grad(set_to_none=True)
-        ck.flush()  # the replica has merged every step (and persisted it)
+        ck.flush()  # the surviving process holds every step (and has persisted what is due)
     except BaseException:
-        # exiting normally would wait for the replica process, which waits for this one
+        # exiting normally would wait for the background process, which waits for this one
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _plus_memory_case(ctx: Context, f: int, target: int) -> dict[str, Any]:
+def _killed_case(ctx: Context, arm: Arm, f: int, target: int) -> dict[str, Any]:
     s = ctx.settings
-    d = Path(s.workdir) / f"lowdiff-bench-recovery-{os.getpid()}-plus-{f}"
+    d = Path(s.workdir) / f"lowdiff-bench-recovery-{os.getpid()}-{arm.strategy}-killed-{f}"
     _rmtree(d)
     try:
         proc = mp.get_context("spawn").Process(
-            target=_plus_child, args=({**asdict(s), "workdir": str(s.workdir)}, str(d), f, target)
+            target=_killed_child,
+            args=({**asdict(s), "workdir": str(s.workdir)}, str(d), arm, target),
         )
         proc.start()
         proc.join(600)
@@ -436,35 +571,12 @@ def _plus_memory_case(ctx: Context, f: int, target: int) -> dict[str, Any]:
             if proc.is_alive():
                 proc.kill()
             raise RuntimeError(
-                f"the LowDiff+ training child did not reach its failure point (exit code "
+                f"the {arm.label} training child did not reach its failure point (exit code "
                 f"{proc.exitcode}); its traceback is above"
             )
-        wl = build_workload(s)
-        opt = _make_optimizer(wl.model, s.lr)
-        t0 = time.perf_counter()
-        ck = make_checkpointer(Arm("LowDiff+", "lowdiff+", None, f), wl.model, opt, d)
-        total = time.perf_counter() - t0
-        rs = ck.recovery_stats
-        step = ck.step_count
+        row, ck = _restart(s, arm, d, f, target)
         ck.close()
-        return {
-            "experiment": "recovery",
-            "method": "LowDiff+ (S)",
-            "full_every": f,
-            "failure_step": target,
-            "recovered_step": step,
-            "read_s": rs.read_s if rs else None,
-            "decompress_s": rs.decode_s if rs else None,
-            "reconstruct_s": rs.replay_s if rs else None,
-            "retrain_s": 0.0,
-            "retrained_steps": target - step,
-            "recovery_s": rs.total_s if rs else None,
-            "resume_s": total,
-            "total_s": rs.total_s if rs else None,
-            "bytes_read": rs.bytes_read if rs else None,
-            "records_replayed": rs.records_replayed if rs else None,
-            "source": rs.source if rs else None,
-        }
+        return row
     finally:
         _rmtree(d)
 
@@ -531,7 +643,7 @@ def ratio(ctx: Context) -> list[dict[str, Any]]:
                 (("batch_size", p.lowdiff_batch),),
             )
         )
-    res = _arena(ctx, "ratio", arms)
+    res = _arena(ctx, "ratio", arms, [p.lowdiff_full_every, p.lowdiff_batch])
     rows = []
     for r in p.ratios:
         ref, ld = res[f"W/O CKPT rho={r:g}"], res[f"LowDiff rho={r:g}"]
@@ -554,7 +666,8 @@ def breakdown(ctx: Context) -> list[dict[str, Any]]:
     """The per-iteration tables: checkpoint costs per method, and LowDiff+'s phases."""
     p = ctx.profile
     rows: list[dict[str, Any]] = []
-    comp = _arena(ctx, "compressed-1", compressed_arms(p))
+    k = min(p.intervals)
+    comp = _timing_arena(ctx, "compressed", k)
     iteration = comp["W/O CKPT"]["median_s"]
     for label, r in comp.items():
         if label == "W/O CKPT":
@@ -582,10 +695,11 @@ def breakdown(ctx: Context) -> list[dict[str, Any]]:
                     st.get("stall_s", st.get("slot_wait_s", 0.0) + st.get("full_wait_s", 0.0))
                 )
                 / steps,
+                "drain_s": r.get("drain_s"),
                 "median_s": r["median_s"],
             }
         )
-    unc = _arena(ctx, "uncompressed-1", uncompressed_arms(p))
+    unc = _timing_arena(ctx, "uncompressed", k)
     for label, r in unc.items():
         if label not in ("W/O CKPT", "LowDiff+"):
             continue

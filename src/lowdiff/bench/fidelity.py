@@ -214,7 +214,7 @@ def plan(ctx: Context, sizes: Sizes, root: Path) -> dict[str, list[Case]]:
                     (("persist_every", "auto"), ("idle_timeout", IDLE_TIMEOUT_S)),
                 )
             )
-        for a in baseline_arms(p, s.ratio, 1):
+        for a in baseline_arms(p, s.ratio, None):
             if not quick or s.ratio is None or a.strategy in QUICK_COMPRESSED_BASELINES:
                 if a.strategy == "gemini":
                     a = replace(a, options=(*a.options, ("idle_timeout", IDLE_TIMEOUT_S)))

@@ -49,12 +49,22 @@ def _of(rows: list[dict[str, Any]], exp: str, **match: Any) -> list[dict[str, An
 # --------------------------------------------------------------------------- sections
 
 
+def _cell_interval(x: Any) -> str:
+    return "–" if x is None else str(x)
+
+
 def section_overhead(rows: list[dict[str, Any]]) -> str:
     out = [
-        "## Overhead (Exp. 1/2): a checkpoint every iteration",
+        "## Overhead (Exp. 1/2) at equal durability",
         "",
-        "Time per iteration, median of the timed blocks (min–max in brackets); overhead is the "
-        "ratio to the run without checkpointing, measured interleaved in the same run.",
+        "Every method of one durable interval k trains interleaved in one run. Durable "
+        "every: steps between two points at which the whole state is on disk. Trainer "
+        "crash: steps between two points that survive a crash of the training process "
+        "alone (1: every step is handed to a process that outlives it). Time per iteration: "
+        "median over timed blocks of (the block's iterations + its final `ck.flush()`) / "
+        "iterations, so each method pays for all of its I/O (min–max in brackets); drain: "
+        "the median `ck.flush()` at the end of a block. Overhead: ratio to the run without "
+        "checkpointing in the same run.",
     ]
     for setting, title in (
         ("compressed", "With gradient compression (Exp. 1)"),
@@ -63,35 +73,70 @@ def section_overhead(rows: list[dict[str, Any]]) -> str:
         rs = _of(rows, "overhead", setting=setting)
         if not rs:
             continue
-        out += ["", f"### {title}", ""]
-        out.append(
-            table(
-                [
-                    "method",
-                    "full every",
-                    "time / iteration",
-                    "overhead",
-                    "stall / step",
-                    "written / step",
-                ],
-                [
+        out += ["", f"### {title}"]
+        summary = _overhead_summary(rs)
+        if summary:
+            out += ["", summary]
+        for k in dict.fromkeys(r.get("interval", 1) for r in rs):
+            block = [r for r in rs if r.get("interval", 1) == k]
+            n = block[0].get("block_iters")
+            out += ["", f"#### Durable interval k = {k}" + (f" (blocks of {n})" if n else ""), ""]
+            out.append(
+                table(
                     [
-                        r["method"],
-                        str(r.get("arm_full_every", "")) if r.get("arm_strategy") else "–",
-                        f"{fmt_s(r['median_s'])} ({fmt_s(r['min_s'])}–{fmt_s(r['max_s'])})",
-                        "–" if r["method"].startswith("W/O") else fmt_pct(r["overhead"]),
-                        fmt_s(r.get("stall_s_per_step"))
-                        if r.get("stall_s_per_step") is not None
-                        else "–",
-                        fmt_bytes(r.get("bytes_written_per_step"))
-                        if r.get("bytes_written_per_step") is not None
-                        else "–",
-                    ]
-                    for r in rs
-                ],
+                        "method",
+                        "durable every",
+                        "trainer crash",
+                        "time / iteration",
+                        "overhead",
+                        "drain / block",
+                        "stall / step",
+                        "written / step",
+                    ],
+                    [
+                        [
+                            r["method"],
+                            _cell_interval(r.get("durable_every")),
+                            _cell_interval(r.get("arm_memory_every")),
+                            f"{fmt_s(r['median_s'])} ({fmt_s(r['min_s'])}–{fmt_s(r['max_s'])})",
+                            "–" if r["method"].startswith("W/O") else fmt_pct(r["overhead"]),
+                            fmt_s(r.get("drain_s")) if r.get("arm_strategy") else "–",
+                            fmt_s(r.get("stall_s_per_step"))
+                            if r.get("stall_s_per_step") is not None
+                            else "–",
+                            fmt_bytes(r.get("bytes_written_per_step"))
+                            if r.get("bytes_written_per_step") is not None
+                            else "–",
+                        ]
+                        for r in block
+                    ],
+                )
             )
-        )
     return "\n".join(out)
+
+
+def _overhead_summary(rs: list[dict[str, Any]]) -> str:
+    """Overhead of every method (rows) at every durable interval (columns)."""
+    ks = list(dict.fromkeys(r.get("interval", 1) for r in rs))
+    if len(ks) < 2:
+        return ""
+    methods = [
+        m
+        for m in dict.fromkeys(r["method"] for r in rs)
+        if not m.startswith("W/O")
+        and all(r.get("arm_full_every") != "auto" for r in rs if r["method"] == m)
+    ]
+    body = []
+    for m in methods:
+        cells = []
+        for k in ks:
+            hit = [r for r in rs if r["method"] == m and r.get("interval", 1) == k]
+            cells.append(fmt_pct(hit[0]["overhead"]) if hit else "–")
+        body.append([m, *cells])
+    return (
+        "Overhead against the same training without checkpoints, by durable interval:\n\n"
+        + table(["method", *[f"k = {k}" for k in ks]], body)
+    )
 
 
 def section_frequency(rows: list[dict[str, Any]]) -> str:
@@ -116,9 +161,10 @@ def section_frequency(rows: list[dict[str, Any]]) -> str:
         [
             "## Checkpoint frequency (Exp. 4)",
             "",
-            f"Smallest checkpoint interval (iterations) whose slowdown is at most {100 * bound:.1f}%. "
-            "For LowDiff and LowDiff+ (S) a checkpoint is a differential one, logged every iteration "
-            "by design; LowDiff+ (P) is the replica's persistence interval.",
+            f"Smallest durable interval k (iterations) whose slowdown is at most {100 * bound:.1f}%, "
+            "from the overhead runs (compressed training; LowDiff+ uncompressed). LowDiff's k is "
+            "its record batch b, LowDiff+'s and Gemini's their persistence interval; all three "
+            "also hand every step to a process that survives a trainer crash.",
             "",
             table(["method", "min interval", "overhead per interval tried"], body),
         ]
@@ -137,9 +183,10 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
             fmt_s(r["read_s"]),
             fmt_s(r["decompress_s"]),
             fmt_s(r["reconstruct_s"]),
-            fmt_s(r["retrain_s"]) if r["retrained_steps"] else "–",
-            fmt_s(r["total_s"]),
-            fmt_s(r["resume_s"]),
+            fmt_s(r.get("resume_s")),
+            fmt_s(r.get("first_step_s")),
+            f"{r['retrained_steps']}: {fmt_s(r['retrain_s'])}" if r["retrained_steps"] else "–",
+            fmt_s(r.get("back_s")),
             str(r["source"]),
         ]
         for r in rs
@@ -148,12 +195,15 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
         [
             "## Recovery (Exp. 5)",
             "",
-            "A failure just before the next full checkpoint (step 2f−1). Retrain: the lost "
-            "iterations trained again, which is how a checkpoint older than the failure is "
-            "reconstructed. Total: recovery (as the strategy's recovery stats time it) plus "
-            "retraining. resume() wall: the whole call, including starting the strategy's "
-            "background process. LowDiff+ (S): the trainer is SIGKILLed and the new one "
-            "recovers from the replica in memory.",
+            "A failure just before the next full checkpoint (step 2f−1); every method "
+            "checkpoints every f steps (LowDiff: a full checkpoint every f, records in between; "
+            "Gemini: in memory every step, on disk every f). Read, decompress, reconstruct: the "
+            "strategy's own recovery stats. The wall times are the same for every method, "
+            "counted from just before the restarted job builds its Checkpointer: resume() "
+            "(including starting the strategy's background process), the end of the first "
+            "training step after the restart, and the job back at the failure step (lost steps "
+            "retrained). (S): the trainer is SIGKILLed and the new one recovers from the memory "
+            "of the process that outlived it.",
             "",
             table(
                 [
@@ -163,9 +213,10 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
                     "read",
                     "decompress",
                     "reconstruct",
-                    "retrain",
-                    "total",
-                    "resume() wall",
+                    "resume()",
+                    "to first step",
+                    "retrained",
+                    "back at failure step",
                     "source",
                 ],
                 body,
@@ -230,8 +281,10 @@ def section_storage(rows: list[dict[str, Any]]) -> str:
         [
             "## Storage (Exp. 9)",
             "",
-            "Bytes of one full checkpoint, of one differential checkpoint, written per training "
-            "step, and left on disk at the end of the overhead run (after retention).",
+            "Bytes of one full checkpoint during training (the newest on disk after step 0, with "
+            "the optimizer state; step 0's has none), of one differential checkpoint, written "
+            "per training step, and left on disk at the end of the overhead run at the smallest "
+            "durable interval (after retention).",
             "",
             table(["method", "full checkpoint", "differential", "written / step", "on disk"], body),
         ]
@@ -280,13 +333,20 @@ def section_breakdown(rows: list[dict[str, Any]]) -> str:
     out = ["## Per-iteration breakdown", ""]
     if per:
         out += [
-            "One training iteration and one checkpoint of each method (compressed training, a "
-            "checkpoint every iteration). Compression: extra compression the checkpoint needs "
+            "One training iteration and one checkpoint of each method (compressed training, the "
+            "smallest durable interval). Compression: extra compression the checkpoint needs "
             "(LowDiff reuses the training's). Checkpoint: time to write one checkpoint (in the "
             "background for every method but torch.save). Stall: time the training waited per step.",
             "",
             table(
-                ["method", "iteration", "compression", "checkpoint", "stall / step"],
+                [
+                    "method",
+                    "iteration",
+                    "compression",
+                    "checkpoint",
+                    "stall / step",
+                    "drain / block",
+                ],
                 [
                     [
                         r["method"],
@@ -294,6 +354,7 @@ def section_breakdown(rows: list[dict[str, Any]]) -> str:
                         "0 (reuse)" if r["method"] == "LowDiff" else fmt_s(r["compression_s"]),
                         fmt_s(r["checkpoint_s"]),
                         fmt_s(r["stall_s_per_step"]),
+                        fmt_s(r.get("drain_s")),
                     ]
                     for r in per
                 ],
@@ -367,8 +428,16 @@ def markdown(run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"block, amp {s['amp']}, gradient accumulation {s['grad_accum']}",
         f"- Profile: {'quick' if run['quick'] else 'full'}; experiments: {', '.join(run['experiments'])}; "
         f"took {run['wall_s']:.0f} s",
-        "",
     ]
+    env = m.get("env")
+    if env:
+        bg = run.get("background_env", {}).get("OMP_WAIT_POLICY")
+        head.append(
+            "- Environment of the training process: "
+            + ", ".join(f"{k}={v if v is not None else 'unset'}" for k, v in env.items())
+            + (f"; background processes: OMP_WAIT_POLICY={bg}" if bg else "")
+        )
+    head.append("")
     parts = [SECTIONS[e](rows) for e in run["experiments"] if e in SECTIONS]
     return "\n".join(head) + "\n" + "\n\n".join(p for p in parts if p) + "\n"
 
@@ -393,24 +462,25 @@ def plots(out: Path, rows: list[dict[str, Any]], experiments: list[str]) -> list
         written.append(path)
 
     if "overhead" in experiments and _of(rows, "overhead"):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for ax, setting in zip(axes, ("compressed", "uncompressed"), strict=True):
-            rs = _of(rows, "overhead", setting=setting)
-            ax.bar([r["method"] for r in rs], [r["median_s"] * 1e3 for r in rs], color="tab:blue")
-            ax.errorbar(
-                range(len(rs)),
-                [r["median_s"] * 1e3 for r in rs],
-                yerr=[
-                    [(r["median_s"] - r["min_s"]) * 1e3 for r in rs],
-                    [(r["max_s"] - r["median_s"]) * 1e3 for r in rs],
-                ],
-                fmt="none",
-                color="black",
-                capsize=3,
-            )
-            ax.set_title(f"Exp. 1/2: {setting} training, checkpoint every iteration")
-            ax.set_ylabel("ms / iteration")
-            ax.tick_params(axis="x", rotation=35)
+            rs = [
+                r
+                for r in _of(rows, "overhead", setting=setting)
+                if not r["method"].startswith("W/O") and r.get("arm_full_every") != "auto"
+            ]
+            for method in dict.fromkeys(r["method"] for r in rs):
+                pts = sorted(
+                    (r.get("interval", 1), 100 * r["overhead"]) for r in rs if r["method"] == method
+                )
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=method)
+            ax.axhline(0, color="gray", linewidth=0.8)
+            ax.set_xscale("log")
+            ax.set_yscale("symlog", linthresh=10)
+            ax.set_xlabel("durable interval k (steps)")
+            ax.set_ylabel("overhead (%), drain included")
+            ax.set_title(f"Exp. 1/2: {setting} training")
+            ax.legend(fontsize=7)
         save(fig, "overhead")
     summ = [r for r in _of(rows, "frequency") if r.get("summary")]
     if "frequency" in experiments and summ:
@@ -432,11 +502,14 @@ def plots(out: Path, rows: list[dict[str, Any]], experiments: list[str]) -> list
         for method in dict.fromkeys(r["method"] for r in rec):
             rs = [r for r in rec if r["method"] == method]
             ax.plot(
-                [r["full_every"] for r in rs], [r["total_s"] for r in rs], marker="o", label=method
+                [r["full_every"] for r in rs],
+                [r["back_s"] for r in rs],
+                marker="o",
+                label=method,
             )
-        ax.set_xlabel("full-checkpoint interval f")
-        ax.set_ylabel("recovery time (s)")
-        ax.set_title("Exp. 5: recovery time")
+        ax.set_xlabel("checkpoint interval f")
+        ax.set_ylabel("restart to the failure step again (s)")
+        ax.set_title("Exp. 5: recovery, resume() and lost work")
         ax.legend(fontsize=8)
         save(fig, "recovery")
     bat = _of(rows, "batching")
