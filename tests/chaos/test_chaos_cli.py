@@ -21,7 +21,8 @@ from lowdiff.cli.main import main
         (["--lowdiff", "3,5"], "--lowdiff must be 'auto', 'model' or 'F,B'"),
         (["--lowdiff", "often"], "--lowdiff must be 'auto', 'model' or 'F,B'"),
         (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
-        (["--interval", "0"], "--interval must be an integer >= 1, got 0"),
+        (["--interval", "0"], "--interval must be 'young-daly' or an integer >= 1, got 0"),
+        (["--persist-interval", "0"], "--persist-interval must be an integer >= 1, got 0"),
         (["--grid", "--grid-f", "1", "--grid-b", "2"], "no pair with b <= f"),
         (["--grid-b", "0"], "--grid-b values must be integers >= 1, got 0"),
         (["--grid-mtbf", "-3"], "--grid-mtbf must be positive seconds"),
@@ -43,6 +44,7 @@ def test_bad_options_are_named(argv: list[str], needle: str, capsys, tmp_path: P
         (["--mtbf", "soon"], "--mtbf: expected comma-separated numbers, got 'soon'"),
         (["--grid-f", "1,x"], "--grid-f: expected comma-separated integers"),
         (["--launcher", "teleport"], "invalid choice: 'teleport'"),
+        (["--interval", "often"], "--interval: expected 'young-daly' or an integer, got 'often'"),
     ],
 )
 def test_unparsable_options_exit_2(argv: list[str], needle: str, capsys) -> None:

@@ -48,6 +48,13 @@ def _fb(r: dict[str, Any]) -> str:
         return f"every step, persist {r['strategy_options'].get('persist_every')}"
     if r["strategy"] == "naive-dc":
         return f"full {r['full_every']}, diff every step"
+    if r["strategy"] == "checkfreq" and r.get("full_every") == "auto":
+        chosen = int((r.get("ck_stats") or {}).get("interval") or 0)
+        return (
+            f"auto (CheckFreq's own; at the end: {chosen})" if chosen else "auto (CheckFreq's own)"
+        )
+    if r.get("interval_policy") == "Young–Daly":
+        return f"every {r['full_every']} (Young–Daly)"
     return f"every {r['full_every']}"
 
 
@@ -202,6 +209,36 @@ def section_gpus(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def section_intervals(rows: list[dict[str, Any]]) -> str:
+    ys = _of(rows, "baseline-interval")
+    if not ys:
+        return ""
+    return "\n".join(
+        [
+            "## The baselines' intervals (Young–Daly)",
+            "",
+            "torch.save and DCP async checkpoint every `sqrt(2 C M) / tau` steps, with C the "
+            "training time one checkpoint cost in a failure-free profiling job of each "
+            "(its stall per checkpoint), M the MTBF and tau the step time of the reference. "
+            'CheckFreq picks its own interval (`full_every="auto"`).',
+            "",
+            table(
+                ["method", "C per checkpoint", "MTBF", "tau", "interval"],
+                [
+                    [
+                        y["strategy"],
+                        fmt_s(y["checkpoint_cost_s"]),
+                        f"{y['mtbf_s']:g} s",
+                        fmt_s(y["tau_s"]),
+                        str(y["interval"]),
+                    ]
+                    for y in ys
+                ],
+            ),
+        ]
+    )
+
+
 def section_plan(rows: list[dict[str, Any]]) -> str:
     ps = _of(rows, "lowdiff-plan")
     if not ps:
@@ -331,6 +368,7 @@ def markdown(run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         section_wasted(rows),
         section_ratio(rows),
         section_gpus(rows),
+        section_intervals(rows),
         section_plan(rows),
         section_grid(rows),
     ]

@@ -31,6 +31,14 @@ LowDiff's ``(f, b)``: ``"auto"`` hands the MTBF to the Checkpointer (``LOWDIFF_M
 whose tuner profiles the costs and picks ``(f*, b*)``; ``"model"`` measures the costs in
 a profiling job first and takes :func:`lowdiff.plan.optimize` per MTBF; ``"F,B"`` fixes
 them.
+
+Every baseline gets its own interval policy too, as its users would run it: CheckFreq
+its own profiled interval (``full_every="auto"``); torch.save and DCP async the
+Young–Daly interval ``sqrt(2 C M)`` for each MTBF ``M``, with ``C`` the training time one
+checkpoint costs, measured in a failure-free profiling job of each
+(:func:`young_daly_interval`); ``interval=N`` fixes theirs instead. Gemini (in memory
+every step) persists every ``persist_interval`` steps, and Naive DC writes a full
+checkpoint every ``persist_interval`` steps.
 """
 
 from __future__ import annotations
@@ -120,6 +128,38 @@ def parse_method(text: str) -> Method:
     return Method(key=key, label=label, strategy=strategy, kind=kind)
 
 
+YOUNG_DALY = "young-daly"
+"""``interval`` of torch.save and DCP async chosen from the checkpoint cost and the MTBF."""
+YOUNG_DALY_STRATEGIES = ("torch-save", "dcp-async")
+"""The baselines whose interval the Young–Daly rule picks."""
+
+
+def young_daly_interval(cost_s: float, mtbf_s: float, tau_s: float) -> int:
+    """The Young–Daly checkpoint interval ``sqrt(2 C M)`` in steps of ``tau_s`` (>= 1).
+
+    Args:
+        cost_s: Training time one checkpoint costs (seconds, >= 0).
+        mtbf_s: Mean time between failures (seconds, > 0).
+        tau_s: Time of one training step (seconds, > 0).
+
+    Example:
+        >>> young_daly_interval(0.02, 100.0, 0.1)  # sqrt(2 * 0.02 * 100) = 2 s = 20 steps
+        20
+        >>> young_daly_interval(0.0, 100.0, 0.1)
+        1
+    """
+    for name, v, positive in (
+        ("cost_s", cost_s, False),
+        ("mtbf_s", mtbf_s, True),
+        ("tau_s", tau_s, True),
+    ):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if v < 0 or (positive and v == 0):
+            raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {v!r}")
+    return max(1, round(math.sqrt(2.0 * cost_s * mtbf_s) / tau_s))
+
+
 def _lowdiff_auto_supported() -> bool:
     """Whether this lowdiff's Checkpointer takes ``full_every="auto"`` with an MTBF."""
     import inspect
@@ -155,8 +195,11 @@ class ChaosSettings:
         lowdiff: LowDiff's ``(f, b)``: ``"auto"``, ``"model"`` or ``"F,B"`` (see the
             module docstring); None: ``"auto"`` where the Checkpointer has its tuner, else
             ``"model"``.
-        interval: Checkpoint interval (steps) of torch.save, DCP async and Naive DC's full
-            checkpoints, and Gemini's persistence interval.
+        interval: Checkpoint interval of torch.save and DCP async: ``"young-daly"`` (from
+            each one's measured checkpoint cost and the MTBF, see the module docstring)
+            or a number of steps.
+        persist_interval: Gemini's persistence interval and Naive DC's full-checkpoint
+            interval (steps).
         grid_f: Full-checkpoint intervals of the grid.
         grid_b: Batch sizes of the grid.
         grid_mtbf: MTBF of the grid; None: ``T_ff / 2``.
@@ -181,7 +224,8 @@ class ChaosSettings:
     expected_failures: tuple[float, ...] = (1.0, 2.0, 4.0)
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     lowdiff: str | None = None
-    interval: int = 10
+    interval: int | str = YOUNG_DALY
+    persist_interval: int = 10
     grid_f: list[int] | None = None
     grid_b: list[int] | None = None
     grid_mtbf: float | None = None
@@ -201,7 +245,15 @@ class ChaosSettings:
         self.steps = self.steps if self.steps is not None else (100 if self.quick else 300)
         self.batch_size = self.batch_size or (4 if self.quick else 8)
         self.seq_len = self.seq_len or (64 if self.quick else 128)
-        for name in ("steps", "batch_size", "seq_len", "threads", "interval", "block"):
+        if self.interval != YOUNG_DALY and (
+            isinstance(self.interval, bool)
+            or not isinstance(self.interval, int)
+            or self.interval < 1
+        ):
+            raise ValueError(
+                f"--interval must be {YOUNG_DALY!r} or an integer >= 1, got {self.interval!r}"
+            )
+        for name in ("steps", "batch_size", "seq_len", "threads", "persist_interval", "block"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
@@ -294,14 +346,23 @@ def _parse_fb(text: str) -> tuple[int, int] | None:
     return fv, bv
 
 
-def method_config(m: Method, s: ChaosSettings, fb: tuple[int, int] | str | None) -> dict[str, Any]:
+def method_config(
+    m: Method,
+    s: ChaosSettings,
+    fb: tuple[int, int] | str | None,
+    interval: int | None = None,
+) -> dict[str, Any]:
     """The training config of a method's job.
 
-    ``fb``: LowDiff's ``(f, b)``, or ``"auto"``.
+    ``fb``: LowDiff's ``(f, b)``, or ``"auto"``. ``interval``: the checkpoint interval of
+    torch.save and DCP async (their Young–Daly interval at the job's MTBF); None: the
+    fixed ``s.interval``, or ``s.persist_interval`` when that is ``"young-daly"``.
     """
     cfg = s.base_config()
     cfg["strategy"] = m.strategy
-    k = s.interval
+    k = s.persist_interval
+    if interval is None:
+        interval = s.interval if isinstance(s.interval, int) else s.persist_interval
     if m.strategy == "lowdiff":
         if fb == "auto" or fb is None:
             cfg["full_every"], cfg["batch_size_records"] = "auto", "auto"
@@ -321,7 +382,7 @@ def method_config(m: Method, s: ChaosSettings, fb: tuple[int, int] | str | None)
         cfg["full_every"] = k
         cfg["strategy_options"] = {"diff_every": 1, "ratio": s.ratio}
     else:  # torch-save, dcp-async
-        cfg["full_every"] = k
+        cfg["full_every"] = interval
     return cfg
 
 
@@ -622,13 +683,41 @@ def _compare(
                 )
             info["lowdiff_costs"] = costs
 
+    yd = {x.strategy for x in s.parsed_methods} & set(YOUNG_DALY_STRATEGIES)
+    intervals: dict[tuple[str, float], int] = {}
+    if s.interval == YOUNG_DALY and yd:
+        costs_yd: dict[str, float] = {}
+        for strategy in sorted(yd):
+            prof = _profile_baseline(s, r, strategy)
+            st = prof.result.get("ck_stats") or {}
+            n = float(st.get("checkpoints") or 0.0)
+            if n < 1:
+                raise ChaosError(f"the profiling job of {strategy} took no checkpoint")
+            costs_yd[strategy] = float(st.get("stall_s") or 0.0) / n
+        for m in mtbfs:
+            for strategy, c in costs_yd.items():
+                k = young_daly_interval(c, m, tau)
+                intervals[(strategy, m)] = k
+                rows.append(
+                    {
+                        "experiment": "baseline-interval",
+                        "strategy": strategy,
+                        "policy": YOUNG_DALY,
+                        "checkpoint_cost_s": c,
+                        "mtbf_s": m,
+                        "tau_s": tau,
+                        "interval": k,
+                    }
+                )
+        info["young_daly_costs_s"] = costs_yd
+
     results: list[tuple[Method, int, float, JobResult]] = []
     for g, m in enumerate(mtbfs):
         if g > 0:
             r.references(g, uncompressed)
         say(f"MTBF {m:g} s: {len(schedules[m].points)} failure(s) scheduled")
         for meth in s.parsed_methods:
-            cfg = method_config(meth, s, fb.get(m))
+            cfg = method_config(meth, s, fb.get(m), intervals.get((meth.strategy, m)))
             job = Job(
                 f"mtbf{g}-{_safe_name(meth.key)}",
                 cfg,
@@ -642,7 +731,7 @@ def _compare(
     for meth, g, m, res in results:
         ref_total, ref_startup = r.t_ff(not meth.uncompressed, g)
         acc = account(res.attempts, ref_total, ref_startup)
-        cfg = method_config(meth, s, fb.get(m))
+        cfg = method_config(meth, s, fb.get(m), intervals.get((meth.strategy, m)))
         st = res.result.get("ck_stats") or {}
         extra = {
             "experiment": "wasted",
@@ -656,6 +745,7 @@ def _compare(
             if meth.strategy == "lowdiff"
             else None,
             "strategy_options": cfg.get("strategy_options", {}),
+            "interval_policy": _policy(meth.strategy, s),
             "chosen_full_every": st.get("full_every"),
             "chosen_batch_size": st.get("batch_size"),
         }
@@ -667,6 +757,30 @@ def _compare(
     lowdiff_jobs = [res for meth, _, _, res in results if meth.strategy == "lowdiff"]
     if lowdiff_jobs or costs_rows:
         info.setdefault("lowdiff_costs", measured_costs(costs_rows + lowdiff_jobs))
+
+
+def _policy(strategy: str, s: ChaosSettings) -> str:
+    """How the method's checkpoint interval was chosen (said in the report)."""
+    if strategy == "lowdiff":
+        return f"(f, b): {s.lowdiff}"
+    if strategy == "lowdiff+":
+        return "persist auto"
+    if strategy == "checkfreq":
+        return "CheckFreq's own (auto)"
+    if strategy in YOUNG_DALY_STRATEGIES:
+        return "Young–Daly" if s.interval == YOUNG_DALY else "fixed"
+    return "fixed"
+
+
+def _profile_baseline(s: ChaosSettings, r: _Runner, strategy: str) -> JobResult:
+    """A failure-free job of ``strategy`` checkpointing every ``persist_interval`` steps
+    (few enough that a background save never waits for the previous one): the training
+    time one checkpoint costs is its ``stall_s`` per checkpoint."""
+    m = parse_method(strategy)
+    cfg = method_config(m, s, None, s.persist_interval)
+    assert s.steps is not None
+    cfg["steps"] = min(s.steps, 4 * s.persist_interval)
+    return r.run(Job(f"profile-{strategy}", cfg), None)
 
 
 def _profile_lowdiff(s: ChaosSettings, r: _Runner, tau: float) -> JobResult:
@@ -775,4 +889,5 @@ __all__ = [
     "parse_method",
     "run_chaos",
     "simulate_gpus",
+    "young_daly_interval",
 ]
