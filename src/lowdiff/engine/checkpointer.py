@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import builtins
 import contextlib
+import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -130,6 +131,20 @@ def compress_grads(
             g.copy_(dense.view_as(g))
             payloads[info.index] = payload
     return payloads, nograd
+
+
+@dataclasses.dataclass
+class _StepGrads:
+    """What stage 1 of the step pipeline hands to stage 3."""
+
+    payloads: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """Record payloads by parameter index (LowDiff)."""
+    nograd: list[int] = dataclasses.field(default_factory=list)
+    """Indices of parameters without a gradient this step."""
+    slot: int = -1
+    """The snapshot slot holding the gradients (LowDiff+)."""
+    extra_s: float = 0.0
+    """Time spent profiling for ``"auto"`` (counted as checkpointing work)."""
 
 
 def _check_int_or_auto(name: str, value: Any) -> int | str:
@@ -539,6 +554,16 @@ class Checkpointer:
     def step(self, metric: float | None = None) -> None:
         """Compress the gradients, log the record, and run the optimizer (and scheduler).
 
+        The one step pipeline of every lowdiff strategy, single-process or distributed:
+
+        1. take the gradients the optimizer will apply (:meth:`_take_gradients`: compress
+           and decompress them in place; under DDP the hook's merged records, made equal
+           to ``.grad`` as it is now; LowDiff+: finish the layer-wise snapshot);
+        2. capture the hyperparameters, run ``optimizer.step()`` and the scheduler;
+        3. hand the step's record over and, when due, stage a full checkpoint
+           (:meth:`_emit`), under the storage-error policy; under DDP, exchange the
+           durable step with the other ranks.
+
         Args:
             metric: passed to ``scheduler.step(metric)`` (for ReduceLROnPlateau).
         """
@@ -548,30 +573,30 @@ class Checkpointer:
             self._start_implicit()
         with contextlib.suppress(_CheckpointingSuspended):
             self._raise_worker_error()
-        if self.strategy == "lowdiff+":
-            self._step_plus(metric)
-            return
         t = self._step
-        if self._hook_state is not None:
-            self._step_dist(t, metric)
-            return
-        if self._tuner is not None:
-            self._step_auto(t, metric)
-            return
-        payloads, nograd = compress_grads(self._params, self._numels, self.compressor, t)
+        tuner = self._tuner
+        if tuner is not None:
+            # tau: the time between two step() calls without the previous one's checkpointing
+            now = time.perf_counter()
+            if self._step_t is None:
+                if not tuner.history:
+                    tuner.force(t, self.full_every, self.batch_size, "start (profiling)")
+            else:
+                tuner.observe_iteration(now - self._step_t - self._ck_s)
+            self._step_t = now
+        grads = self._take_gradients(t)
         hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
+        t1 = time.perf_counter()
         self._optimizer_step(metric)
+        t2 = time.perf_counter()
+        if tuner is not None:
+            tuner.observe_optimizer_step(t2 - t1)
         self._step = t + 1
         self._stats["steps"] += 1
-        if self.strategy == "lowdiff":
-            assert hp is not None
-            with contextlib.suppress(_CheckpointingSuspended):
-                if self._suspended is None:
-                    self._emit_record(t, payloads, nograd, hp)
-                    if self._step % self.full_every == 0:
-                        self._emit_full(self._step)
-                elif self._step % self.full_every == 0:
-                    self._resume_checkpointing()
+        if hp is not None:
+            self._emit(t, grads, hp)
+        if tuner is not None:
+            self._ck_s = time.perf_counter() - t2 + grads.extra_s
 
     def flush(self) -> int:
         """Write the records waiting for a full batch and wait until they are durable.
@@ -1000,46 +1025,6 @@ class Checkpointer:
             self._tuner.observe_full_copy(t2 - t1)
 
     # ------------------------------------------------------------------ full_every / batch_size "auto"
-    def _step_auto(self, t: int, metric: float | None) -> None:
-        """:meth:`step` of strategy ``"lowdiff"`` with ``"auto"``: timed for the planner.
-
-        tau is the time between two ``step()`` calls without the checkpointing work done
-        in the previous one; the optimizer step stands for the replay of one record.
-        """
-        tuner = self._tuner
-        assert tuner is not None
-        t0 = time.perf_counter()
-        if self._step_t is None:
-            if not tuner.history:
-                tuner.force(t, self.full_every, self.batch_size, "start (profiling)")
-        else:
-            tuner.observe_iteration(t0 - self._step_t - self._ck_s)
-        self._step_t = t0
-        payloads, nograd = compress_grads(self._params, self._numels, self.compressor, t)
-        extra = 0.0
-        if tuner.wants_decompress_sample and payloads:
-            extra = self._time_decompress(payloads)
-        hp = st.capture_hparams(self.optimizer)
-        t1 = time.perf_counter()
-        self._optimizer_step(metric)
-        tuner.observe_optimizer_step(time.perf_counter() - t1)
-        self._step = t + 1
-        self._stats["steps"] += 1
-        t2 = time.perf_counter()
-        with contextlib.suppress(_CheckpointingSuspended):
-            if self._suspended is None:
-                self._emit_record(t, payloads, nograd, hp)
-                if self._step - self._last_full >= self.full_every:
-                    self._emit_full(self._step)
-                self._poll()
-                if tuner.due(self._step):
-                    entry = tuner.decide(self._step, self._state_nbytes())
-                    if entry is not None:
-                        self._apply_plan(entry)
-            elif self._step % self.full_every == 0:
-                self._resume_checkpointing()
-        self._ck_s = time.perf_counter() - t2 + extra
-
     def _time_decompress(self, payloads: dict[int, dict[str, torch.Tensor]]) -> float:
         """Decompress one record's payloads again, timed (the replay's decompression)."""
         assert self._tuner is not None
@@ -1165,34 +1150,6 @@ class Checkpointer:
         if snap is not None:
             snap.on_reduced_grad(k, grad)
 
-    def _step_dist(self, t: int, metric: float | None) -> None:
-        """Distributed LowDiff step: the hook already merged the gradients into ``.grad``."""
-        assert self._hook_state is not None
-        payloads = self._hook_state.take(t)
-        nograd = [info.index for info, p in self._params if p.grad is None]
-        missing = [
-            info.name
-            for info, p in self._params
-            if p.grad is not None and info.index not in payloads
-        ]
-        if missing:
-            raise LowDiffError(
-                f"step {t}: the gradients of {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} "
-                "did not pass through lowdiff's DDP hook (was backward run under no_sync(), or were "
-                "gradients set by hand?)"
-            )
-        record_consumed(payloads, self._params)
-        hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
-        self._optimizer_step(metric)
-        self._step = t + 1
-        self._stats["steps"] += 1
-        if self.strategy == "lowdiff":
-            assert hp is not None
-            self._emit_record(t, payloads, nograd, hp)
-            if self._step % self.full_every == 0:
-                self._emit_full(self._step)
-            self._refresh_job_durable()
-
     def _resume_dist(self) -> int:
         """Distributed resume: every rank ends at one agreed step (see lowdiff.dist.recovery)."""
         from lowdiff.dist.recovery import is_job_dir, job_manifest, recover_sharded
@@ -1290,30 +1247,76 @@ class Checkpointer:
         self._stats["lag_wait_s"] += time.perf_counter() - t0
         return slot
 
-    def _step_plus(self, metric: float | None) -> None:
-        """LowDiff+ step: finish the layer-wise snapshot, update, hand the step over."""
-        assert self._snap is not None
-        t = self._step
-        t0 = time.perf_counter()
-        try:
-            slot, nograd = self._snap.finish()
-        except BaseException:
-            held = self._snap.abandon()
-            if held is not None:
-                self._unfill_slot()
-            raise
-        t1 = time.perf_counter()
-        hp = st.capture_hparams(self.optimizer)
-        self._optimizer_step(metric)
-        self._step = t + 1
-        self._stats["steps"] += 1
-        t2 = time.perf_counter()
-        views = self._slot_views[slot]
-        meta = self._fill_row_state(views, t, nograd, hp)
-        self._send(("step", slot, t, meta))
-        self._stats["snapshot_finish_s"] += t1 - t0
-        self._stats["record_send_s"] += time.perf_counter() - t2
+    # ------------------------------------------------------------------ the step pipeline
+    def _take_gradients(self, t: int) -> _StepGrads:
+        """Stage 1: the gradients of step ``t`` as the optimizer will apply them."""
+        out = _StepGrads()
+        if self.strategy == "lowdiff+":
+            assert self._snap is not None
+            t0 = time.perf_counter()
+            try:
+                out.slot, out.nograd = self._snap.finish()
+            except BaseException:
+                if self._snap.abandon() is not None:
+                    self._unfill_slot()
+                raise
+            self._stats["snapshot_finish_s"] += time.perf_counter() - t0
+        elif self._hook_state is not None:
+            # DDP: the hook merged the gradients during backward; whatever happened to .grad
+            # since (clipping, scaling) is taken into the records
+            out.payloads = self._hook_state.take(t)
+            out.nograd = [info.index for info, p in self._params if p.grad is None]
+            missing = [
+                info.name
+                for info, p in self._params
+                if p.grad is not None and info.index not in out.payloads
+            ]
+            if missing:
+                raise LowDiffError(
+                    f"step {t}: the gradients of {', '.join(missing[:3])}"
+                    f"{', ...' if len(missing) > 3 else ''} did not pass through lowdiff's DDP "
+                    "hook (was backward run under no_sync(), or were gradients set by hand?)"
+                )
+            record_consumed(out.payloads, self._params)
+        else:
+            out.payloads, out.nograd = compress_grads(
+                self._params, self._numels, self.compressor, t
+            )
+            if self._tuner is not None and self._tuner.wants_decompress_sample and out.payloads:
+                out.extra_s = self._time_decompress(out.payloads)
+        return out
+
+    def _emit(self, t: int, grads: _StepGrads, hp: list[dict[str, Any]]) -> None:
+        """Stage 3: hand step ``t`` over to the checkpointing process; a full checkpoint
+        when due; the storage-error policy; the job-wide durable step under DDP."""
+        if self.strategy == "lowdiff+":
+            t0 = time.perf_counter()
+            meta = self._fill_row_state(self._slot_views[grads.slot], t, grads.nograd, hp)
+            self._send(("step", grads.slot, t, meta))
+            self._stats["record_send_s"] += time.perf_counter() - t0
+        else:
+            with contextlib.suppress(_CheckpointingSuspended):
+                if self._suspended is not None:
+                    if self._step % self.full_every == 0:
+                        self._resume_checkpointing()
+                    return
+                self._emit_record(t, grads.payloads, grads.nograd, hp)
+                if self._full_due():
+                    self._emit_full(self._step)
+                if self._tuner is not None:
+                    self._poll()
+                    if self._tuner.due(self._step):
+                        entry = self._tuner.decide(self._step, self._state_nbytes())
+                        if entry is not None:
+                            self._apply_plan(entry)
         self._refresh_job_durable()
+
+    def _full_due(self) -> bool:
+        """A full checkpoint after this step: at multiples of f, or with ``"auto"`` f steps
+        after the previous one (f changes there)."""
+        if self._tuner is not None:
+            return self._step - self._last_full >= self.full_every
+        return self._step % self.full_every == 0
 
     def _refresh_job_durable(self) -> None:
         """Under DDP: exchange this shard's durable step with the other ranks (in the
