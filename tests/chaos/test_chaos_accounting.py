@@ -102,3 +102,21 @@ def test_inconsistent_logs_are_refused(mutate, match: str) -> None:
     mutate(log)
     with pytest.raises(ValueError, match=match):
         account(log, 6.5)
+
+
+def test_a_step_finished_but_not_reported_before_the_kill_counts_as_new() -> None:
+    # the first attempt reports steps 1..4 and is killed after step 5's update was handed
+    # over but before it reported it: the second attempt resumes at 5 and goes on with 6
+    log = _log()
+    log[1] = Attempt(
+        start_t=17.5,
+        resumed_t=19.0,
+        resumed_step=5,
+        steps=[(6, 20.0)],
+        end_t=20.5,
+        killed=False,
+        restore_s=0.25,
+        recovery={"source": "disk", "total_s": 0.25},
+    )
+    acc = account(log[:2], reference_s=6.5)
+    assert (acc.failures, acc.steps_new, acc.steps_redone) == (1, 6, 0)

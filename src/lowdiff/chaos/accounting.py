@@ -218,6 +218,10 @@ def account(
             acc.restore_s += min(max(a.restore_s, 0.0), resume)
             acc.recovered_steps.append(a.resumed_step)
             acc.recovery_sources.append((a.recovery or {}).get("source"))
+            if a.resumed_step > hwm:
+                # steps the killed attempt finished (their records were handed over) but
+                # did not live to report: new work, recovered rather than redone
+                acc.steps_new += a.resumed_step - hwm
         hwm = max(hwm, a.resumed_step)
         t_prev = a.resumed_t
         for step, t in a.steps:
