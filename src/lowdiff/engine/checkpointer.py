@@ -1290,6 +1290,11 @@ class Checkpointer:
         """Stage 3: hand step ``t`` over to the checkpointing process; a full checkpoint
         when due; the storage-error policy; the job-wide durable step under DDP."""
         if self.strategy == "lowdiff+":
+            if self._staging is not None and (
+                int(self._ctr_view[channel.STAGING_DONE]) >= self._staged
+            ):
+                # the replica took the initial state: the staging copy is no longer needed
+                self._staging = None
             t0 = time.perf_counter()
             meta = self._fill_row_state(self._slot_views[grads.slot], t, grads.nograd, hp)
             self._send(("step", grads.slot, t, meta))

@@ -406,6 +406,7 @@ def replica_worker_main(
                 _, step, entries_json, meta = msg
                 assert staging is not None
                 rep.init_from(staging, step, entries_json, meta)
+                staging = None  # the replica holds the state now: unmap the staging copy
                 ctr.add(STAGING_DONE)
                 ctr.add(BEAT)
                 send(("merged", rep.step))
