@@ -215,8 +215,11 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
     }
     for r in rec.values():
         assert r["recovered_step"] + r["retrained_steps"] == r["failure_step"] == 3, r
-        # one definition for every method: resume(), then the first step, then caught up
-        assert 0 < r["resume_s"] < r["first_step_s"] <= max(r["back_s"], r["first_step_s"]), r
+        # one definition for every method: resume(), the first step, the first new step
+        assert 0 < r["resume_s"] < r["first_step_s"] <= r["first_new_step_s"], r
+        assert r["retrain_s"] < r["first_new_step_s"] - r["resume_s"], r
+        if r["retrained_steps"] == 0:
+            assert r["first_step_s"] == r["first_new_step_s"] and r["retrain_s"] == 0, r
     assert rec["LowDiff"]["recovered_step"] == 3 and rec["LowDiff"]["records_replayed"] == 1
     assert rec["LowDiff+ (S)"]["source"] == "memory" and rec["Gemini (S)"]["source"] == "memory"
     assert rec["torch.save"]["recovered_step"] == 2 and rec["torch.save"]["retrain_s"] > 0
@@ -235,7 +238,7 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
         "k = 2",
         "frequency",
         "Recovery",
-        "to first step",
+        "to first new step",
         "Batched writes",
         "Storage",
         "Compression ratio",

@@ -58,7 +58,7 @@ def run_bench(
         raise ValueError(f"unknown experiment(s) {unknown}; known: {list(EXPERIMENTS)}")
     if settings is None:
         settings = (
-            BenchSettings(QUICK_WORKLOAD, iters=5, repeats=5)
+            BenchSettings(QUICK_WORKLOAD, iters=20, repeats=7)
             if quick
             else BenchSettings(FULL_WORKLOAD, iters=20, repeats=5)
         )

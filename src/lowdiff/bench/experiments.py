@@ -23,7 +23,8 @@ hand every step to a process that outlives a crash of the trainer; every row say
   the slowdown at or under the bound (3.5%), from the ``overhead`` runs.
 - ``recovery`` (Exp. 5): every method restarted after a failure at step 2f−1: its own
   recovery time (read, decompress, reconstruct), ``resume()`` wall time, wall time to the
-  end of the first training step after the restart, and to the failure step again.
+  end of the first training step after the restart, and to the end of the first new
+  step (lost steps retrained, then one more).
 - ``batching`` (Exp. 7): LowDiff's write time per record against the batch size b, and
   the memory a batch holds.
 - ``storage`` (Exp. 9): bytes per checkpoint and bytes written per step.
@@ -463,13 +464,14 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
 def _restart(
     s: BenchSettings, arm: Arm, d: Path, f: int, target: int
 ) -> tuple[dict[str, Any], Any]:
-    """Build the training job afresh, restart the strategy on ``d`` and train back to
-    ``target`` (and one step beyond it when nothing was lost); the timings of the restart.
+    """Build the training job afresh, restart the strategy on ``d`` and train until the
+    first step that was never done before is done; the timings of the restart.
 
     Every method is timed the same way, from just before its Checkpointer is built (the
     model and optimizer exist, as in a restarted job): ``resume_s`` to the end of
     ``resume()``, ``first_step_s`` to the end of the first training step after it,
-    ``back_s`` until the job is at ``target`` again (lost steps retrained).
+    ``retrain_s`` the lost steps trained again, ``first_new_step_s`` to the end of step
+    ``target + 1`` (the first new step: lost steps retrained, then one more).
     """
     wl = build_workload(s)
     opt = _make_optimizer(wl.model, s.lr)
@@ -477,18 +479,18 @@ def _restart(
     ck = make_checkpointer(arm, wl.model, opt, d)
     t_resume = time.perf_counter() - t0
     step = ck.step_count
-    t_first = None
-    t = step
-    while t < max(target, step + 1):
+    t_first: float | None = None
+    t_caught_up = t_resume
+    for t in range(step, target + 1):
         wl.forward_backward(t)
         ck.step()
         opt.zero_grad(set_to_none=True)
-        t += 1
+        now = time.perf_counter() - t0
         if t_first is None:
-            t_first = time.perf_counter() - t0
-        if t == target:
-            break
-    t_back = time.perf_counter() - t0 if step < target else t_resume
+            t_first = now
+        if t + 1 == target:
+            t_caught_up = now
+    t_new = time.perf_counter() - t0
     rs = ck.recovery_stats
     own = None
     if rs is not None:
@@ -506,8 +508,8 @@ def _restart(
         "resume_s": t_resume,
         "first_step_s": t_first,
         "retrained_steps": target - step,
-        "retrain_s": t_back - t_resume if step < target else 0.0,
-        "back_s": t_back,
+        "retrain_s": t_caught_up - t_resume,
+        "first_new_step_s": t_new,
         "bytes_read": rs.bytes_read if rs else None,
         "records_replayed": rs.records_replayed if rs else None,
         "source": rs.source if rs else None,

@@ -186,7 +186,7 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
             fmt_s(r.get("resume_s")),
             fmt_s(r.get("first_step_s")),
             f"{r['retrained_steps']}: {fmt_s(r['retrain_s'])}" if r["retrained_steps"] else "–",
-            fmt_s(r.get("back_s")),
+            fmt_s(r.get("first_new_step_s")),
             str(r["source"]),
         ]
         for r in rs
@@ -201,8 +201,8 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
             "strategy's own recovery stats. The wall times are the same for every method, "
             "counted from just before the restarted job builds its Checkpointer: resume() "
             "(including starting the strategy's background process), the end of the first "
-            "training step after the restart, and the job back at the failure step (lost steps "
-            "retrained). (S): the trainer is SIGKILLed and the new one recovers from the memory "
+            "training step after the restart, and the end of the first new step (the lost steps "
+            "retrained, then step 2f). (S): the trainer is SIGKILLed and the new one recovers from the memory "
             "of the process that outlived it.",
             "",
             table(
@@ -216,7 +216,7 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
                     "resume()",
                     "to first step",
                     "retrained",
-                    "back at failure step",
+                    "to first new step",
                     "source",
                 ],
                 body,
@@ -424,8 +424,8 @@ def markdown(run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"- torch {m['torch']}, lowdiff {m['lowdiff']}, git {m['git_revision']}, "
         f"{m['torch_threads']} torch threads",
         f"- Workload: {s['workload']} ({run['n_params']:,} parameters), device {s['device']}, "
-        f"{s['iters']} iterations per block, {s['repeats']} timed blocks per method after a warm-up "
-        f"block, amp {s['amp']}, gradient accumulation {s['grad_accum']}",
+        f"at least {s['iters']} iterations per block (a multiple of every interval of the experiment), "
+        f"{s['repeats']} timed blocks per method after a warm-up block, amp {s['amp']}, gradient accumulation {s['grad_accum']}",
         f"- Profile: {'quick' if run['quick'] else 'full'}; experiments: {', '.join(run['experiments'])}; "
         f"took {run['wall_s']:.0f} s",
     ]
@@ -503,12 +503,12 @@ def plots(out: Path, rows: list[dict[str, Any]], experiments: list[str]) -> list
             rs = [r for r in rec if r["method"] == method]
             ax.plot(
                 [r["full_every"] for r in rs],
-                [r["back_s"] for r in rs],
+                [r["first_new_step_s"] for r in rs],
                 marker="o",
                 label=method,
             )
         ax.set_xlabel("checkpoint interval f")
-        ax.set_ylabel("restart to the failure step again (s)")
+        ax.set_ylabel("restart to the first new step (s)")
         ax.set_title("Exp. 5: recovery, resume() and lost work")
         ax.legend(fontsize=8)
         save(fig, "recovery")

@@ -41,8 +41,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--workload", default=None, help="workload name (see lowdiff.workloads.zoo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--iters", type=int, default=None, help="iterations per timed block")
-    p.add_argument("--repeats", type=int, default=None, help="timed blocks per method")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="iterations per timed block, at least (rounded up to a multiple of every "
+        "checkpoint interval of the experiment; default 20)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed blocks per method (default 7 quick, 5 full)",
+    )
     p.add_argument("--batch-size", type=int, default=None, help="training batch size")
     p.add_argument("--amp", choices=("bf16", "fp16"), default=None, help="mixed precision")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
@@ -74,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         args.workload or (QUICK_WORKLOAD if args.quick else FULL_WORKLOAD),
         device=args.device,
-        iters=args.iters or (5 if args.quick else 20),
-        repeats=args.repeats or 5,
+        iters=args.iters or 20,
+        repeats=args.repeats or (7 if args.quick else 5),
         workdir=args.workdir or Path(tempfile.gettempdir()),
         amp=args.amp,
         grad_accum=args.grad_accum,
