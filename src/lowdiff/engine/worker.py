@@ -107,17 +107,36 @@ def wait_for_writer(root: Path, timeout: float, who: str = "a checkpointing proc
 
 
 def retention(root: Path, keep_full: int | None) -> list[Path]:
-    """Delete full checkpoints beyond the newest ``keep_full`` and records no kept one needs."""
+    """Delete the full checkpoints and records that no recovery can need any more.
+
+    Runs in the checkpointing process after each full checkpoint it publishes, on its own
+    directory ``root``. It keeps the newest ``keep_full`` full checkpoints, deletes the
+    older ones, and deletes the record files that end before the oldest one kept.
+
+    In a distributed job (``root`` is a shard ``JOB/rank-NNNNN/`` of a directory with a
+    job manifest) a shard's newest full checkpoints are of no use on their own: recovery
+    starts from a full checkpoint that *every* shard holds. So the oldest step kept is
+    never newer than :func:`job_retention_floor`, the newest full checkpoint every shard
+    holds: that one, every newer one of this shard and every record file of this shard
+    that reaches it or later stay, and a crash of any rank at any moment (one still
+    writing, or killed during, its next full checkpoint) leaves a full checkpoint common
+    to all shards. A single-process directory is not affected.
+
+    ``keep_full=None`` keeps everything. Returns the deleted paths.
+
+    Example:
+        >>> retention(Path("runs/ckpt/rank-00000"), keep_full=1)  # doctest: +SKIP
+        [PosixPath('runs/ckpt/rank-00000/full/full-000000000000.safetensors'), ...]
+    """
     if keep_full is None:
         return []
-    fulls = sorted(
-        (s, p)
-        for p in (root / layout.FULL_DIR).glob("full-*.safetensors")
-        if (s := layout.parse_full_name(p.name)) is not None
-    )
+    fulls = sorted(_full_steps(root).items())
     if len(fulls) <= keep_full:
         return []
     oldest_kept = fulls[-keep_full][0]
+    floor = job_retention_floor(root)
+    if floor is not None:
+        oldest_kept = min(oldest_kept, floor)
     removed = [p for s, p in fulls if s < oldest_kept]
     for p in (root / layout.RECORDS_DIR).glob("rec-*.safetensors"):
         r = layout.parse_records_name(p.name)
@@ -128,6 +147,68 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
             p.unlink()
         _hook("retention", p)
     return removed
+
+
+def _full_steps(root: Path) -> dict[int, Path]:
+    """The full checkpoints in ``root/full/`` by step, from their names alone."""
+    return {
+        s: p
+        for p in (root / layout.FULL_DIR).glob("full-*.safetensors")
+        if (s := layout.parse_full_name(p.name)) is not None
+    }
+
+
+def job_world_size(shard: Path) -> int | None:
+    """The world size of the distributed job ``shard`` belongs to, or None.
+
+    ``shard`` belongs to a job when its parent holds a readable job manifest (see
+    :func:`lowdiff.dist.recovery.is_job_dir`) and ``shard`` is one of the job's rank
+    directories.
+    """
+    # imported here: the dist layer sits above this module
+    from lowdiff.dist.context import rank_dir
+    from lowdiff.dist.recovery import JOB_KIND
+    from lowdiff.errors import CorruptCheckpointError
+
+    job = shard.parent
+    try:
+        manifest = layout.read_manifest(job)
+        world = int(manifest["world_size"]) if manifest.get("kind") == JOB_KIND else 0
+    except (CorruptCheckpointError, KeyError, TypeError, ValueError):
+        return None
+    if world < 1 or shard.name not in {rank_dir(job, r).name for r in range(world)}:
+        return None
+    return world
+
+
+def job_retention_floor(shard: Path) -> int | None:
+    """The step below which retention may delete in a shard of a distributed job.
+
+    The newest full checkpoint that every shard of the job holds, by the names in each
+    shard's ``full/`` directory (a listing per shard, no file is opened). When no step is
+    held by all of them yet, or a shard cannot be listed, it is 0: nothing may go. None
+    when ``shard`` is not part of a distributed job (see :func:`job_world_size`).
+
+    Why this is safe while the other shards' processes write and delete concurrently:
+    every shard's files are published whole (atomic rename) in step order, and a shard
+    deletes a full checkpoint only below a step it has just seen in every shard. The
+    newest step ever seen in every shard is thus deleted by no shard, and stays common.
+    A shard's full checkpoint that is present but damaged counts as held, as
+    ``keep_full`` counts it in a single process.
+    """
+    from lowdiff.dist.context import rank_dir
+
+    world = job_world_size(shard)
+    if world is None:
+        return None
+    common: set[int] | None = None
+    for r in range(world):
+        try:
+            steps = set(_full_steps(rank_dir(shard.parent, r)))
+        except OSError:
+            return 0
+        common = steps if common is None else common & steps
+    return max(common) if common else 0
 
 
 class FullWriter:
