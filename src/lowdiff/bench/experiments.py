@@ -480,7 +480,7 @@ def _restart(
     t_resume = time.perf_counter() - t0
     step = ck.step_count
     t_first: float | None = None
-    t_caught_up = t_resume
+    t_caught_up = t_new = t_resume
     for t in range(step, target + 1):
         wl.forward_backward(t)
         ck.step()
@@ -490,7 +490,7 @@ def _restart(
             t_first = now
         if t + 1 == target:
             t_caught_up = now
-    t_new = time.perf_counter() - t0
+        t_new = now
     rs = ck.recovery_stats
     own = None
     if rs is not None:
