@@ -8,8 +8,8 @@ Example:
 
 from __future__ import annotations
 
+from lowdiff.checkpointer import Checkpointer
 from lowdiff.compressors import QSGD, ApproxTopK, Compressor, NoCompression, RandomK, TopK
-from lowdiff.engine.checkpointer import Checkpointer
 from lowdiff.errors import (
     CheckpointMismatchError,
     CheckpointWorkerError,

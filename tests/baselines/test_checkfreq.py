@@ -95,7 +95,9 @@ def test_choose_interval_rejects_bad_input(args: tuple, name: str) -> None:
 def test_constructor_and_bad_options(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "ok", strategy="checkfreq", full_every=4)
-    assert isinstance(ck, cf.CheckFreqCheckpointer) and ck.interval == 4 == ck.full_every
+    assert (
+        isinstance(ck.strategy_impl, cf.CheckFreqCheckpointer) and ck.interval == 4 == ck.full_every
+    )
     ck.close()
     bad: list[tuple[type[Exception], str, dict]] = [
         (ValueError, "full_every", {"full_every": "often"}),

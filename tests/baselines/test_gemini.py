@@ -164,7 +164,7 @@ def test_killed_trainer_recovers_from_memory(trainers: dict[str, _Trainer]) -> N
     assert rp.pid_alive(holder)
     ck, objects, resumed = harness.run(d, 0, 7, strategy="gemini", close=False, **OPTS)
     stats = ck.recovery_stats
-    assert isinstance(ck, GeminiCheckpointer)
+    assert isinstance(ck.strategy_impl, GeminiCheckpointer)
     assert resumed == 7 and stats is not None  # the newest in-memory step; disk has 6
     assert stats.source == "memory" and stats.files_read == 0
     harness.assert_exact(harness.reference(7), objects)

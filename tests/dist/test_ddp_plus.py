@@ -73,7 +73,7 @@ def test_sigkill_one_rank_recovers_from_the_replicas_in_memory(tmp_path):
         *common,
         restarts=1,
     )
-    assert (run / "killed").read_text() == "7"
+    assert (run / "killed").read_text() == "7 before-forward"
     starts = sorted(f.read_text() for f in run.glob("start-rank*.txt"))
     assert starts == ["0 fresh", "0 fresh", "7 memory", "7 memory"]
     for r in (0, 1):

@@ -1,7 +1,8 @@
 """Baseline checkpointing strategies, behind the same API as lowdiff's own.
 
-``lowdiff.Checkpointer(model, opt, DIR, strategy=NAME, ...)`` returns one of these for
-the names in :data:`BASELINES`; see :mod:`lowdiff.baselines.base` for the contract.
+``lowdiff.Checkpointer(model, opt, DIR, strategy=NAME, ...)`` runs one of these for the
+names in :data:`BASELINES`. They implement :class:`lowdiff.strategy.Strategy`, as
+lowdiff's own strategies do; :mod:`lowdiff.baselines.base` holds what they share.
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ import xxhash
 
 from lowdiff.compressors.base import Compressor
 from lowdiff.engine import state as st
-from lowdiff.engine.checkpointer import _check_int, compress_grads
 from lowdiff.engine.worker import acquire_flock, lock_holder
 from lowdiff.errors import (
     CheckpointMismatchError,
@@ -62,6 +61,8 @@ from lowdiff.format import layout
 from lowdiff.format.atomic import atomic_open, remove_stale_temps, write_bytes_atomic
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import check_directory, is_empty_dir
+from lowdiff.strategy import StepGrads, Strategy, compress_grads
+from lowdiff.strategy import check_int as _check_int
 
 BASELINE_FORMAT = "lowdiff-baseline"
 BASELINE_FORMAT_VERSION = 1
@@ -257,8 +258,8 @@ def quarantine(root: Path, path: Path) -> None:
 # --------------------------------------------------------------------------- the contract
 
 
-class BaselineCheckpointer:
-    """Common half of every baseline: validation, locking, the step loop and resume.
+class BaselineCheckpointer(Strategy):
+    """Common half of every baseline: validation, locking, the pipeline's stages and resume.
 
     Args:
         model, optimizer, directory, scheduler: as for :class:`lowdiff.Checkpointer`.
@@ -296,6 +297,7 @@ class BaselineCheckpointer:
             _check_int("keep_full", keep_full, 1)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.compressor, self.keep_full = compressor, keep_full
+        self.name = self.strategy
         self.start_timeout = float(start_timeout)
         self._params = st.optimizer_params(model, optimizer)
         self._numels = [p.numel() for _, p in self._params]
@@ -367,8 +369,7 @@ class BaselineCheckpointer:
         self._after_resume()
         return step
 
-    def step(self, metric: float | None = None) -> None:
-        """[Compress the gradients,] update, and checkpoint every ``full_every`` steps."""
+    def begin_step(self) -> int:
         if self._closed:
             raise RuntimeError("step() after close()")
         if not self._started:
@@ -379,18 +380,23 @@ class BaselineCheckpointer:
                 )
             self._start_fresh()
         self._raise_background_error()
-        t = self._step
+        return self._step
+
+    def before_update(self, t: int) -> None:
         t0 = time.perf_counter()
         self._before_update(t)
         self._stats["stall_s"] += time.perf_counter() - t0
+
+    def take_gradients(self, t: int) -> StepGrads:
+        """The training's compression (as strategy ``"none"`` applies it), or nothing."""
         if self.compressor is not None:
             compress_grads(self._params, self._numels, self.compressor, t)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            if metric is None:
-                self.scheduler.step()
-            else:
-                self.scheduler.step(metric)
+        return StepGrads()
+
+    def after_update(
+        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
+    ) -> None:
+        """Checkpoint the state after update ``t`` every ``full_every`` steps."""
         self._step = t + 1
         self._stats["steps"] += 1
         if self._step % self.full_every == 0:
@@ -418,16 +424,6 @@ class BaselineCheckpointer:
         finally:
             self._shutdown()
             self._release()
-
-    def __enter__(self) -> BaselineCheckpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            with contextlib.suppress(Exception):
-                self.close()
 
     def __repr__(self) -> str:
         return (

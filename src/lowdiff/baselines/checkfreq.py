@@ -442,7 +442,7 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
         overhead_bound: float = 0.035,
         profile_steps: int = 5,
     ) -> None:
-        from lowdiff.engine.checkpointer import _check_int
+        from lowdiff.strategy import check_int as _check_int
 
         if isinstance(full_every, str) and full_every != AUTO:
             raise ValueError(f"full_every must be an int >= 1 or {AUTO!r}, got {full_every!r}")
@@ -802,7 +802,7 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
             self._stats["write_s"] += took
             self._stats["bytes_written"] += nbytes
         elif kind == "error" and self._error is None:
-            from lowdiff.engine.checkpointer import _STORAGE_ERRORS
+            from lowdiff.strategy import STORAGE_ERRORS as _STORAGE_ERRORS
 
             _, name, text, tb = msg
             self._error = CheckpointWorkerError(

@@ -654,7 +654,7 @@ class GeminiCheckpointer(BaselineCheckpointer):
         persist_every: int = 10,
         idle_timeout: float = 300.0,
     ) -> None:
-        from lowdiff.engine.checkpointer import _check_int
+        from lowdiff.strategy import check_int as _check_int
 
         self.persist_every = _check_int("persist_every", persist_every, 1)
         if not isinstance(idle_timeout, (int, float)) or isinstance(idle_timeout, bool):

@@ -109,6 +109,7 @@ from lowdiff.errors import (
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.strategy import StepGrads
 
 __all__ = ["NaiveDCCheckpointer", "recovery_error"]
 
@@ -299,7 +300,7 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
         compress_optimizer: bool = False,
         max_inflight: int = 2,
     ) -> None:
-        from lowdiff.engine.checkpointer import _check_int
+        from lowdiff.strategy import check_int as _check_int
 
         # checked before the base class takes the directory lock
         self.diff_every = _check_int("diff_every", diff_every, 1)
@@ -357,9 +358,11 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
         )
 
     # ------------------------------------------------------------------ the step loop
-    def step(self, metric: float | None = None) -> None:
-        """[Compress the gradients,] update, then a full or differential checkpoint when due."""
-        super().step(metric)
+    def after_update(
+        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
+    ) -> None:
+        """A full checkpoint when due (the base class), else a differential one when due."""
+        super().after_update(t, grads, hp, update_s)
         s = self._step
         if s % self.full_every != 0 and s % self.diff_every == 0:
             t0 = time.perf_counter()

@@ -164,9 +164,9 @@ def _lowdiff_auto_supported() -> bool:
     """Whether this lowdiff's Checkpointer takes ``full_every="auto"`` with an MTBF."""
     import inspect
 
-    from lowdiff.engine.checkpointer import Checkpointer
+    from lowdiff.engine.checkpointer import LowDiffStrategy
 
-    return "mtbf" in inspect.signature(Checkpointer.__init__).parameters
+    return "mtbf" in inspect.signature(LowDiffStrategy.__init__).parameters
 
 
 @dataclass

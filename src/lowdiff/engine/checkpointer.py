@@ -1,30 +1,32 @@
-"""``lowdiff.Checkpointer``: the training-side half of lowdiff.
+"""lowdiff's own strategies: ``"lowdiff"``, ``"lowdiff+"`` and ``"none"``.
 
-Call sequence (all on the training process)::
+Users reach them through :class:`lowdiff.Checkpointer` (``strategy=...``); they implement
+:class:`lowdiff.strategy.Strategy`, whose :meth:`~lowdiff.strategy.Strategy.step` is the
+one step pipeline. Calls on the training process::
 
-    ck = Checkpointer(model, optimizer, "runs/ckpt", ...)   # validates, takes the directory lock
-    start = ck.resume()      # recovers (or prepares an empty directory), starts the
-                             # checkpointing process, writes the step-0 full checkpoint
-    for step in range(start, total):
-        ...; loss.backward()
-        ck.step()            # compress -> record -> decompress into .grad -> optimizer.step()
-                             # -> scheduler.step(); every full_every steps: stage a full checkpoint
-        optimizer.zero_grad()
-    ck.close()               # flush, wait until durable, stop the checkpointing process
+    s = LowDiffStrategy(model, optimizer, "runs/ckpt", ...)  # validates, takes the lock
+    start = s.resume()   # recovers (or prepares an empty directory), starts the
+                         # checkpointing process, writes the step-0 full checkpoint
+    s.step()             # per step, after backward: take_gradients (compress ->
+                         # decompress into .grad; DDP: the hook's merged records) ->
+                         # optimizer.step() -> scheduler.step() -> after_update (the
+                         # record to the checkpointing process; every full_every steps
+                         # a full checkpoint staged in shared memory)
+    s.close()            # flush, wait until durable, stop the checkpointing process
 
-Strategies: ``"lowdiff"`` logs the compressed gradient of every step as a differential
-record; ``"lowdiff+"`` snapshots uncompressed gradients layer by layer into a CPU replica
-kept by the checkpointing process (see :mod:`lowdiff.engine.snapshot` and
-:mod:`lowdiff.engine.replica_worker`); ``"none"`` keeps the same compression but writes
-nothing (the baseline without checkpointing).
+``"lowdiff"`` logs the compressed gradient of every step as a differential record;
+``"lowdiff+"`` (:class:`LowDiffPlusStrategy`) snapshots uncompressed gradients layer by
+layer into a CPU replica kept by the checkpointing process (see
+:mod:`lowdiff.engine.snapshot` and :mod:`lowdiff.engine.replica_worker`); ``"none"``
+keeps the same compression but writes nothing (the baseline without checkpointing).
+Under DDP the same classes run with :mod:`lowdiff.dist` (process group, shards,
+agreement on one step).
 """
 
 from __future__ import annotations
 
 import atexit
-import builtins
 import contextlib
-import dataclasses
 import datetime as _dt
 import logging
 import os
@@ -35,7 +37,7 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.multiprocessing as tmp
@@ -81,19 +83,19 @@ from lowdiff.plan import AUTO, START_B, START_F, AutoTuner, resolve_mtbf
 from lowdiff.recovery.quarantine import quarantine_beyond
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state, check_compatible, recover
 from lowdiff.recovery.scan import check_directory, is_empty_dir
+from lowdiff.strategy import (
+    STORAGE_ERRORS,
+    StepGrads,
+    Strategy,
+    check_int,
+    check_int_or_auto,
+    check_seconds,
+    compress_grads,
+)
 
 STRATEGIES = ("lowdiff", "lowdiff+", "none")
-"""lowdiff's own strategies; the baselines of :data:`lowdiff.baselines.BASELINES` come too."""
+"""lowdiff's own strategies (the baselines are in :data:`lowdiff.baselines.BASELINES`)."""
 STORAGE_ERROR_POLICIES = ("raise", "warn")
-# Errors of the checkpointing process that come from the storage (a full disk, an I/O
-# error), as opposed to a bug or a lost process: OSError and its subclasses, except the
-# ones a closed pipe between the two processes raises.
-_STORAGE_ERRORS = {
-    c.__name__
-    for c in vars(builtins).values()
-    if isinstance(c, type) and issubclass(c, OSError) and not issubclass(c, ConnectionError)
-}
-
 
 _plan_log = logging.getLogger("lowdiff.plan")
 
@@ -102,138 +104,17 @@ class _CheckpointingSuspended(Exception):
     """Internal: a storage error under ``on_storage_error="warn"`` stopped checkpointing."""
 
 
-def compress_grads(
-    params: list[tuple[st.ParamInfo, torch.nn.Parameter]],
-    numels: list[int],
-    compressor: Compressor,
-    t: int,
-) -> tuple[dict[int, dict[str, torch.Tensor]], list[int]]:
-    """Compress every ``.grad`` and write its decompressed form back (what training applies).
+class LowDiffStrategy(Strategy):
+    """Strategies ``"lowdiff"`` and ``"none"`` (and, through :class:`LowDiffPlusStrategy`,
+    ``"lowdiff+"``): per-iteration checkpointing that reuses the gradients training applies.
 
-    Returns:
-        The payloads by parameter index, and the indices of parameters without a gradient.
-    """
-    payloads: dict[int, dict[str, torch.Tensor]] = {}
-    nograd: list[int] = []
-    with torch.no_grad():
-        for (info, p), numel in zip(params, numels, strict=True):
-            g = p.grad
-            if g is None:
-                nograd.append(info.index)
-                continue
-            if g.is_sparse:
-                raise ValueError(
-                    f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only"
-                )
-            flat = g.detach().contiguous().view(-1)
-            payload = compressor.compress(flat, info.index, t)
-            dense = compressor.decompress(payload, numel, flat.dtype)
-            g.copy_(dense.view_as(g))
-            payloads[info.index] = payload
-    return payloads, nograd
+    Built by :class:`lowdiff.Checkpointer`, whose arguments these are.
 
-
-@dataclasses.dataclass
-class _StepGrads:
-    """What stage 1 of the step pipeline hands to stage 3."""
-
-    payloads: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
-    """Record payloads by parameter index (LowDiff)."""
-    nograd: list[int] = dataclasses.field(default_factory=list)
-    """Indices of parameters without a gradient this step."""
-    slot: int = -1
-    """The snapshot slot holding the gradients (LowDiff+)."""
-    extra_s: float = 0.0
-    """Time spent profiling for ``"auto"`` (counted as checkpointing work)."""
-
-
-def _check_int_or_auto(name: str, value: Any) -> int | str:
-    if isinstance(value, str):
-        if value != AUTO:
-            raise ValueError(f"{name} must be an int >= 1 or 'auto', got {value!r}")
-        return value
-    return _check_int(name, value, 1)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-class Checkpointer:
-    """Per-iteration checkpointing that reuses the compressed gradients training applies.
-
-    Args:
-        model: the model being trained (a plain module, or one wrapped in DDP).
-        optimizer: any ``torch.optim`` optimizer over the model's parameters.
-        directory: the checkpoint directory (created if missing). It must be empty or
-            a lowdiff checkpoint directory. Ignored by ``strategy="none"``.
-        strategy: ``"lowdiff"`` (compressed-gradient records), ``"lowdiff+"`` (no
-            compression: layer-wise gradient snapshots merged into a CPU replica that is
-            persisted in the background and survives a training crash), or ``"none"``
-            (same compression as ``"lowdiff"``, no checkpointing). The baselines
-            ``"torch-save"``, ``"checkfreq"``, ``"gemini"``, ``"naive-dc"`` and
-            ``"dcp-async"`` are built by the same call (see :mod:`lowdiff.baselines`): it then
-            returns a :class:`lowdiff.baselines.BaselineCheckpointer` with the same methods.
-        compressor: the gradient compressor; default ``TopK(ratio=0.01)``. Must be None
-            for ``"lowdiff+"``.
-        full_every: f, a full checkpoint every f steps (and at step 0), or ``"auto"``
-            (strategy ``"lowdiff"``, single process): start at 30 and set f to the
-            argmin of the paper's wasted-time model (:mod:`lowdiff.plan`) once the costs
-            are profiled, then re-plan as they drift. With ``"auto"`` the next full
-            checkpoint comes f steps after the previous one.
-        batch_size: b, records per file (one write per b steps), or ``"auto"`` (start at
-            3, then as for ``full_every``). Changes are logged (logger ``lowdiff.plan``)
-            and listed in :attr:`plan_history`; recovery does not depend on f or b.
-        scheduler: optional LR scheduler; ``step()`` steps it after the optimizer.
-        keep_full: full checkpoints to keep (records older than the oldest kept one are
-            deleted); None keeps everything.
-        max_inflight: records that may wait in shared memory for the checkpointing
-            process before ``step()`` blocks; default ``2 * batch_size + 2``.
-        start_timeout: seconds to wait for the checkpointing process to start, or for a
-            previous session's checkpointing process to finish writing.
-        stall_timeout: seconds the trainer waits on a live checkpointing process that makes
-            no progress (writes nothing, handles nothing) before it raises
-            :class:`CheckpointWorkerError`. A process that is still writing (a large full
-            checkpoint, a slow disk) is waited for as long as it makes progress; a dead one
-            raises at once.
-        max_lag: LowDiff+ only: how many steps the CPU replica may trail the trainer
-            before ``step()`` waits (also the number of gradient snapshot buffers).
-        persist_every: LowDiff+ only: persist the replica every this many steps, or
-            ``"auto"``: as often as the disk keeps up (writing at most half the time).
-        idle_timeout: LowDiff+ only: seconds a replica whose trainer died waits for a new
-            trainer to attach before it persists and exits.
-        replica_threads: LowDiff+ only: torch threads of the replica's optimizer step.
-        mtbf: with ``"auto"``: the job's mean time between failures in seconds; default:
-            the environment variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
-        on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,
-            ``EIO``, ...) does. ``"raise"``: the next ``step()`` raises
-            :class:`CheckpointWorkerError`. ``"warn"`` (strategy ``"lowdiff"`` only):
-            training goes on without checkpointing, a :class:`DurabilityWarning` says how
-            many steps are not durable, and lowdiff retries with a full checkpoint at the
-            next multiple of ``full_every``.
-
-    Example:
-        >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
-        >>> start = ck.resume()  # doctest: +SKIP
-        >>> for step in range(start, 1000):  # doctest: +SKIP
-        ...     loss_fn(model, batch_for(step)).backward()
-        ...     ck.step()
-        ...     opt.zero_grad()
-        >>> ck.close()  # doctest: +SKIP
+    The arguments are those of :class:`lowdiff.Checkpointer` for these strategies.
     """
 
-    def __new__(cls, *args: Any, strategy: str = "lowdiff", **kwargs: Any) -> Any:
-        # the baselines share this constructor: Checkpointer(..., strategy="checkfreq")
-        # returns a lowdiff.baselines object with the same methods
-        from lowdiff.baselines import BASELINES, baseline_class
-
-        if cls is Checkpointer and strategy in BASELINES:
-            return baseline_class(strategy)(*args, **kwargs)
-        return super().__new__(cls)
+    serves: ClassVar[tuple[str, ...]] = ("lowdiff", "none")
+    """The strategy names this class implements."""
 
     def __init__(
         self,
@@ -270,26 +151,27 @@ class Checkpointer:
         self.on_storage_error = on_storage_error
         self._suspended: str | None = None
         """Under "warn": why checkpointing is suspended after a storage error."""
-        if strategy not in STRATEGIES:
-            from lowdiff.baselines import BASELINES
-
+        if strategy not in self.serves:
             raise ValueError(
-                f"strategy must be one of {', '.join(map(repr, (*STRATEGIES, *BASELINES)))}, got {strategy!r}"
+                f"{type(self).__name__} implements strategy {' and '.join(map(repr, self.serves))}, "
+                f"got {strategy!r}"
             )
+        self.name = strategy
+        self.records_hparams = strategy != "none"
         if strategy == "lowdiff+":
             if compressor is not None:
                 raise ValueError(
                     "strategy 'lowdiff+' is for training without compression; pass compressor=None"
                 )
             compressor = NoCompression()
-            _check_int("max_lag", max_lag, 1)
+            check_int("max_lag", max_lag, 1)
             if persist_every != "auto":
-                _check_int("persist_every", persist_every, 1)
+                check_int("persist_every", persist_every, 1)
             if not isinstance(idle_timeout, (int, float)) or idle_timeout < 0:
                 raise ValueError(
                     f"idle_timeout must be a number of seconds >= 0, got {idle_timeout!r}"
                 )
-            _check_int("replica_threads", replica_threads, 1)
+            check_int("replica_threads", replica_threads, 1)
             optimizer_class(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
         elif compressor is None:
             from lowdiff.compressors import TopK
@@ -317,8 +199,8 @@ class Checkpointer:
             self._rank_compressor: Compressor = compressor
             compressor = MergedSparse(compressor, self._dist.world_size)
         self._configured = {
-            "full_every": _check_int_or_auto("full_every", full_every),
-            "batch_size": _check_int_or_auto("batch_size", batch_size),
+            "full_every": check_int_or_auto("full_every", full_every),
+            "batch_size": check_int_or_auto("batch_size", batch_size),
         }
         self._tuner: AutoTuner | None = None
         auto = [k for k, v in self._configured.items() if v == AUTO]
@@ -340,19 +222,17 @@ class Checkpointer:
         self._step_t: float | None = None
         self._ck_s = 0.0
         if keep_full is not None:
-            _check_int("keep_full", keep_full, 1)
+            check_int("keep_full", keep_full, 1)
         if max_inflight is not None:
-            _check_int("max_inflight", max_inflight, 1)
+            check_int("max_inflight", max_inflight, 1)
         if strategy != "none" and directory is None:
             raise ValueError(f"strategy {strategy!r} needs a checkpoint directory, got None")
 
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.strategy, self.compressor, self.keep_full = strategy, compressor, keep_full
         self.start_timeout = float(start_timeout)
-        for name, v in (("start_timeout", start_timeout), ("stall_timeout", stall_timeout)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {v!r}")
-        self.stall_timeout = float(stall_timeout)
+        check_seconds("start_timeout", start_timeout)
+        self.stall_timeout = check_seconds("stall_timeout", stall_timeout)
         self.max_inflight = max_inflight
         self.max_lag, self.persist_every = max_lag, persist_every
         if self._dist is not None and persist_every == "auto":
@@ -551,22 +431,7 @@ class Checkpointer:
             self._emit_full(self._step, kind="init")
         return self._step
 
-    def step(self, metric: float | None = None) -> None:
-        """Compress the gradients, log the record, and run the optimizer (and scheduler).
-
-        The one step pipeline of every lowdiff strategy, single-process or distributed:
-
-        1. take the gradients the optimizer will apply (:meth:`_take_gradients`: compress
-           and decompress them in place; under DDP the hook's merged records, made equal
-           to ``.grad`` as it is now; LowDiff+: finish the layer-wise snapshot);
-        2. capture the hyperparameters, run ``optimizer.step()`` and the scheduler;
-        3. hand the step's record over and, when due, stage a full checkpoint
-           (:meth:`_emit`), under the storage-error policy; under DDP, exchange the
-           durable step with the other ranks.
-
-        Args:
-            metric: passed to ``scheduler.step(metric)`` (for ReduceLROnPlateau).
-        """
+    def begin_step(self) -> int:
         if self._closed:
             raise RuntimeError("step() after close()")
         if not self._started:
@@ -584,19 +449,21 @@ class Checkpointer:
             else:
                 tuner.observe_iteration(now - self._step_t - self._ck_s)
             self._step_t = now
-        grads = self._take_gradients(t)
-        hp = st.capture_hparams(self.optimizer) if self.strategy != "none" else None
-        t1 = time.perf_counter()
-        self._optimizer_step(metric)
-        t2 = time.perf_counter()
+        return t
+
+    def after_update(
+        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
+    ) -> None:
+        t0 = time.perf_counter()
+        tuner = self._tuner
         if tuner is not None:
-            tuner.observe_optimizer_step(t2 - t1)
+            tuner.observe_optimizer_step(update_s)  # stands for the replay of one record
         self._step = t + 1
         self._stats["steps"] += 1
         if hp is not None:
             self._emit(t, grads, hp)
         if tuner is not None:
-            self._ck_s = time.perf_counter() - t2 + grads.extra_s
+            self._ck_s = time.perf_counter() - t0 + grads.extra_s
 
     def flush(self) -> int:
         """Write the records waiting for a full batch and wait until they are durable.
@@ -639,16 +506,6 @@ class Checkpointer:
             self._release()
         if self._suspended is not None:
             self._warn_not_durable("close()")
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            with contextlib.suppress(Exception):
-                self.close()
 
     # ------------------------------------------------------------------ session start
     def _start_implicit(self) -> None:
@@ -851,7 +708,7 @@ class Checkpointer:
         elif kind == "error":
             _, name, text, tb = msg
             self._worker_error = CheckpointWorkerError(
-                f"the checkpointing process failed: {name}: {text}", tb, name in _STORAGE_ERRORS
+                f"the checkpointing process failed: {name}: {text}", tb, name in STORAGE_ERRORS
             )
         return str(kind)
 
@@ -1050,8 +907,8 @@ class Checkpointer:
         """Switch to (f, b) now, as the planner does (``"auto"`` only; for tests and tools)."""
         if self._tuner is None:
             raise RuntimeError("(f, b) can change only with full_every or batch_size 'auto'")
-        _check_int("f", f, 1)
-        _check_int("b", b, 1)
+        check_int("f", f, 1)
+        check_int("b", b, 1)
         if b > f:
             raise ValueError(f"need 1 <= b <= f, got f={f}, b={b}")
         self._apply_plan(self._tuner.force(self._step, f, b, reason))
@@ -1084,14 +941,6 @@ class Checkpointer:
             entry["reason"],
             why,
         )
-
-    def _optimizer_step(self, metric: float | None) -> None:
-        self.optimizer.step()
-        if self.scheduler is not None:
-            if metric is None:
-                self.scheduler.step()
-            else:
-                self.scheduler.step(metric)
 
     def _fill_row_state(
         self, views: dict[str, torch.Tensor], t: int, nograd: list[int], hp: list[dict[str, Any]]
@@ -1248,20 +1097,10 @@ class Checkpointer:
         return slot
 
     # ------------------------------------------------------------------ the step pipeline
-    def _take_gradients(self, t: int) -> _StepGrads:
-        """Stage 1: the gradients of step ``t`` as the optimizer will apply them."""
-        out = _StepGrads()
-        if self.strategy == "lowdiff+":
-            assert self._snap is not None
-            t0 = time.perf_counter()
-            try:
-                out.slot, out.nograd = self._snap.finish()
-            except BaseException:
-                if self._snap.abandon() is not None:
-                    self._unfill_slot()
-                raise
-            self._stats["snapshot_finish_s"] += time.perf_counter() - t0
-        elif self._hook_state is not None:
+    def take_gradients(self, t: int) -> StepGrads:
+        """The gradients of step ``t`` as the optimizer will apply them."""
+        out = StepGrads()
+        if self._hook_state is not None:
             # DDP: the hook merged the gradients during backward; whatever happened to .grad
             # since (clipping, scaling) is taken into the records
             out.payloads = self._hook_state.take(t)
@@ -1286,34 +1125,23 @@ class Checkpointer:
                 out.extra_s = self._time_decompress(out.payloads)
         return out
 
-    def _emit(self, t: int, grads: _StepGrads, hp: list[dict[str, Any]]) -> None:
-        """Stage 3: hand step ``t`` over to the checkpointing process; a full checkpoint
-        when due; the storage-error policy; the job-wide durable step under DDP."""
-        if self.strategy == "lowdiff+":
-            if self._staging is not None and (
-                int(self._ctr_view[channel.STAGING_DONE]) >= self._staged
-            ):
-                # the replica took the initial state: the staging copy is no longer needed
-                self._staging = None
-            t0 = time.perf_counter()
-            meta = self._fill_row_state(self._slot_views[grads.slot], t, grads.nograd, hp)
-            self._send(("step", grads.slot, t, meta))
-            self._stats["record_send_s"] += time.perf_counter() - t0
-        else:
-            with contextlib.suppress(_CheckpointingSuspended):
-                if self._suspended is not None:
-                    if self._step % self.full_every == 0:
-                        self._resume_checkpointing()
-                    return
-                self._emit_record(t, grads.payloads, grads.nograd, hp)
-                if self._full_due():
-                    self._emit_full(self._step)
-                if self._tuner is not None:
-                    self._poll()
-                    if self._tuner.due(self._step):
-                        entry = self._tuner.decide(self._step, self._state_nbytes())
-                        if entry is not None:
-                            self._apply_plan(entry)
+    def _emit(self, t: int, grads: StepGrads, hp: list[dict[str, Any]]) -> None:
+        """Hand step ``t`` over to the checkpointing process; a full checkpoint when due;
+        the storage-error policy; the job-wide durable step under DDP."""
+        with contextlib.suppress(_CheckpointingSuspended):
+            if self._suspended is not None:
+                if self._step % self.full_every == 0:
+                    self._resume_checkpointing()
+                return
+            self._emit_record(t, grads.payloads, grads.nograd, hp)
+            if self._full_due():
+                self._emit_full(self._step)
+            if self._tuner is not None:
+                self._poll()
+                if self._tuner.due(self._step):
+                    entry = self._tuner.decide(self._step, self._state_nbytes())
+                    if entry is not None:
+                        self._apply_plan(entry)
         self._refresh_job_durable()
 
     def _full_due(self) -> bool:
@@ -1496,7 +1324,46 @@ class Checkpointer:
             self._release()
 
 
-def _close_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+class LowDiffPlusStrategy(LowDiffStrategy):
+    """Strategy ``"lowdiff+"``: training without compression; the gradients are
+    snapshotted layer by layer during backward into shared host slots and merged by the
+    checkpointing process into a CPU replica of the model and optimizer, persisted in the
+    background. After a trainer crash a new trainer restarts from the replica in memory.
+
+    The slots are the lag buffers: ``max_lag`` of them, so the replica trails the trainer
+    by at most ``max_lag`` steps.
+    """
+
+    serves: ClassVar[tuple[str, ...]] = ("lowdiff+",)
+
+    def take_gradients(self, t: int) -> StepGrads:
+        """Finish the layer-wise snapshot of step ``t`` (gradients changed after their
+        hook, e.g. by clipping, are copied again)."""
+        assert self._snap is not None
+        out = StepGrads()
+        t0 = time.perf_counter()
+        try:
+            out.slot, out.nograd = self._snap.finish()
+        except BaseException:
+            if self._snap.abandon() is not None:
+                self._unfill_slot()
+            raise
+        self._stats["snapshot_finish_s"] += time.perf_counter() - t0
+        return out
+
+    def _emit(self, t: int, grads: StepGrads, hp: list[dict[str, Any]]) -> None:
+        """Hand the snapshot slot of step ``t`` to the replica."""
+        if self._staging is not None and int(self._ctr_view[channel.STAGING_DONE]) >= self._staged:
+            # the replica took the initial state: the staging copy is no longer needed
+            self._staging = None
+        t0 = time.perf_counter()
+        meta = self._fill_row_state(self._slot_views[grads.slot], t, grads.nograd, hp)
+        self._send(("step", grads.slot, t, meta))
+        self._stats["record_send_s"] += time.perf_counter() - t0
+        self._refresh_job_durable()
+
+
+def _close_at_exit(ref: weakref.ref[LowDiffStrategy]) -> None:
     """Interpreter exit without close(): flush what is pending so nothing is lost."""
     ck = ref()
     if ck is not None:

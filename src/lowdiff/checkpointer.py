@@ -1,0 +1,231 @@
+"""``lowdiff.Checkpointer``: one object for every checkpointing strategy.
+
+It validates the arguments, picks the strategy by name and hands every call to it; the
+strategies (lowdiff's own and the baselines) implement :class:`lowdiff.strategy.Strategy`,
+whose ``step()`` is the one step pipeline. ``isinstance(ck, lowdiff.Checkpointer)`` holds
+whatever the strategy.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from lowdiff.baselines import BASELINES
+from lowdiff.engine import state as st
+from lowdiff.strategy import Strategy
+
+_OWN: dict[str, str] = {
+    "lowdiff": "lowdiff.engine.checkpointer:LowDiffStrategy",
+    "lowdiff+": "lowdiff.engine.checkpointer:LowDiffPlusStrategy",
+    "none": "lowdiff.engine.checkpointer:LowDiffStrategy",
+}
+_STRATEGIES: dict[str, str] = {**_OWN, **BASELINES}
+"""Strategy name -> ``module:class`` (imported on first use)."""
+
+STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The class implementing strategy ``name``."""
+    if name not in _STRATEGIES:
+        raise ValueError(
+            f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {name!r}"
+        )
+    module, _, cls_name = _STRATEGIES[name].partition(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    assert isinstance(cls, type) and issubclass(cls, Strategy)
+    return cls
+
+
+class Checkpointer:
+    """Per-iteration checkpointing that reuses the gradients training applies.
+
+    Args:
+        model: the model being trained (a plain module, or one wrapped in DDP).
+        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        directory: the checkpoint directory (created if missing). It must be empty or
+            a lowdiff checkpoint directory. Ignored by ``strategy="none"``.
+        strategy: ``"lowdiff"`` (compressed-gradient records), ``"lowdiff+"`` (no
+            compression: layer-wise gradient snapshots merged into a CPU replica that is
+            persisted in the background and survives a training crash), or ``"none"``
+            (same compression as ``"lowdiff"``, no checkpointing). Or one of the baselines
+            ``"torch-save"``, ``"checkfreq"``, ``"gemini"``, ``"naive-dc"`` and
+            ``"dcp-async"`` (see :mod:`lowdiff.baselines`; each takes its own options).
+        compressor: the gradient compressor; default ``TopK(ratio=0.01)``. Must be None
+            for ``"lowdiff+"``.
+        full_every: f, a full checkpoint every f steps (and at step 0), or ``"auto"``
+            (strategy ``"lowdiff"``, single process): start at 30 and set f to the
+            argmin of the paper's wasted-time model (:mod:`lowdiff.plan`) once the costs
+            are profiled, then re-plan as they drift. With ``"auto"`` the next full
+            checkpoint comes f steps after the previous one.
+        batch_size: b, records per file (one write per b steps), or ``"auto"`` (start at
+            3, then as for ``full_every``). Changes are logged (logger ``lowdiff.plan``)
+            and listed in :attr:`plan_history`; recovery does not depend on f or b.
+        scheduler: optional LR scheduler; ``step()`` steps it after the optimizer.
+        keep_full: full checkpoints to keep (records older than the oldest kept one are
+            deleted); None keeps everything.
+        max_inflight: records that may wait in shared memory for the checkpointing
+            process before ``step()`` blocks; default ``2 * batch_size + 2``.
+        start_timeout: seconds to wait for the checkpointing process to start, or for a
+            previous session's checkpointing process to finish writing.
+        stall_timeout: seconds the trainer waits on a live checkpointing process that makes
+            no progress (writes nothing, handles nothing) before it raises
+            :class:`CheckpointWorkerError`. A process that is still writing (a large full
+            checkpoint, a slow disk) is waited for as long as it makes progress; a dead one
+            raises at once.
+        max_lag: LowDiff+ only: how many steps the CPU replica may trail the trainer
+            before ``step()`` waits (also the number of gradient snapshot buffers).
+        persist_every: LowDiff+ only: persist the replica every this many steps, or
+            ``"auto"``: as often as the disk keeps up (writing at most half the time).
+        idle_timeout: LowDiff+ only: seconds a replica whose trainer died waits for a new
+            trainer to attach before it persists and exits.
+        replica_threads: LowDiff+ only: torch threads of the replica's optimizer step.
+        mtbf: with ``"auto"``: the job's mean time between failures in seconds; default:
+            the environment variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
+        on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,
+            ``EIO``, ...) does. ``"raise"``: the next ``step()`` raises
+            :class:`CheckpointWorkerError`. ``"warn"`` (strategy ``"lowdiff"`` only):
+            training goes on without checkpointing, a :class:`DurabilityWarning` says how
+            many steps are not durable, and lowdiff retries with a full checkpoint at the
+            next multiple of ``full_every``.
+
+    Example:
+        >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
+        >>> start = ck.resume()  # doctest: +SKIP
+        >>> for step in range(start, 1000):  # doctest: +SKIP
+        ...     loss_fn(model, batch_for(step)).backward()
+        ...     ck.step()
+        ...     opt.zero_grad()
+        >>> ck.close()  # doctest: +SKIP
+
+    Every other keyword goes to the strategy (a baseline's own options, such as
+    ``persist_every`` of ``"gemini"``); an option a strategy does not take is a
+    ``TypeError`` naming it.
+
+    Example:
+        >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
+        >>> start = ck.resume()  # doctest: +SKIP
+        >>> for step in range(start, 1000):  # doctest: +SKIP
+        ...     loss_fn(model, batch_for(step)).backward()
+        ...     ck.step()
+        ...     opt.zero_grad()
+        >>> ck.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        directory: str | os.PathLike[str] | None,
+        *,
+        strategy: str = "lowdiff",
+        **options: Any,
+    ) -> None:
+        if not isinstance(strategy, str):
+            raise TypeError(f"strategy must be a str, got {type(strategy).__name__}")
+        cls = strategy_class(strategy)
+        st.check_training_objects(model, optimizer, options.get("scheduler"))
+        if strategy in _OWN:
+            options["strategy"] = strategy
+        self._impl: Strategy = cls(model, optimizer, directory, **options)
+
+    @property
+    def strategy_impl(self) -> Strategy:
+        """The strategy object doing the work (:class:`lowdiff.strategy.Strategy`)."""
+        return self._impl
+
+    @property
+    def strategy(self) -> str:
+        """The strategy's name."""
+        return self._impl.name
+
+    # ------------------------------------------------------------------ the API
+    def resume(self) -> int:
+        """Restore the newest recoverable state, or prepare an empty directory.
+
+        Restores model parameters and buffers, optimizer state, scheduler state and RNG
+        states. Files past the recovered step, and damaged files, are moved to
+        ``DIR/quarantine/`` (never deleted). The error-feedback residuals restart at zero.
+        Under DDP every rank calls it, and they resume at one agreed step.
+
+        Returns:
+            The recovered step (0 for an empty directory).
+        """
+        return self._impl.resume()
+
+    def step(self, metric: float | None = None) -> None:
+        """Take the gradients as the optimizer will apply them, log the step, run the
+        optimizer (and scheduler), and checkpoint when due.
+
+        Args:
+            metric: passed to ``scheduler.step(metric)`` (for ReduceLROnPlateau).
+        """
+        self._impl.step(metric)
+
+    def flush(self) -> int:
+        """Make everything taken so far durable and wait for it; the newest durable step.
+
+        Under DDP this is a collective call (every rank calls it at the same point): it
+        returns the newest step that every shard has made durable.
+        """
+        return self._impl.flush()
+
+    def close(self) -> None:
+        """Flush everything, wait until it is durable and stop the background work."""
+        self._impl.close()
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer updates done so far (the step the live state is at)."""
+        return self._impl.step_count
+
+    @property
+    def durable_step(self) -> int:
+        """Newest step whose state is recoverable from disk (-1 before the first write).
+
+        Under DDP: the newest step every rank's shard has made durable, as of the previous
+        ``step()`` (it never runs ahead of any shard).
+        """
+        return self._impl.durable_step
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Counters and timings of this session (stall and copy times on the training side)."""
+        return self._impl.stats
+
+    @property
+    def plan_history(self) -> list[dict[str, Any]]:
+        """With ``"auto"``: every (f, b) this session used, oldest first (see
+        :attr:`lowdiff.engine.checkpointer.LowDiffStrategy.plan_history`)."""
+        return self._impl.plan_history
+
+    @property
+    def recovery_stats(self) -> Any:
+        """:class:`lowdiff.RecoveryStats` of :meth:`resume`, or None."""
+        return self._impl.recovery_stats
+
+    def __getattr__(self, name: str) -> Any:
+        # the strategy's own attributes (root, full_every, batch_size, compressor, ...)
+        if name == "_impl":
+            raise AttributeError(name)
+        return getattr(self._impl, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the facade holds nothing but the strategy: attributes are the strategy's
+        if name == "_impl":
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._impl, name, value)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self._impl.__exit__(exc_type, *exc)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self._impl!r})"

@@ -1,0 +1,250 @@
+"""The contract of a checkpointing strategy, and the one step pipeline they all run.
+
+A strategy decides what a checkpoint is and how it gets to disk: lowdiff's own
+(:class:`lowdiff.engine.checkpointer.LowDiffStrategy` for ``"lowdiff"`` and ``"none"``,
+:class:`~lowdiff.engine.checkpointer.LowDiffPlusStrategy` for ``"lowdiff+"``) and the
+baselines of :mod:`lowdiff.baselines` are peers under this contract. Users reach every one
+through :class:`lowdiff.Checkpointer`, which validates the arguments, picks the strategy
+by name and hands every call to it.
+
+Call sequence (every call on the training process; under DDP on every rank, in the same
+order, since some of them are collective)::
+
+    s = StrategyClass(model, optimizer, directory, **options)
+        # validates its options, takes the directory lock
+    start = s.resume()
+        # restores the newest recoverable state (or prepares an empty directory) and
+        # starts the strategy's background work; under DDP the ranks agree on one step
+    for each training step (Strategy.step(), the pipeline below; the user has run
+    forward and backward):
+        t = s.begin_step()                 # starts implicitly on the first step, raises
+                                           # what background work reported (an error,
+                                           # a lost process)
+        s.before_update(t)                 # wait for what must finish before the state
+                                           # changes (CheckFreq's snapshot in flight)
+        grads = s.take_gradients(t)        # the gradients as the optimizer will apply
+                                           # them: compressed and decompressed in place,
+                                           # the DDP hook's merged records, LowDiff+'s
+                                           # layer-wise snapshots
+        hp = capture_hparams(optimizer)    # if s.records_hparams: the update's
+                                           # hyperparameters, before the scheduler moves
+        optimizer.step(); scheduler.step()
+        s.after_update(t, grads, hp, update_s)
+                                           # the state is at t + 1 now: hand the step's
+                                           # record over, checkpoint when due, apply the
+                                           # storage-error policy; under DDP exchange the
+                                           # durable step with the other ranks
+    s.flush()   # everything taken so far is durable (collective under DDP)
+    s.close()   # flush, stop background work, release the directory
+
+A strategy's background work (a checkpointing process, a writer thread, a holder of
+in-memory copies) never runs the optimizer: the training process's ``optimizer.step()``
+above is the only update, so what a strategy records is exactly what training applied.
+"""
+
+from __future__ import annotations
+
+import abc
+import builtins
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Any
+
+import torch
+
+from lowdiff.compressors.base import Compressor
+from lowdiff.engine import state as st
+
+STORAGE_ERRORS = frozenset(
+    c.__name__
+    for c in vars(builtins).values()
+    if isinstance(c, type) and issubclass(c, OSError) and not issubclass(c, ConnectionError)
+)
+"""Names of the errors that come from the storage (a full disk, an I/O error), as opposed
+to a bug or a lost process: OSError and its subclasses, except the ones a closed pipe
+between two processes raises."""
+
+AUTO = "auto"
+
+
+def check_int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``, or a clear TypeError / ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_int_or_auto(name: str, value: Any) -> int | str:
+    """An int >= 1 or ``"auto"``."""
+    if isinstance(value, str):
+        if value != AUTO:
+            raise ValueError(f"{name} must be an int >= 1 or 'auto', got {value!r}")
+        return value
+    return check_int(name, value, 1)
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def compress_grads(
+    params: list[tuple[st.ParamInfo, torch.nn.Parameter]],
+    numels: list[int],
+    compressor: Compressor,
+    t: int,
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[int]]:
+    """Compress every ``.grad`` and write its decompressed form back (what training applies).
+
+    Returns:
+        The payloads by parameter index, and the indices of parameters without a gradient.
+    """
+    payloads: dict[int, dict[str, torch.Tensor]] = {}
+    nograd: list[int] = []
+    with torch.no_grad():
+        for (info, p), numel in zip(params, numels, strict=True):
+            g = p.grad
+            if g is None:
+                nograd.append(info.index)
+                continue
+            if g.is_sparse:
+                raise ValueError(
+                    f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only"
+                )
+            flat = g.detach().contiguous().view(-1)
+            payload = compressor.compress(flat, info.index, t)
+            dense = compressor.decompress(payload, numel, flat.dtype)
+            g.copy_(dense.view_as(g))
+            payloads[info.index] = payload
+    return payloads, nograd
+
+
+@dataclasses.dataclass
+class StepGrads:
+    """What :meth:`Strategy.take_gradients` hands to :meth:`Strategy.after_update`."""
+
+    payloads: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
+    """Record payloads by parameter index (compressed training)."""
+    nograd: list[int] = dataclasses.field(default_factory=list)
+    """Indices of parameters without a gradient this step."""
+    slot: int = -1
+    """The snapshot slot holding the gradients (LowDiff+)."""
+    extra_s: float = 0.0
+    """Time spent profiling (counted as checkpointing work, not training)."""
+
+
+class Strategy(abc.ABC):
+    """One checkpointing strategy (see the module docstring for the call sequence).
+
+    Subclasses set :attr:`name`, keep ``model``, ``optimizer`` and ``scheduler`` as
+    attributes, and implement the stages; :meth:`step` is the pipeline and is not
+    overridden.
+    """
+
+    name: str = ""
+    """The strategy's name (``strategy=`` of :class:`lowdiff.Checkpointer`)."""
+    records_hparams: bool = False
+    """Whether :meth:`after_update` needs the update's hyperparameters."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any | None
+    recovery_stats: Any = None
+    """:class:`lowdiff.RecoveryStats` of the last :meth:`resume`, or None."""
+
+    @abc.abstractmethod
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        directory: str | os.PathLike[str] | None,
+        **options: Any,
+    ) -> None:
+        """Validate the options and take the directory lock (nothing is started yet)."""
+
+    # ------------------------------------------------------------------ the pipeline
+    def step(self, metric: float | None = None) -> None:
+        """Run one training update through the strategy (the pipeline of the module docstring).
+
+        Args:
+            metric: passed to ``scheduler.step(metric)`` (for ReduceLROnPlateau).
+        """
+        t = self.begin_step()
+        self.before_update(t)
+        grads = self.take_gradients(t)
+        hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            if metric is None:
+                self.scheduler.step()
+            else:
+                self.scheduler.step(metric)
+        self.after_update(t, grads, hp, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ stages
+    @abc.abstractmethod
+    def resume(self) -> int:
+        """Restore the newest recoverable state, or prepare an empty directory; the step."""
+
+    @abc.abstractmethod
+    def begin_step(self) -> int:
+        """Start if not started, raise what background work reported; the step ``t``."""
+
+    def before_update(self, t: int) -> None:  # noqa: B027 -- optional stage
+        """Wait for whatever must finish before update ``t`` changes the state."""
+
+    @abc.abstractmethod
+    def take_gradients(self, t: int) -> StepGrads:
+        """The gradients of update ``t`` as the optimizer will apply them."""
+
+    @abc.abstractmethod
+    def after_update(
+        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
+    ) -> None:
+        """Update ``t`` is done (the state is at ``t + 1``): record it, checkpoint when due."""
+
+    @abc.abstractmethod
+    def flush(self) -> int:
+        """Wait until everything taken so far is durable; the newest durable step."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush, stop background work and release the directory (idempotent)."""
+
+    # ------------------------------------------------------------------ state
+    @property
+    @abc.abstractmethod
+    def step_count(self) -> int:
+        """Optimizer updates done so far."""
+
+    @property
+    @abc.abstractmethod
+    def durable_step(self) -> int:
+        """Newest step recoverable from disk (-1 before the first write)."""
+
+    @property
+    @abc.abstractmethod
+    def stats(self) -> dict[str, float]:
+        """Counters and timings of this session."""
+
+    @property
+    def plan_history(self) -> list[dict[str, Any]]:
+        """The (f, b) plans of ``"auto"`` (empty for strategies without one)."""
+        return []
+
+    def __enter__(self) -> Strategy:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            with contextlib.suppress(Exception):
+                self.close()
