@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from lowdiff.engine.record import RecordLayout
-from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError
+from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError, RecoveryError
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
 from lowdiff.recovery.replay import RecoveryStats, recover
@@ -39,6 +39,9 @@ class DirectoryInfo:
     """Every recoverable step lies in one of these inclusive intervals."""
     live_replica: dict[str, Any] | None = None
     """LowDiff+: the checkpointing process's replica in memory (pid, state, step), if any."""
+    foreign: list[tuple[Path, str]] = field(default_factory=list)
+    """Record files of another trajectory (see :mod:`lowdiff.recovery.scan`, "Lineage")
+    that recovery to the newest step passes over: (path, why)."""
 
     @property
     def n_records(self) -> int:
@@ -81,6 +84,10 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
     from lowdiff.engine.replica import replica_status
 
     sc = scan(path)
+    try:
+        foreign = [(x.file.path, x.describe()) for x in make_plan(sc, None).foreign]
+    except RecoveryError:
+        foreign = []  # nothing recoverable: ``recoverable`` says so
     return DirectoryInfo(
         sc.root,
         sc.manifest,
@@ -90,6 +97,7 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
         sc.problems,
         recoverable_intervals(sc),
         replica_status(sc.root),
+        foreign,
     )
 
 
@@ -116,12 +124,14 @@ class JobInfo:
 def inspect_job(path: str | Path) -> JobInfo:
     """Summarise a distributed job's directory: every shard, and the steps all of them serve."""
     from lowdiff.dist.recovery import shard_scans
-    from lowdiff.recovery.scan import chain_from
+    from lowdiff.recovery.scan import chain_from, usable
 
     root = Path(path)
     manifest = layout.read_manifest(root)
     scans = shard_scans(root, int(manifest["world_size"]))
-    common = set.intersection(*({f.first_step for f in sc.fulls} for sc in scans))
+    common = set.intersection(
+        *({f.first_step for f in sc.fulls if f.path not in usable(sc)} for sc in scans)
+    )
     spans = sorted((f, min(chain_from(sc, f)[0] for sc in scans)) for f in common)
     merged: list[tuple[int, int]] = []
     for lo, hi in spans:

@@ -9,6 +9,10 @@ own shard also gives its buffers, RNG and scheduler) and replays the records of 
 shard: the gradient of each parameter comes from the shard that owns it, and its own
 records restore its per-rank state. At the end the ranks check that they reached the
 same step.
+
+Lineage is checked per shard: each rank's files name its own session's run, so a shard's
+chain takes only record files that follow the state it has reached (see
+:mod:`lowdiff.recovery.scan`), and the agreed step is one every shard reaches that way.
 """
 
 from __future__ import annotations
@@ -37,9 +41,21 @@ from lowdiff.recovery.replay import (
     apply_full_state,
     pass_over_full,
     replay_records,
+    state_run,
     warn_damaged,
+    warn_foreign,
 )
-from lowdiff.recovery.scan import FileInfo, Scan, chain_from, scan
+from lowdiff.recovery.scan import (
+    FileInfo,
+    Foreign,
+    Scan,
+    abandoned,
+    chain_from,
+    passed_over,
+    scan,
+    search_chain,
+    usable,
+)
 
 JOB_KIND = "distributed"
 
@@ -101,7 +117,7 @@ def plan_sharded(
     scans: list[Scan], target: int | None, bad: AbstractSet[Path] = frozenset()
 ) -> tuple[int, int]:
     """(target step, full-checkpoint step) that every shard can serve."""
-    steps = [{f.first_step for f in sc.fulls if f.path not in bad} for sc in scans]
+    steps = [{f.first_step for f in sc.fulls if f.path not in usable(sc, bad)} for sc in scans]
     common = set.intersection(*steps) if steps else set()
     if not common:
         raise RecoveryError(
@@ -122,10 +138,15 @@ def plan_sharded(
 
 def _files_for(
     sc: Scan, full: int, target: int, bad: AbstractSet[Path]
-) -> tuple[FileInfo, list[FileInfo]]:
-    f = next(x for x in sc.fulls if x.first_step == full and x.path not in bad)
-    _, files = chain_from(sc, full, bad)
-    return f, [r for r in files if r.first_step < target]
+) -> tuple[FileInfo, list[FileInfo], list[Foreign]]:
+    """A shard's full checkpoint at ``full``, its record files up to ``target``, and the
+    files of another trajectory its chain passed over on the way."""
+    gone = abandoned(sc, bad)
+    out = usable(sc, bad)
+    f = next(x for x in sc.fulls if x.first_step == full and x.path not in out)
+    c = search_chain(sc, full, f.run_id, out)
+    files = [r for r in c.files if r.first_step < target]
+    return f, files, passed_over(gone, c, full, target)
 
 
 def _cloner(tensors: dict[str, torch.Tensor]) -> Any:
@@ -221,12 +242,15 @@ def recover_sharded(
         picked = [_files_for(sc, full, target, bad) for sc in scans]
         stats = RecoveryStats(full_step=full, step=full)
         try:
-            load_full_sharded([f for f, _ in picked], ctx.rank, model, optimizer, scheduler, stats)
+            load_full_sharded(
+                [f for f, _, _ in picked], ctx.rank, model, optimizer, scheduler, stats
+            )
         except CorruptCheckpointError as e:
             pass_over_full(e, bad, skipped)
             continue
+        stats.skipped += warn_foreign([x for _, _, foreign in picked for x in foreign])
         replay_records(
-            [(rl, files) for rl, (_, files) in zip(rls, picked, strict=True)],
+            [(rl, files) for rl, (_, files, _) in zip(rls, picked, strict=True)],
             ctx.rank,
             full,
             target,
@@ -238,6 +262,8 @@ def recover_sharded(
             strict=step is not None,
         )
         ctx.agree(stats.step, "the recovered step")
+        own_full, own_files, _ = picked[ctx.rank]
+        stats.state_run_id = state_run(own_full, own_files, stats.step)
         stats.skipped = skipped + stats.skipped
         stats.total_s = time.perf_counter() - t_start
         return stats

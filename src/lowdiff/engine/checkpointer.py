@@ -647,6 +647,8 @@ class LowDiffStrategy(Strategy):
                 self.layout.row_bytes,
                 self.layout.layout_id,
                 self._run_id,
+                # lineage: the first record file follows the recovered state's run
+                follows=None if self.recovery_stats is None else self.recovery_stats.state_run_id,
             )
         self._proc = ctx.Process(
             target=target,
@@ -1038,7 +1040,6 @@ class LowDiffStrategy(Strategy):
         self._durable = stats.step
         ctx.barrier()  # every rank has read every shard before any file moves
         self._quarantine_beyond(stats)
-        ctx.barrier()  # no rank writes the new run's files before every shard is cut back
         self.compressor.reset_state()
         self._write_manifest()
         self._launch_worker()

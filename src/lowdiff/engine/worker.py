@@ -62,6 +62,10 @@ class WorkerConfig:
     row_bytes: int
     layout_id: str
     run_id: str
+    follows: str | None = None
+    """The run that produced the state this session resumed from (``RecoveryStats.
+    state_run_id``): the ``follows`` of its first record file. None for a fresh session
+    (its first records follow its own step-0 full checkpoint) or an unknown run."""
 
 
 def acquire_flock(path: Path, *, blocking: bool) -> int | None:
@@ -318,6 +322,9 @@ class _Writer:
         self.resumed: bool | None = None
         """Whether this session continues a recovered state (its first message is a record)
         or starts from a full checkpoint of its own (the first message is a full request)."""
+        self.follows: str | None = cfg.follows
+        """The run whose state the next record file of a resumed session follows: the
+        recovered state's run until this session has written a record file, then its own."""
 
     def ack(self) -> None:
         """Announce the newest durable step, once its records chain to a full checkpoint
@@ -367,9 +374,15 @@ class _Writer:
             "run_id": self.cfg.run_id,
             "records_meta": "[" + ",".join(self.metas) + "]",
         }
+        # lineage (docs/format.md): a session that started from its own full checkpoint
+        # follows itself from the start; a resumed one, the recovered state's run first
+        follows = self.follows if self.resumed else self.cfg.run_id
+        if follows is not None:
+            meta["follows"] = follows
         t0 = time.perf_counter()
         path = layout.records_path(self.root, first, last)
         sfile.write(path, [entry], self.batch[:n].reshape(-1), meta)
+        self.follows = self.cfg.run_id
         with contextlib.suppress(OSError):
             self.send(("records_done", n, path.stat().st_size, time.perf_counter() - t0))
         self.steps.clear()

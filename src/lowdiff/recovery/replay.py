@@ -7,7 +7,9 @@ the current one. The split of the time into read, decode and replay is reported 
 
 Nothing is loaded before its checksum is verified. When a record file turns out to be
 damaged, recovery to "the newest step" stops at the last intact record and warns;
-recovery to an explicit step raises :class:`RecoveryError`.
+recovery to an explicit step raises :class:`RecoveryError`. Record files of another
+trajectory (see :mod:`lowdiff.recovery.scan`, "Lineage") are never chained: recovery
+passes them over with a :class:`RecoveryWarning` naming the file and both runs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from lowdiff.errors import (
     RecoveryWarning,
 )
 from lowdiff.format import codec, sfile
-from lowdiff.recovery.scan import FileInfo, Plan, Scan, make_plan, scan
+from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan, make_plan, scan
 
 
 @dataclass
@@ -51,8 +53,13 @@ class RecoveryStats:
     bytes_read: int = 0
     files_read: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
-    """Damaged files passed over: (path, reason)."""
+    """Damaged files, and record files of another trajectory, passed over: (path, reason)."""
     source: str = "disk"
+    state_run_id: str | None = None
+    """The run that produced the recovered state: the ``run_id`` of the last record file
+    replayed, or of the full checkpoint when no record was (None: not recorded, or
+    recovered from memory). A session that resumes from this state names it as the
+    ``follows`` of its first record file."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -205,6 +212,11 @@ def iter_rows(
         lf = sfile.decode(f.path, raw)
         if lf.metadata.get("layout_id") != layout_id:
             raise CorruptCheckpointError(f.path, "record layout differs from the manifest's")
+        if (lf.metadata.get("run_id") or None, lf.metadata.get("follows") or None) != (
+            f.run_id,
+            f.follows,
+        ):
+            raise CorruptCheckpointError(f.path, "the file changed since the directory was scanned")
         metas = json.loads(lf.metadata["records_meta"])
         rows = lf.tensors["records"]
         if len(metas) != f.n_records or tuple(rows.shape) != (f.n_records, rl.row_bytes):
@@ -322,6 +334,7 @@ def replay(
     compressor = compressor_from_spec(manifest["compressor"])
     stats = RecoveryStats(full_step=plan.full.first_step, step=plan.full.first_step)
     load_full(plan.full, model, optimizer, scheduler, stats)
+    stats.skipped += warn_foreign(plan.foreign)
     replay_records(
         [(rl, plan.record_files)],
         0,
@@ -334,8 +347,27 @@ def replay(
         stats,
         strict=strict,
     )
+    stats.state_run_id = state_run(plan.full, plan.record_files, stats.step)
     stats.total_s = time.perf_counter() - t_start
     return stats
+
+
+def state_run(full: FileInfo, files: list[FileInfo], step: int) -> str | None:
+    """The run that produced the state at ``step``, reached from ``full`` through ``files``
+    (the chain's files in order: the first that holds record ``step - 1`` replayed it)."""
+    if step > full.first_step:
+        for f in files:
+            if f.first_step <= step - 1 <= f.last_step:
+                return f.run_id
+    return full.run_id
+
+
+def warn_foreign(foreign: list[Foreign]) -> list[tuple[str, str]]:
+    """Warn about each file of another trajectory a plan left out; returns them as
+    ``(path, reason)``."""
+    for x in foreign:
+        warnings.warn(f"lowdiff: {x.describe()}", RecoveryWarning, stacklevel=4)
+    return [(str(x.file.path), x.reason) for x in foreign]
 
 
 def replay_records(
