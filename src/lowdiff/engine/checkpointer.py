@@ -1040,6 +1040,7 @@ class LowDiffStrategy(Strategy):
         self._durable = stats.step
         ctx.barrier()  # every rank has read every shard before any file moves
         self._quarantine_beyond(stats)
+        ctx.barrier()  # no rank writes the new run's files before every shard is cut back
         self.compressor.reset_state()
         self._write_manifest()
         self._launch_worker()
