@@ -58,13 +58,21 @@ def _count_file_reads() -> list[int]:
 
 def dump(path: str, model, opt, sched) -> None:
     safetensors.torch.save_file(
-        {k: v.contiguous().clone() for k, v in state_tensors(model, opt, sched).items()}, path
+        {
+            k: v.detach().cpu().contiguous().clone()
+            for k, v in state_tensors(model, opt, sched).items()
+        },
+        path,
     )
 
 
 def main(cfg: dict) -> None:
     torch.set_num_threads(1)
+    device = torch.device(cfg.get("device", "cpu"))
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(0)
     model, opt, sched = build()
+    model.to(device)
     extra: dict = {}
     if cfg["strategy"] == "lowdiff+":
         comp = None
@@ -102,7 +110,7 @@ def main(cfg: dict) -> None:
     for step in range(start, cfg["steps"]):
         if step in dumps:
             dump(dumps[step], model, opt, sched)
-        x, y = batch(step)
+        x, y = (t.to(device) for t in batch(step))
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
