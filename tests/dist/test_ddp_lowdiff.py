@@ -1,4 +1,4 @@
-"""Distributed LowDiff: 2 ranks on gloo, started by torchrun (see ddp_job.py).
+"""Distributed LowDiff: 2 ranks on gloo, started by torchrun (lowdiff.torture.ddp_job).
 
 - the hook's merged sparse gradient is exactly what every rank's optimizer applied;
 - persistence is sharded: each rank's files hold only its share of the parameters;
@@ -9,11 +9,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,71 +18,11 @@ import lowdiff
 from lowdiff.engine.record import RecordLayout
 from lowdiff.engine.state import diff_states
 from lowdiff.format import layout, sfile
+from lowdiff.torture.ddp import torchrun
+
+__all__ = ["torchrun"]  # the launcher the other 2-rank tests import from here
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-JOB = Path(__file__).with_name("ddp_job.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(
-    *args: str, restarts: int = 0, timeout: float = 300, script: Path = JOB
-) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
-        "--max-restarts",
-        str(restarts),
-        "--monitor-interval",
-        "0.5",
-        str(script),
-        *args,
-    ]
-    # a restarted round must not read the previous round's addresses from a shared store
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-    )
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # SIGTERM first: torchrun then stops its ranks (each in a session of its own)
-        proc.terminate()
-        try:
-            out, err = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        raise AssertionError(
-            f"torchrun timed out after {timeout} s:\n{out[-4000:]}\n{err[-8000:]}"
-        ) from None
-    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    assert p.returncode == 0, (
-        f"torchrun failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
-    )
-    return p
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:

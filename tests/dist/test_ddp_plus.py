@@ -1,4 +1,4 @@
-"""Distributed LowDiff+: 2 ranks on gloo under torchrun (see ddp_job.py).
+"""Distributed LowDiff+: 2 ranks on gloo under torchrun (lowdiff.torture.ddp_job).
 
 - each rank's replica holds a disjoint shard of parameters and optimizer state, and the
   union of the shards equals every trainer's state;
@@ -14,8 +14,9 @@ import pytest
 from lowdiff.engine.record import RecordLayout
 from lowdiff.engine.state import diff_states
 from lowdiff.format import layout
+from lowdiff.torture.ddp import torchrun
 
-from .test_ddp_lowdiff import _load, torchrun
+from .test_ddp_lowdiff import _load
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -202,12 +202,32 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_torture(args: argparse.Namespace) -> int:
     from lowdiff.torture import FULL, QUICK, run_torture
 
+    if args.ddp is not None:
+        return _torture_ddp(args)
     profile = QUICK if args.quick else FULL
     if args.kills is not None:
         profile = dataclasses.replace(profile, kills=args.kills)
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     report = run_torture(profile, out=args.out, seed=args.seed, jobs=args.jobs, log=log)
     print(report.dumps() if args.json else report.format_text())
+    return 0 if report.ok else 1
+
+
+def _torture_ddp(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from lowdiff.torture.ddp import run_ddp_kills
+
+    work = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="lowdiff-ddp-"))
+    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=args.strategy, log=log)
+    print(report.dumps() if args.json else report.format_text())
+    if args.out is None:
+        if report.ok:
+            shutil.rmtree(work, ignore_errors=True)
+        else:  # keep the runs of a broken promise for a look
+            print(f"runs kept in {work}", file=sys.stderr)
     return 0 if report.ok else 1
 
 
@@ -274,6 +294,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=_positive_int, default=1, help="kill chains run side by side")
     p.add_argument("--out", type=Path, default=None, help="working directory (kept)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument(
+        "--ddp",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="run only the 2-rank DDP kill series (torchrun, gloo) with N kills",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=("lowdiff", "lowdiff+", "both"),
+        default="both",
+        help="strategy of the --ddp series (both: alternating)",
+    )
     p.set_defaults(func=cmd_torture)
     return parser
 

@@ -29,6 +29,8 @@ class TortureReport:
     wrong_states_by_strategy: Counter[str] = field(default_factory=Counter)
     lost_acknowledged: int = 0
     """Recoveries that ended before the newest step acknowledged as durable (target: 0)."""
+    lost_acknowledged_steps: int = 0
+    """Acknowledged steps those recoveries lost, summed (filled by the DDP kill series)."""
     lost_handed_off: int = 0
     """Recoveries after a trainer-only kill that lost steps the trainer had handed off."""
     margin_min: int | None = None
@@ -142,7 +144,8 @@ class TortureReport:
             f"   wrong states {self.wrong_states}",
             *by_strategy,
             f"recovered - acknowledged {margin}   acknowledged steps lost {self.lost_acknowledged}"
-            f", handed-off steps lost {self.lost_handed_off}",
+            + (f" ({self.lost_acknowledged_steps} steps)" if self.lost_acknowledged_steps else "")
+            + f", handed-off steps lost {self.lost_handed_off}",
             f"corruptions injected     {self.corruptions}   detected {self.corruptions_detected}"
             f"   undetected {self.corruptions_undetected}   damaged data loaded {self.damaged_loads}"
             f"   fallbacks {self.fallbacks} (not to the newest intact step: {self.fallback_not_newest})",

@@ -1,9 +1,26 @@
-"""A small DDP training job for the distributed tests (run by torchrun or by spawn).
+"""A small DDP training job for the distributed tests and the DDP kill series (torchrun).
 
 Every rank trains an MLP with BatchNorm and dropout under DDP on its own deterministic
 data (seeded by rank and step), with AdamW, a scheduler and gradient clipping, through
 ``lowdiff.Checkpointer``. Options make it save the whole state after chosen steps, kill
-itself with SIGKILL at a step (only on its first attempt), and save its final state.
+itself with SIGKILL at a step (only on its first attempt; with ``--kill-worker`` its
+checkpointing process first, as a machine failure would), log the job-wide durable step
+after every step, and save its final state.
+
+Run it with ``torchrun --nproc-per-node 2 -m lowdiff.torture.ddp_job --dir D --out O``
+(or through :func:`lowdiff.torture.ddp.torchrun`). Files written under ``--out``:
+
+- ``start-rank{r}-{pid}.txt``: ``"{step} {source}"``, where this attempt resumed;
+- ``resumed-{step}-rank{r}.pt``, ``state-{step}-rank{r}.pt``, ``final-rank{r}.pt``: states;
+- ``killed``: ``"{step} {point}"``, written just before the SIGKILL;
+- ``flushed-rank{r}-{pid}.txt``, ``clipped-rank{r}-{pid}.txt``: what flush() returned,
+  how many steps clipping changed.
+
+With ``--log-durable PREFIX`` each rank appends to ``PREFIX-rank{r}.txt``, with ``os.write``
+on an ``O_APPEND`` descriptor (each line is in the file once the call returns, so it
+survives a SIGKILL right after): ``"resume {step} {source} {restart}"`` after ``resume()``
+(``restart`` is torchrun's restart count), then ``"{step} {durable_step}"`` after every
+``ck.step()``, ``durable_step`` being the job-wide durable step the trainer was told.
 """
 
 from __future__ import annotations
@@ -13,6 +30,7 @@ import os
 import random
 import signal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +54,9 @@ class Net(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def build(strategy: str, directory: Path, ef: bool, full_every: int, batch_size: int):
+def build(
+    strategy: str, directory: Path, ef: bool, full_every: int, batch_size: int
+) -> tuple[nn.Module, torch.optim.Optimizer, Any, lowdiff.Checkpointer]:
     torch.manual_seed(0)
     net = Net()
     model = DDP(net, bucket_cap_mb=0.004)  # several buckets even for this small model
@@ -46,7 +66,7 @@ def build(strategy: str, directory: Path, ef: bool, full_every: int, batch_size:
     torch.manual_seed(1000 + dist.get_rank())
     random.seed(2000 + dist.get_rank())
     np.random.seed(3000 + dist.get_rank())
-    kw = {}
+    kw: dict[str, Any] = {}
     if strategy == "lowdiff+":
         kw = {"compressor": None, "persist_every": 1, "keep_full": None}
     else:
@@ -75,24 +95,27 @@ def train(args: argparse.Namespace) -> None:
     source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
     (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(f"{start} {source}")
     torch.save(snapshot_state(model, opt, sched), out / f"resumed-{start}-rank{rank}.pt")
+    log = _DurableLog(args.log_durable, rank) if args.log_durable else None
+    if log is not None:
+        log.write(f"resume {start} {source} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     save = {int(s) for s in args.save_steps.split(",") if s}
     clipped = 0
     for step in range(start, args.steps):
         kill = step == args.kill_at and rank == args.kill_rank and not (out / "killed").exists()
         if kill and args.kill_point == "before-forward":
-            (out / "killed").write_text(f"{step} {args.kill_point}")
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die(ck, out, step, args)
         x, y = batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
         if kill and args.kill_point == "after-backward":
             # the gradients are merged (every rank's hook ran), ck.step() has not run
-            (out / "killed").write_text(f"{step} {args.kill_point}")
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die(ck, out, step, args)
         if args.check_merge:
             check_merge(ck, model)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         clipped += int(norm > args.clip)
         ck.step()
+        if log is not None:
+            log.write(f"{step + 1} {ck.durable_step}")
         opt.zero_grad()
         if step + 1 in save:
             torch.save(snapshot_state(model, opt, sched), out / f"state-{step + 1}-rank{rank}.pt")
@@ -101,6 +124,38 @@ def train(args: argparse.Namespace) -> None:
     # steps whose gradient norm exceeded --clip (so clipping changed the gradient)
     (out / f"clipped-rank{rank}-{os.getpid()}.txt").write_text(f"{clipped} {args.steps - start}")
     torch.save(snapshot_state(model, opt, sched), out / f"final-rank{rank}.pt")
+    if log is not None:
+        log.close()
+
+
+class _DurableLog:
+    """Lines appended with one ``os.write`` each: a SIGKILL cannot lose a returned write."""
+
+    def __init__(self, prefix: str, rank: int) -> None:
+        self._fd = os.open(
+            f"{prefix}-rank{rank}.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+        )
+
+    def write(self, line: str) -> None:
+        os.write(self._fd, (line + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _die(ck: lowdiff.Checkpointer, out: Path, step: int, args: argparse.Namespace) -> None:
+    """SIGKILL this trainer (first its checkpointing process with ``--kill-worker``)."""
+    what = args.kill_point
+    if args.kill_worker:
+        proc = ck.strategy_impl._proc  # type: ignore[attr-defined]
+        if proc is not None and proc.pid is not None:
+            # a machine failure: the trainer and its checkpointing process die together
+            # (the worker first, so it cannot drain anything the trainer handed it)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            what += " worker"
+    (out / "killed").write_text(f"{step} {what}")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def check_merge(ck: lowdiff.Checkpointer, model: nn.Module) -> None:
@@ -114,7 +169,7 @@ def check_merge(ck: lowdiff.Checkpointer, model: nn.Module) -> None:
         if not torch.equal(dense, p.grad.reshape(-1)):
             raise AssertionError(f"record of {info.name} differs from its .grad")
     # and every rank holds the same merged gradient
-    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     if not all(torch.equal(g, gathered[0]) for g in gathered):
@@ -138,6 +193,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--check-merge", action="store_true")
+    ap.add_argument(
+        "--kill-worker",
+        action="store_true",
+        help="at the kill, SIGKILL the rank's checkpointing process first (machine failure)",
+    )
+    ap.add_argument(
+        "--log-durable",
+        default="",
+        metavar="PATH-PREFIX",
+        help="append 'step durable_step' lines to PATH-PREFIX-rank{r}.txt after every step",
+    )
     return ap.parse_args(argv)
 
 
