@@ -92,6 +92,14 @@ class Checkpointer:
             training goes on without checkpointing, a :class:`DurabilityWarning` says how
             many steps are not durable, and lowdiff retries with a full checkpoint at the
             next multiple of ``full_every``.
+        extra_state: lowdiff's strategies: training state beyond model, optimizer and
+            scheduler, as ``{"name": obj}`` where ``obj`` has ``state_dict()`` and
+            ``load_state_dict()`` (a data loader's position, a sampler, a ``GradScaler``,
+            a dict-like of counters). Captured at every step with the record (after the
+            scheduler stepped) and restored by ``resume()`` and
+            ``lowdiff.restore(..., extra_state=...)``. Saved as JSON with tensors inline,
+            never pickled; a state that cannot be saved so is a ``TypeError`` at the first
+            step naming the object and the value.
 
     Example:
         >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
@@ -131,6 +139,13 @@ class Checkpointer:
         st.check_training_objects(model, optimizer, options.get("scheduler"))
         if strategy in _OWN:
             options["strategy"] = strategy
+        elif options.get("extra_state"):
+            raise ValueError(
+                f"extra_state is supported by lowdiff's own strategies ({', '.join(map(repr, _OWN))}), "
+                f"not by the baseline {strategy!r}"
+            )
+        else:
+            options.pop("extra_state", None)
         self._impl: Strategy = cls(model, optimizer, directory, **options)
 
     @property

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime as _dt
+import json
 import logging
 import os
 import time
@@ -137,8 +138,10 @@ class LowDiffStrategy(Strategy):
         replica_threads: int = 1,
         on_storage_error: str = "raise",
         mtbf: float | None = None,
+        extra_state: dict[str, Any] | None = None,
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
+        self._extra = st.check_extra_state(extra_state)
         if on_storage_error not in STORAGE_ERROR_POLICIES:
             raise ValueError(
                 f"on_storage_error must be one of {', '.join(map(repr, STORAGE_ERROR_POLICIES))}, "
@@ -419,6 +422,7 @@ class LowDiffStrategy(Strategy):
         self._check_manifest(manifest)
         stats = recover(self.root, self.model, self.optimizer, self.scheduler)
         self.recovery_stats = stats
+        st.apply_extra(self._extra, stats.extra, f"{self.root} step {stats.step}")
         self._step = stats.step
         self._durable = stats.step
         self._last_full = stats.full_step
@@ -868,6 +872,7 @@ class LowDiffStrategy(Strategy):
             "optim": ojson,
             "scheduler": st.scheduler_state_json(self.scheduler),
             "rng": codec.dumps(rng_extra),
+            **({"extra": _json(st.capture_extra(self._extra))} if self._extra else {}),
         }
         if self._dist is not None:
             meta["shard"] = codec.dumps(self._shard)
@@ -953,7 +958,7 @@ class LowDiffStrategy(Strategy):
         rng_t, rng_extra = st.capture_rng(self._rng_layout)
         for k, v in rng_t.items():
             views[k].copy_(v)
-        return codec.dumps(
+        doc = codec.dumps(
             {
                 "step": t,
                 "nograd": nograd,
@@ -963,6 +968,7 @@ class LowDiffStrategy(Strategy):
                 "rng": rng_extra,
             }
         )
+        return doc if not self._extra else _with_extra(doc, st.capture_extra(self._extra))
 
     # ------------------------------------------------------------------ distributed
     def _install_ddp_hook(self) -> None:
@@ -1036,6 +1042,7 @@ class LowDiffStrategy(Strategy):
         self._check_manifest(layout.read_manifest(self.root))
         stats = recover_sharded(job, ctx, self.model, self.optimizer, self.scheduler)
         self.recovery_stats = stats
+        st.apply_extra(self._extra, stats.extra, f"{self.root} step {stats.step}")
         self._step = stats.step
         self._durable = stats.step
         ctx.barrier()  # every rank has read every shard before any file moves
@@ -1198,6 +1205,7 @@ class LowDiffStrategy(Strategy):
     ) -> None:
         """Take over from the released replica: a new checkpointing process, seeded with the state."""
         self.recovery_stats = stats
+        st.apply_extra(self._extra, stats.extra, f"{self.root} step {stats.step}")
         self._step = stats.step
         self._durable = -1
         self._wait_for_previous_writer()  # the old process persists what it holds, then exits
@@ -1364,6 +1372,15 @@ class LowDiffPlusStrategy(LowDiffStrategy):
         self._send(("step", grads.slot, t, meta))
         self._stats["record_send_s"] += time.perf_counter() - t0
         self._refresh_job_durable()
+
+
+def _json(tree: Any) -> str:
+    return json.dumps(tree, separators=(",", ":"), allow_nan=False)
+
+
+def _with_extra(doc: str, tree: Any) -> str:
+    """A record's JSON document with the extra-state tree (already encoded) added."""
+    return f'{doc[:-1]},"extra":{_json(tree)}}}'
 
 
 def _close_at_exit(ref: weakref.ref[LowDiffStrategy]) -> None:

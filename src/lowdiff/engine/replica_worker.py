@@ -96,6 +96,8 @@ class _Replica:
         self.aliases = "{}"
         self.sched_json = "null"
         self.rng_json = "{}"
+        self.extra_json: str | None = None
+        """The trainer's extra state (``extra_state=``) at this step, as saved, or None."""
         self.step = -1
         self.doc: dict[str, Any] = {}
         self._entries_json: str | None = None
@@ -191,6 +193,7 @@ class _Replica:
             meta["scheduler"],
             meta["rng"],
         )
+        self.extra_json = meta.get("extra")
         self.step = step
         self.publish(rp.STATE_RUNNING)
 
@@ -218,6 +221,9 @@ class _Replica:
             self.tensors[name].copy_(v)
         self.sched_json = codec.dumps(codec.decode(meta["sched"]))
         self.rng_json = codec.dumps(meta["rng"])
+        if "extra" in meta:
+            # the meta arrives decoded (codec.loads): encode the extra state again
+            self.extra_json = json.dumps(codec.encode(meta["extra"]), separators=(",", ":"))
         self.step = step + 1
         self.publish(rp.STATE_RUNNING)
 
@@ -236,6 +242,7 @@ class _Replica:
             "rng": self.rng_json,
             "source": "lowdiff+ replica",
             **({} if self.cfg.shard is None else {"shard": codec.dumps(self.cfg.shard)}),
+            **({} if self.extra_json is None else {"extra": self.extra_json}),
         }
 
     def _optim_json(self) -> str:

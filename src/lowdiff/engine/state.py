@@ -293,6 +293,69 @@ def optimizer_state_tensors(
     return tensors, text
 
 
+def check_extra_state(extra_state: Any) -> dict[str, Any]:
+    """``extra_state``: a dict of name -> object with ``state_dict()`` and
+    ``load_state_dict()`` (a data loader, a sampler, a ``GradScaler``, a user's counters).
+
+    Raises:
+        TypeError naming the entry that is not such an object.
+    """
+    if extra_state is None:
+        return {}
+    if not isinstance(extra_state, dict):
+        raise TypeError(
+            f"extra_state must be a dict of name -> stateful object, got {type(extra_state).__name__}"
+        )
+    for name, obj in extra_state.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"extra_state keys must be non-empty strings, got {name!r}")
+        missing = [
+            m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
+        ]
+        if missing:
+            raise TypeError(
+                f"extra_state[{name!r}] ({type(obj).__name__}) has no {' or '.join(missing)}(); "
+                "lowdiff saves and restores extra state through them"
+            )
+    return dict(extra_state)
+
+
+def capture_extra(extra_state: dict[str, Any]) -> Any:
+    """Every extra object's ``state_dict()``, as a JSON tree (tensors inline, never pickled).
+
+    Raises:
+        TypeError naming the object and where in its state a value cannot be encoded.
+    """
+    if not extra_state:
+        return None
+    out = {}
+    for name, obj in extra_state.items():
+        try:
+            out[name] = codec.encode(obj.state_dict(), None, f"$.{name}")
+        except TypeError as e:
+            raise TypeError(
+                f"extra_state[{name!r}]: its state_dict() cannot be saved without pickling: {e}"
+            ) from None
+    return out
+
+
+def apply_extra(extra_state: dict[str, Any] | None, tree: Any, where: str) -> None:
+    """Load a captured extra-state tree (:func:`capture_extra`) into the user's objects."""
+    if not extra_state:
+        return
+    saved = {} if tree is None else tree
+    missing = [n for n in extra_state if n not in saved]
+    if missing:
+        from lowdiff.errors import CheckpointMismatchError
+
+        raise CheckpointMismatchError(
+            f"{where}: extra_state {', '.join(map(repr, missing))} was passed, but the checkpoint "
+            f"holds {'no extra state' if not saved else 'only ' + ', '.join(map(repr, saved))}"
+        )
+    for name, obj in extra_state.items():
+        obj.load_state_dict(codec.decode(saved[name]))
+
+
 def scheduler_state_json(scheduler: Any | None) -> str:
     return codec.dumps(None if scheduler is None else scheduler.state_dict())
 

@@ -55,6 +55,9 @@ class RecoveryStats:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """Damaged files, and record files of another trajectory, passed over: (path, reason)."""
     source: str = "disk"
+    extra: Any = None
+    """The extra state (``extra_state=``) of the recovered step, as saved (a JSON tree),
+    or None when none was saved; applied by ``resume()`` / ``restore(extra_state=...)``."""
     state_run_id: str | None = None
     """The run that produced the recovered state: the ``run_id`` of the last record file
     replayed, or of the full checkpoint when no record was (None: not recorded, or
@@ -170,6 +173,7 @@ def apply_full_state(
             f"{where}: the optimizer does not match the checkpoint: {e}"
         ) from None
     _load_scheduler(scheduler, sched_state, where)
+    stats.extra = json.loads(md["extra"]) if "extra" in md else None
     if restore_rng:
         st.restore_rng(
             {k: v for k, v in tensors.items() if k.startswith("rng.")}, json.loads(md["rng"])
@@ -450,6 +454,7 @@ def replay_records(
         st.apply_hparams(optimizer, codec.decode(last_meta["hp_after"]))
         st.set_buffers(model, own_rl.buffer_values(last_views))
         _load_scheduler(scheduler, codec.decode(last_meta["sched"]), "record")
+        stats.extra = last_meta.get("extra")
         st.restore_rng(own_rl.rng_tensors(last_views), last_meta["rng"])
         stats.replay_s += time.perf_counter() - t0
     stats.step = expected
@@ -512,6 +517,8 @@ def restore(
     optimizer: torch.optim.Optimizer,
     scheduler: Any | None = None,
     step: int | None = None,
+    *,
+    extra_state: dict[str, Any] | None = None,
 ) -> int:
     """Restore model, optimizer, scheduler and RNG state to a recoverable step.
 
@@ -521,6 +528,8 @@ def restore(
         optimizer: an optimizer of the same type over ``model``'s parameters.
         scheduler: the LR scheduler, if training used one.
         step: any recoverable step; None picks the newest.
+        extra_state: the objects training passed as ``extra_state`` (same names): each
+            gets ``load_state_dict()`` with its state at the restored step.
 
     Returns:
         The step restored (the number of optimizer updates the state has seen).
@@ -530,4 +539,7 @@ def restore(
     """
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-    return recover(directory, model, optimizer, scheduler, step).step
+    extra = st.check_extra_state(extra_state)
+    stats = recover(directory, model, optimizer, scheduler, step)
+    st.apply_extra(extra, stats.extra, f"{directory} step {stats.step}")
+    return stats.step

@@ -1,0 +1,122 @@
+"""extra_state: state beyond model, optimizer and scheduler travels with every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowdiff
+from lowdiff.engine.state import state_tensors
+
+
+class Stream:
+    """A data source with a position (what a StatefulDataLoader checkpoints)."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.seen = torch.zeros(3, dtype=torch.int64)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + self.pos)
+        self.pos += 1
+        self.seen[self.pos % 3] += 1
+        return torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "seen": self.seen.clone(), "tag": ("epoch", 0.5)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        assert sd["tag"] == ("epoch", 0.5)
+        self.pos, self.seen = int(sd["pos"]), sd["seen"].clone()
+
+
+def _build():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    s = torch.optim.lr_scheduler.StepLR(o, 3, 0.5)
+    return m, o, s
+
+
+def _train(ck, m, o, stream, n, grad_accum=1):
+    snaps = {}
+    for _ in range(n):
+        for _ in range(grad_accum):  # several batches per update
+            x, y = stream.next()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        ck.step()
+        o.zero_grad()
+        snaps[ck.step_count] = stream.state_dict()
+    return snaps
+
+
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_extra_state_is_restored_at_every_step(tmp_path, strategy):
+    m, o, s = _build()
+    stream = Stream()
+    kw = {"compressor": None, "persist_every": 1, "keep_full": None}
+    if strategy == "lowdiff":
+        kw = {"compressor": lowdiff.TopK(0.2), "full_every": 4, "batch_size": 3, "keep_full": None}
+    ck = lowdiff.Checkpointer(
+        m, o, tmp_path / "ck", strategy=strategy, scheduler=s, extra_state={"data": stream}, **kw
+    )
+    ck.resume()
+    snaps = _train(ck, m, o, stream, 10, grad_accum=2)
+    live = state_tensors(m, o, s)
+    ck.close()
+    for step in (10, 8, 5, 4) if strategy == "lowdiff" else (10, 7):
+        m2, o2, s2 = _build()
+        got = Stream()
+        assert (
+            lowdiff.restore(tmp_path / "ck", m2, o2, s2, step=step, extra_state={"data": got})
+            == step
+        )
+        assert got.pos == snaps[step]["pos"] == 2 * step
+        assert torch.equal(got.seen, snaps[step]["seen"])
+        if step == 10:
+            diff = [k for k, v in state_tensors(m2, o2, s2).items() if not torch.equal(v, live[k])]
+            assert diff == []
+
+    # resume() restores it too, and training goes on with the next batch
+    m3, o3, s3 = _build()
+    again = Stream()
+    ck = lowdiff.Checkpointer(
+        m3, o3, tmp_path / "ck", strategy=strategy, scheduler=s3, extra_state={"data": again}, **kw
+    )
+    assert ck.resume() == 10
+    assert again.pos == 20
+    ck.close()
+
+
+def test_extra_state_errors_are_clear(tmp_path):
+    m, o, s = _build()
+    with pytest.raises(TypeError, match=r"extra_state\['data'\] \(int\) has no state_dict"):
+        lowdiff.Checkpointer(m, o, tmp_path / "a", extra_state={"data": 3})
+
+    class Bad:
+        def state_dict(self):
+            return {"fn": print}
+
+        def load_state_dict(self, sd):
+            pass
+
+    ck = lowdiff.Checkpointer(m, o, tmp_path / "b", extra_state={"bad": Bad()})
+    with pytest.raises(TypeError, match=r"extra_state\['bad'\].*cannot be saved without pickling"):
+        ck.resume()  # the step-0 full checkpoint already carries it
+    ck.close()
+
+    ck = lowdiff.Checkpointer(m, o, tmp_path / "c", compressor=lowdiff.TopK(0.5))
+    ck.resume()
+    x = torch.randn(4, 6)
+    m(x).sum().backward()
+    ck.step()
+    ck.close()
+    with pytest.raises(
+        lowdiff.CheckpointMismatchError,
+        match="'data' was passed, but the checkpoint holds no extra state",
+    ):
+        lowdiff.restore(tmp_path / "c", *_build()[:2], extra_state={"data": Stream()})
+    with pytest.raises(ValueError, match="extra_state is supported by lowdiff's own strategies"):
+        lowdiff.Checkpointer(
+            m, o, tmp_path / "d", strategy="torch-save", extra_state={"x": Stream()}
+        )
