@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+from lowdiff.attach import attach
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.compressors import QSGD, ApproxTopK, Compressor, NoCompression, RandomK, TopK
 from lowdiff.errors import (
@@ -45,6 +46,7 @@ __all__ = [
     "RecoveryStats",
     "RecoveryWarning",
     "TopK",
+    "attach",
     "export",
     "inspect_dir",
     "restore",

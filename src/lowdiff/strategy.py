@@ -149,6 +149,8 @@ class Strategy(abc.ABC):
 
     name: str = ""
     """The strategy's name (``strategy=`` of :class:`lowdiff.Checkpointer`)."""
+    driven_by_hooks: bool = False
+    """Driven by the optimizer's own ``step()`` (:func:`lowdiff.attach`), not by :meth:`step`."""
     records_hparams: bool = False
     """Whether :meth:`after_update` needs the update's hyperparameters."""
 
@@ -175,6 +177,11 @@ class Strategy(abc.ABC):
         Args:
             metric: passed to ``scheduler.step(metric)`` (for ReduceLROnPlateau).
         """
+        if self.driven_by_hooks:
+            raise RuntimeError(
+                "lowdiff is attached to the optimizer: call optimizer.step() (and your "
+                "scheduler's step()) as usual, not ck.step()"
+            )
         t = self.begin_step()
         self.before_update(t)
         grads = self.take_gradients(t)

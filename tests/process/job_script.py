@@ -87,7 +87,8 @@ def main(cfg: dict) -> None:
         comp = lowdiff.TopK(
             ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False)
         )
-    ck = lowdiff.Checkpointer(
+    make = lowdiff.attach if cfg.get("attach") else lowdiff.Checkpointer
+    ck = make(
         model,
         opt,
         cfg["dir"],
@@ -114,7 +115,11 @@ def main(cfg: dict) -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        ck.step()
+        if cfg.get("attach"):  # the user's own loop: lowdiff runs inside opt.step()
+            opt.step()
+            sched.step()
+        else:
+            ck.step()
         opt.zero_grad()
         print(f"step {step + 1} {loss.item().hex()}", flush=True)
         if cfg.get("sleep"):

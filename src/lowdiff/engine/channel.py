@@ -76,7 +76,8 @@ def wait_until(
     ``counters`` is the :func:`view` of the shared counters. ``check()`` is called on every wake-up: it reads what the process sent and raises if it
     reported an error or is gone. Raises :class:`lowdiff.CheckpointWorkerError` when the
     process makes no progress for ``stall_timeout`` seconds, or, with ``deadline`` (a
-    ``time.monotonic()`` value), when that passes.
+    ``time.monotonic()`` value, for waits on a process that reports no progress, such
+    as its start), when that passes.
     """
     from lowdiff.errors import CheckpointWorkerError
 
@@ -100,7 +101,7 @@ def wait_until(
         b = int(counters[BEAT])
         if b != beat:
             beat, since = b, now
-        elif now - since > stall_timeout:
+        elif deadline is None and now - since > stall_timeout:
             check()
             raise CheckpointWorkerError(
                 f"the checkpointing process (pid {proc.pid}) made no progress for "

@@ -82,7 +82,13 @@ from lowdiff.format.dtypes import dtype_name
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, plan, view_tensors
 from lowdiff.plan import AUTO, START_B, START_F, AutoTuner, resolve_mtbf
 from lowdiff.recovery.quarantine import quarantine_beyond
-from lowdiff.recovery.replay import RecoveryStats, apply_full_state, check_compatible, recover
+from lowdiff.recovery.replay import (
+    RecoveryStats,
+    apply_full_state,
+    check_compatible,
+    recover,
+    replaying,
+)
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 from lowdiff.strategy import (
     STORAGE_ERRORS,
@@ -142,6 +148,16 @@ class LowDiffStrategy(Strategy):
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
         self._extra = st.check_extra_state(extra_state)
+        self._deferred = False
+        """Driven by the optimizer's hooks (:func:`lowdiff.attach`): each step's hand-over is
+        finished when the next update begins, after the user's scheduler stepped."""
+        self._pending: list[Callable[[], None]] = []
+        self._pending_extra: list[tuple[dict[str, Any], set[str]]] = []
+        self._scalers: list[str] = []
+        """Names of the GradScalers in ``extra_state`` (captured after their update())."""
+        self._inflight: tuple[int, StepGrads, list[dict[str, Any]] | None, float] | None = None
+        self._hook_handles: list[Any] = []
+        self._on_close: list[Callable[[], None]] = []
         if on_storage_error not in STORAGE_ERROR_POLICIES:
             raise ValueError(
                 f"on_storage_error must be one of {', '.join(map(repr, STORAGE_ERROR_POLICIES))}, "
@@ -481,6 +497,7 @@ class LowDiffStrategy(Strategy):
         if self.strategy == "none" or not self._started or self._closed:
             return self.durable_step
         try:
+            self._finish_handover()
             if self._suspended is None:
                 self._send(("flush",))
                 self._wait_reply("flushed")
@@ -496,8 +513,15 @@ class LowDiffStrategy(Strategy):
         """Flush everything, wait until it is durable and stop the checkpointing process."""
         if self._closed:
             return
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+        for fn in self._on_close:
+            fn()
         self._closed = True
         try:
+            if self._started:
+                self._finish_handover()  # steps driven by the optimizer's hooks
             if self._proc is not None and self._suspended is None:
                 self._send(("close",))
                 self._wait_reply("closed")
@@ -809,15 +833,28 @@ class LowDiffStrategy(Strategy):
                 done = torch.cuda.Event()
                 done.record(self._side_stream)
         try:
-            meta = self._fill_row_state(views, t, nograd, hp)
+            rng_extra, extra = self._fill_row_tensors(views)
             if done is not None:
                 done.synchronize()
         except BaseException:
             self._unfill_slot()
             raise
-        self._send(("record", slot, t, meta))
+        self._handover(
+            lambda: self._send(
+                ("record", slot, t, self._row_meta(t, nograd, hp, rng_extra, extra))
+            ),
+            extra,
+        )
         self._stats["slot_wait_s"] += t1 - t0
         self._stats["record_send_s"] += time.perf_counter() - t1
+
+    def _optimizer_state(self) -> tuple[dict[str, torch.Tensor], str]:
+        """The optimizer's state tensors (this rank's shard under DDP) and its JSON."""
+        if self._dist is None:
+            return st.optimizer_state_tensors(self.optimizer)
+        return st.optimizer_state_tensors(
+            self.optimizer, shard_state_dict(self.optimizer.state_dict(), self._shard)
+        )
 
     def _copy_payloads(
         self,
@@ -833,14 +870,11 @@ class LowDiffStrategy(Strategy):
                 views[f"g{info.index}.{name}"].copy_(tensor, non_blocking=non_blocking)
 
     def _emit_full(self, step: int, kind: str = "full") -> None:
+        self._finish_handover()  # a deferred full checkpoint still holds the staging buffer
         msd, aliases = st.model_state(self.model)
-        if self._dist is None:
-            otensors, ojson = st.optimizer_state_tensors(self.optimizer)
-        else:
+        if self._dist is not None:
             msd = shard_model_tensors(msd, self._foreign)
-            otensors, ojson = st.optimizer_state_tensors(
-                self.optimizer, shard_state_dict(self.optimizer.state_dict(), self._shard)
-            )
+        otensors, ojson = self._optimizer_state()
         rng_t, rng_extra = st.capture_rng(self._rng_layout)
         tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in msd.items()}
         tensors.update(otensors)
@@ -870,17 +904,27 @@ class LowDiffStrategy(Strategy):
             "layout_id": self.layout.layout_id,
             "model_aliases": codec.dumps(aliases),
             "optim": ojson,
-            "scheduler": st.scheduler_state_json(self.scheduler),
             "rng": codec.dumps(rng_extra),
-            **({"extra": _json(st.capture_extra(self._extra))} if self._extra else {}),
         }
+        extra = st.capture_extra(self._extra)
         if self._dist is not None:
             meta["shard"] = codec.dumps(self._shard)
         entries_json = [
             [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries
         ]
         self._staged += 1
-        self._send((kind, step, entries_json, meta))
+
+        def send() -> None:
+            if self._deferred:
+                # the hyperparameters the scheduler set since the copy (the state tensors
+                # are unchanged: no update ran in between)
+                meta["optim"] = self._optimizer_state()[1]
+            meta["scheduler"] = st.scheduler_state_json(self.scheduler)
+            if extra is not None:
+                meta["extra"] = _json(extra)
+            self._send((kind, step, entries_json, meta))
+
+        self._handover(send, extra)
         self._stats["fulls_requested"] += 1
         self._stats["full_wait_s"] += t1 - t0
         self._stats["full_copy_s"] += t2 - t1
@@ -949,15 +993,23 @@ class LowDiffStrategy(Strategy):
             why,
         )
 
-    def _fill_row_state(
-        self, views: dict[str, torch.Tensor], t: int, nograd: list[int], hp: list[dict[str, Any]]
-    ) -> str:
-        """Write the step's buffers and RNG states into the row; return its JSON document."""
+    def _fill_row_tensors(self, views: dict[str, torch.Tensor]) -> tuple[Any, Any]:
+        """Write the step's buffers and RNG states into the row, right after the update.
+
+        Returns the RNG bookkeeping and the extra state (``extra_state=``) of this moment.
+        """
         for n, b in st.get_buffers(self.model, self._buffer_names).items():
             views[f"buf.{n}"].copy_(b)
         rng_t, rng_extra = st.capture_rng(self._rng_layout)
         for k, v in rng_t.items():
             views[k].copy_(v)
+        return rng_extra, st.capture_extra(self._extra)
+
+    def _row_meta(
+        self, t: int, nograd: list[int], hp: list[dict[str, Any]], rng_extra: Any, extra: Any
+    ) -> str:
+        """The record's JSON document; the hyperparameters after the update and the
+        scheduler's state are taken now (after the scheduler stepped)."""
         doc = codec.dumps(
             {
                 "step": t,
@@ -968,7 +1020,123 @@ class LowDiffStrategy(Strategy):
                 "rng": rng_extra,
             }
         )
-        return doc if not self._extra else _with_extra(doc, st.capture_extra(self._extra))
+        return doc if extra is None else _with_extra(doc, extra)
+
+    # ------------------------------------------------------------------ hand-over
+    def _handover(self, send: Callable[[], None], extra: dict[str, Any] | None) -> None:
+        """Send now (``ck.step()``: the scheduler has stepped), or, driven by the optimizer's
+        hooks, once the user's scheduler has stepped: when the next update begins, or at
+        ``flush()`` / ``close()``."""
+        if not self._deferred:
+            send()
+            return
+        self._pending.append(send)
+        if extra is not None and self._scalers:
+            self._pending_extra.append((extra, set(self._scalers)))
+
+    def _finish_handover(self) -> None:
+        pending, self._pending = self._pending, []
+        self._pending_extra = []
+        for send in pending:
+            send()
+
+    def _recapture_extra(self, name: str) -> None:
+        """A ``GradScaler`` was updated: the pending steps that have not seen its first
+        ``update()`` since their update carry its state after this one (and only this one:
+        a later update belongs to later steps, or to a skipped one)."""
+        obj = self._extra[name]
+        waiting = [(tree, names) for tree, names in self._pending_extra if name in names]
+        if not waiting:
+            return
+        state = st.capture_extra({name: obj})[name]
+        for tree, names in waiting:
+            tree[name] = state
+            names.discard(name)
+
+    # ------------------------------------------------------------------ optimizer hooks
+    def attach_to_optimizer(self) -> None:
+        """Drive this strategy from ``optimizer.step()`` (see :func:`lowdiff.attach`)."""
+        if self._hook_handles:
+            raise RuntimeError("lowdiff is already attached to this optimizer")
+        if self.name == "lowdiff+" and self.max_lag < 2:
+            raise ValueError(
+                "attach() with strategy 'lowdiff+' needs max_lag >= 2 (a step is handed over "
+                "when the next one begins, so two snapshot slots are in use at once)"
+            )
+        self._deferred = True
+        self.driven_by_hooks = True
+        opt = self.optimizer
+        self._hook_handles = [
+            opt.register_step_pre_hook(self._on_step_pre),
+            opt.register_step_post_hook(self._on_step_post),
+        ]
+        for name, obj in self._extra.items():
+            if isinstance(obj, torch.amp.GradScaler):
+                self._wrap_scaler_update(name, obj)
+                self._scalers.append(name)
+
+    def _wrap_scaler_update(self, name: str, scaler: torch.amp.GradScaler) -> None:
+        update = scaler.update
+        ref = weakref.ref(self)
+
+        def update_and_capture(*args: Any, **kwargs: Any) -> None:
+            update(*args, **kwargs)
+            me = ref()
+            if me is not None and not me._closed:
+                me._recapture_extra(name)
+
+        scaler.update = update_and_capture  # type: ignore[method-assign]
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` when this strategy is closed (before it flushes)."""
+        self._on_close.append(fn)
+
+    def _on_step_pre(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if replaying():
+            return None  # recovery replays records through this optimizer
+        if self._inflight is not None:
+            self._inflight = None
+            raise LowDiffError(
+                "the previous optimizer.step() did not complete (it raised after lowdiff took "
+                "its gradients); that update is not checkpointed, so training cannot go on from "
+                "this state: resume from the checkpoint"
+            )
+        self._finish_handover()
+        # args are step()'s own, the optimizer first: step(self, closure=None)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._begin_update()
+            return None
+
+        def closure_then_take(*a: Any, **k: Any) -> Any:
+            loss = closure(*a, **k)  # forward and backward
+            if loss is None:
+                raise LowDiffError(
+                    "the closure passed to optimizer.step() returned no loss; lowdiff takes the "
+                    "gradients after the closure ran and needs it to return the loss"
+                )
+            self._begin_update()
+            return loss
+
+        if "closure" in kwargs:
+            return args, dict(kwargs, closure=closure_then_take)
+        return (args[0], closure_then_take, *args[2:]), kwargs
+
+    def _begin_update(self) -> None:
+        t = self.begin_step()
+        self.before_update(t)
+        grads = self.take_gradients(t)
+        hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
+        self._inflight = (t, grads, hp, time.perf_counter())
+
+    def _on_step_post(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if replaying():
+            return
+        if self._inflight is None:
+            return  # a closure that never ran (nothing was updated)
+        t, grads, hp, t0 = self._inflight
+        self._inflight = None
+        self.after_update(t, grads, hp, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ distributed
     def _install_ddp_hook(self) -> None:
@@ -1368,8 +1536,12 @@ class LowDiffPlusStrategy(LowDiffStrategy):
             # the replica took the initial state: the staging copy is no longer needed
             self._staging = None
         t0 = time.perf_counter()
-        meta = self._fill_row_state(self._slot_views[grads.slot], t, grads.nograd, hp)
-        self._send(("step", grads.slot, t, meta))
+        rng_extra, extra = self._fill_row_tensors(self._slot_views[grads.slot])
+        slot, nograd = grads.slot, grads.nograd
+        self._handover(
+            lambda: self._send(("step", slot, t, self._row_meta(t, nograd, hp, rng_extra, extra))),
+            extra,
+        )
         self._stats["record_send_s"] += time.perf_counter() - t0
         self._refresh_job_durable()
 

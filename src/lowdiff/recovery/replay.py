@@ -194,6 +194,12 @@ def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:
 
 
 _END = object()
+_REPLAY = threading.local()
+
+
+def replaying() -> bool:
+    """Whether this thread is inside a recovery's ``optimizer.step()`` (a replay)."""
+    return getattr(_REPLAY, "active", False)
 
 
 def iter_rows(
@@ -434,7 +440,11 @@ def replay_records(
                 # kernels read memory in layout order)
                 p.grad = g if g is None or p.is_contiguous() else torch.empty_like(p).copy_(g)
             st.apply_hparams(optimizer, codec.decode(meta["hp"]))
-            optimizer.step()
+            _REPLAY.active = True  # hooks lowdiff.attach installed must not record replays
+            try:
+                optimizer.step()
+            finally:
+                _REPLAY.active = False
             stats.replay_s += time.perf_counter() - t0
             last_meta, last_views = meta, views
             expected += 1

@@ -1,0 +1,99 @@
+"""``lowdiff.attach``: checkpoint a training loop that calls ``optimizer.step()`` itself.
+
+Frameworks (Hugging Face ``Trainer``, Accelerate, Lightning) and most user loops call
+``optimizer.step()`` and ``scheduler.step()`` themselves. :func:`attach` drives lowdiff
+from the optimizer's own step hooks instead of ``ck.step()``:
+
+- the pre-hook (``register_step_pre_hook``) takes the gradients as the optimizer will
+  apply them: compressed and decompressed in place (LowDiff), the DDP hook's merged
+  records, or the finished layer-wise snapshot (LowDiff+). With ``step(closure)`` it runs
+  after the closure (forward and backward) inside the step;
+- the post-hook writes the step's record (buffers, RNG and ``extra_state`` as they are
+  right after the update) and stages a full checkpoint when one is due;
+- the hand-over to the checkpointing process is finished when the next update begins
+  (or at ``flush()`` / ``close()``), after the loop stepped its LR scheduler, so the
+  record carries the scheduler's state after its step.
+
+The pipeline is the one ``ck.step()`` runs (:class:`lowdiff.strategy.Strategy`); only the
+caller differs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from lowdiff.checkpointer import Checkpointer
+from lowdiff.engine.checkpointer import LowDiffStrategy
+
+_ATTACHED = "_lowdiff_attached"
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: str | os.PathLike[str] | None,
+    **options: Any,
+) -> Checkpointer:
+    """Checkpoint every ``optimizer.step()`` of an unmodified training loop.
+
+    Takes the arguments of :class:`lowdiff.Checkpointer` (strategies ``"lowdiff"``,
+    ``"lowdiff+"`` and ``"none"``). Call ``ck.resume()`` before training, and
+    ``ck.close()`` at the end; in between, the loop stays as it is::
+
+        ck = lowdiff.attach(model, optimizer, "runs/ckpt", scheduler=scheduler,
+                            extra_state={"scaler": scaler, "data": loader})
+        start = ck.resume()
+        for batch in loader:                      # the loader resumes where it was
+            with torch.autocast("cuda"):
+                loss = model(batch).loss
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)                # lowdiff runs inside this step
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad()
+        ck.close()
+
+    - With ``torch.amp.GradScaler``: a step the scaler skips (inf or NaN gradients)
+      calls no ``optimizer.step()``, so it produces no record and no update; pass the
+      scaler in ``extra_state`` and its state after each ``update()`` is saved with the
+      step and restored by ``resume()``.
+    - Gradient accumulation and a scheduler stepped after ``optimizer.step()`` need
+      nothing special: a step is one ``optimizer.step()``.
+    - ``optimizer.step(closure)`` (Lightning): the gradients are taken after the
+      closure ran; the closure must return the loss.
+    - A step is handed to the checkpointing process when the next update begins (or at
+      ``flush()`` / ``close()``): a crash of the trainer loses at most the last step.
+
+    Raises:
+        RuntimeError: lowdiff is already attached to this optimizer.
+        ValueError: a baseline strategy, or bad options (as for ``Checkpointer``).
+    """
+    if getattr(optimizer, _ATTACHED, None) is not None:
+        raise RuntimeError(
+            f"lowdiff is already attached to this optimizer (directory {getattr(optimizer, _ATTACHED)}); "
+            "close() that Checkpointer first"
+        )
+    ck = Checkpointer(model, optimizer, directory, **options)
+    impl = ck.strategy_impl
+    if not isinstance(impl, LowDiffStrategy):
+        ck.close()
+        raise ValueError(
+            f"attach() drives lowdiff's own strategies ('lowdiff', 'lowdiff+', 'none'), not "
+            f"{ck.strategy!r}; use ck.step() for the baselines"
+        )
+    try:
+        impl.attach_to_optimizer()
+    except BaseException:
+        ck.close()
+        raise
+    setattr(optimizer, _ATTACHED, str(directory))
+    impl.on_close(lambda: _detach(optimizer))
+    return ck
+
+
+def _detach(optimizer: torch.optim.Optimizer) -> None:
+    if hasattr(optimizer, _ATTACHED):
+        delattr(optimizer, _ATTACHED)
