@@ -209,7 +209,21 @@ class Checkpointer:
 
     @property
     def stats(self) -> dict[str, float]:
-        """Counters and timings of this session (stall and copy times on the training side)."""
+        """Counters and timings of this session; times in seconds, summed over the session.
+
+        lowdiff's strategies report, on the training side: ``steps``; ``slot_wait_s``
+        (waiting for a free record slot: the checkpointing process fell behind),
+        ``record_send_s`` (filling and handing over records), ``full_wait_s`` and
+        ``full_copy_s`` (waiting for the staging buffer, copying the state into it),
+        ``fulls_requested``; LowDiff+: ``snapshot_finish_s`` and ``lag_wait_s`` (the
+        replica ``max_lag`` steps behind). From the checkpointing process:
+        ``records_written``, ``record_files_written``, ``record_bytes``,
+        ``record_write_s``, ``fulls_written``, ``full_bytes``, ``full_write_s``;
+        LowDiff+: ``replica_merges``, ``replica_merge_s``. And ``durable_step``,
+        ``record_row_bytes``, ``full_every``, ``batch_size``. The baselines report
+        ``steps``, ``checkpoints``, ``stall_s`` (time ``step()`` was blocked),
+        ``bytes_written``, ``write_s`` and their own counters.
+        """
         return self._impl.stats
 
     @property

@@ -37,6 +37,10 @@ order, since some of them are collective)::
     s.flush()   # everything taken so far is durable (collective under DDP)
     s.close()   # flush, stop background work, release the directory
 
+lowdiff's work on the training process shows in ``torch.profiler`` traces as the ranges
+``lowdiff.take_gradients``, ``lowdiff.after_update`` and (with :func:`lowdiff.attach`)
+``lowdiff.handover``.
+
 A strategy's background work (a checkpointing process, a writer thread, a holder of
 in-memory copies) never runs the optimizer: the training process's ``optimizer.step()``
 above is the only update, so what a strategy records is exactly what training applied.
@@ -53,6 +57,7 @@ import time
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from lowdiff.compressors.base import Compressor
 from lowdiff.engine import state as st
@@ -182,10 +187,11 @@ class Strategy(abc.ABC):
                 "lowdiff is attached to the optimizer: call optimizer.step() (and your "
                 "scheduler's step()) as usual, not ck.step()"
             )
-        t = self.begin_step()
-        self.before_update(t)
-        grads = self.take_gradients(t)
-        hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
+        with record_function("lowdiff.take_gradients"):
+            t = self.begin_step()
+            self.before_update(t)
+            grads = self.take_gradients(t)
+            hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
         t0 = time.perf_counter()
         self.optimizer.step()
         if self.scheduler is not None:
@@ -193,7 +199,8 @@ class Strategy(abc.ABC):
                 self.scheduler.step()
             else:
                 self.scheduler.step(metric)
-        self.after_update(t, grads, hp, time.perf_counter() - t0)
+        with record_function("lowdiff.after_update"):
+            self.after_update(t, grads, hp, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ stages
     @abc.abstractmethod

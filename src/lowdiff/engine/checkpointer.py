@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.multiprocessing as tmp
+from torch.profiler import record_function
 
 from lowdiff.compressors.base import Compressor, NoCompression
 from lowdiff.compressors.merged import MergedSparse
@@ -1035,10 +1036,13 @@ class LowDiffStrategy(Strategy):
             self._pending_extra.append((extra, set(self._scalers)))
 
     def _finish_handover(self) -> None:
+        if not self._pending:
+            return
         pending, self._pending = self._pending, []
         self._pending_extra = []
-        for send in pending:
-            send()
+        with record_function("lowdiff.handover"):
+            for send in pending:
+                send()
 
     def _recapture_extra(self, name: str) -> None:
         """A ``GradScaler`` was updated: the pending steps that have not seen its first
@@ -1123,10 +1127,11 @@ class LowDiffStrategy(Strategy):
         return (args[0], closure_then_take, *args[2:]), kwargs
 
     def _begin_update(self) -> None:
-        t = self.begin_step()
-        self.before_update(t)
-        grads = self.take_gradients(t)
-        hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
+        with record_function("lowdiff.take_gradients"):
+            t = self.begin_step()
+            self.before_update(t)
+            grads = self.take_gradients(t)
+            hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
         self._inflight = (t, grads, hp, time.perf_counter())
 
     def _on_step_post(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -1136,7 +1141,8 @@ class LowDiffStrategy(Strategy):
             return  # a closure that never ran (nothing was updated)
         t, grads, hp, t0 = self._inflight
         self._inflight = None
-        self.after_update(t, grads, hp, time.perf_counter() - t0)
+        with record_function("lowdiff.after_update"):
+            self.after_update(t, grads, hp, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ distributed
     def _install_ddp_hook(self) -> None:
