@@ -124,8 +124,11 @@ def compress_grads(
                 )
             flat = g.detach().contiguous().view(-1)
             payload = compressor.compress(flat, info.index, t)
-            dense = compressor.decompress(payload, numel, flat.dtype)
-            g.copy_(dense.view_as(g))
+            if flat.data_ptr() == g.data_ptr():
+                # in place: no dense temporary per parameter per step
+                compressor.decompress_into(payload, flat)
+            else:
+                g.copy_(compressor.decompress(payload, numel, flat.dtype).view_as(g))
             payloads[info.index] = payload
     return payloads, nograd
 

@@ -137,6 +137,22 @@ def test_decompress_is_pure_and_deterministic(name: str, dtype: torch.dtype) -> 
         assert torch.equal(t, before[n]), n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_decompress_into_equals_decompress_bit_for_bit(name: str, dtype: torch.dtype) -> None:
+    numel = 70001
+    c = FACTORIES[name]()
+    grad = _randn(numel, dtype, seed=3)
+    payload = c.compress(grad, key=2, step=5)
+    want = c.decompress(payload, numel, dtype)
+    # into the gradient itself, as training does (the payload may be that very tensor)
+    c.decompress_into(payload, grad)
+    assert torch.equal(grad, want)
+    junk = torch.full((numel,), 7.0, dtype=dtype)  # whatever was there before is replaced
+    c.decompress_into(payload, junk)
+    assert torch.equal(junk, want)
+
+
 @pytest.mark.parametrize("name", ["topk", "approx", "randomk"])
 def test_sparse_decompress_puts_values_at_indices(name: str) -> None:
     numel = 100000

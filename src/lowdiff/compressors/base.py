@@ -156,6 +156,11 @@ class Compressor(ABC):
     ) -> torch.Tensor:
         """Dense 1-D gradient of ``numel`` elements of ``dtype``; pure and deterministic."""
 
+    def decompress_into(self, payload: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        """Write the dense gradient into ``out`` (1-D, contiguous), bit for bit what
+        :meth:`decompress` returns; compressors override it to skip the dense temporary."""
+        out.copy_(self.decompress(payload, out.numel(), out.dtype))
+
     def reset_state(self) -> None:  # noqa: B027 - optional hook; stateless compressors keep it
         """Drop all error-feedback residuals (called at recovery)."""
 
@@ -208,3 +213,8 @@ class NoCompression(Compressor):
         self, payload: Mapping[str, torch.Tensor], numel: int, dtype: torch.dtype
     ) -> torch.Tensor:
         return payload["values"].to(dtype).clone()
+
+    def decompress_into(self, payload: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        values = payload["values"]
+        if values.data_ptr() != out.data_ptr():  # compress() hands back the gradient itself
+            out.copy_(values)

@@ -150,6 +150,11 @@ class _Sparsifier(Compressor):
         out.index_put_((indices,), values)
         return out
 
+    def decompress_into(self, payload: Mapping[str, torch.Tensor], out: torch.Tensor) -> None:
+        check_payload(type(self).__name__, payload, self.fields(out.numel(), out.dtype))
+        out.zero_()
+        out.index_put_((payload["indices"].long(),), payload["values"])
+
     def reset_state(self) -> None:
         self._residuals.clear()
 

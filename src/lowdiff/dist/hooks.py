@@ -78,6 +78,9 @@ def lowdiff_hook(
     comp, world, group = state.compressor, state.ctx.world_size, state.ctx.group
     keys, spans, vals, idxs = [], [], [], []
     off = 0
+    # indices travel as int32 unless a tensor is too large for it (every rank decides the
+    # same: the bucket's tensors are the same everywhere)
+    idx_dtype = torch.int32 if max(g.numel() for g in grads) < 2**31 else torch.int64
     with torch.no_grad():
         for p, g in zip(params, grads, strict=True):
             key = state.index.get(id(p))
@@ -91,7 +94,7 @@ def lowdiff_hook(
             keys.append(key)
             spans.append((off, off + k))
             vals.append(payload["values"])
-            idxs.append(payload["indices"].long())
+            idxs.append(payload["indices"].to(idx_dtype))
             off += k
         v_local = torch.cat(vals)
         i_local = torch.cat(idxs)
