@@ -152,6 +152,7 @@ def test_bad_settings(tmp_path: Path) -> None:
         run_bench(["overhead"], out=tmp_path, methods=["lowdiff", "checkpoint-everything"])
 
 
+@pytest.mark.timeout(900)  # about 100 s on a quiet 2-core machine; every experiment runs
 def test_every_experiment_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "results"
     s = BenchSettings("gpt2-tiny", iters=2, repeats=1, workdir=tmp_path / "work")
