@@ -18,6 +18,7 @@ chain takes only record files that follow the state it has reached (see
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,6 @@ def recover_sharded(
     step: int | None = None,
 ) -> RecoveryStats:
     """Bring every rank to one agreed step (None: the newest every rank can reach)."""
-    t_start = time.perf_counter()
     if not is_job_dir(root):
         raise NotACheckpointDirectoryError(f"{root} holds no distributed lowdiff checkpoint")
     world = int(layout.read_manifest(root)["world_size"])
@@ -228,30 +228,90 @@ def recover_sharded(
             f"{root} was written by {world} ranks; this job has {ctx.world_size}. Resume with the "
             "same world size"
         )
+
+    def agree_min(value: int) -> int:
+        return ctx.all_min([value])[0]
+
+    return _recover_shards(
+        root, world, ctx.rank, model, optimizer, scheduler, step, agree_min, ctx.agree
+    )
+
+
+def recover_job(
+    root: str | Path,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any | None = None,
+    step: int | None = None,
+    *,
+    rank: int = 0,
+) -> RecoveryStats:
+    """Rebuild a distributed job's state at ``step`` in this one process, without a group.
+
+    The job may have been written by any number of ranks. Parameters and their optimizer
+    state come from the shards that own them; buffers, RNG streams and scheduler state are
+    those of rank ``rank`` (0: what rank 0 held at that step). Nothing in ``root`` is
+    written.
+
+    Example:
+        >>> recover_job("runs/ddp", model, optimizer, scheduler, step=120)  # doctest: +SKIP
+    """
+    root = Path(root)
+    if not is_job_dir(root):
+        raise NotACheckpointDirectoryError(f"{root} holds no distributed lowdiff checkpoint")
+    world = int(layout.read_manifest(root)["world_size"])
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in 0..{world - 1} for a job of {world} ranks, got {rank}")
+
+    def same(value: int, what: str = "") -> int:  # noqa: ARG001 -- one process agrees with itself
+        return value
+
+    return _recover_shards(root, world, rank, model, optimizer, scheduler, step, same, same)
+
+
+def _recover_shards(
+    root: Path,
+    world: int,
+    own: int,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any | None,
+    step: int | None,
+    agree_min: Callable[[int], int],
+    agree: Callable[[int, str], int],
+) -> RecoveryStats:
+    """Load every shard's state at one step into the live objects (``own``: this rank's
+    per-rank state); ``agree_min`` / ``agree`` make the ranks of a job settle on one step
+    (identities in a single process)."""
+    t_start = time.perf_counter()
     scans = shard_scans(root, world)
     skipped = warn_damaged([pw for sc in scans for pw in sc.problems])
     rls = [RecordLayout.from_json(sc.manifest["record_layout"]) for sc in scans]
     check_compatible_sharded(rls, [sc.manifest for sc in scans], model, optimizer)
-    compressor = compressor_from_spec(scans[ctx.rank].manifest["compressor"])
+    compressor = compressor_from_spec(scans[own].manifest["compressor"])
     bad: set[Path] = set()
     while True:
-        local_target, _ = plan_sharded(scans, step, bad)
-        target = ctx.all_min([local_target])[0]
+        try:
+            local_target, _ = plan_sharded(scans, step, bad)
+        except RecoveryError as e:
+            if not bad:
+                raise
+            damaged = "; ".join(f"{Path(p).name}: {why}" for p, why in skipped)
+            raise RecoveryError(f"{e} (damaged: {damaged})") from None
+        target = agree_min(local_target)
         target, full = plan_sharded(scans, target, bad)
-        ctx.agree(full, "the full checkpoint to start from")
+        agree(full, "the full checkpoint to start from")
         picked = [_files_for(sc, full, target, bad) for sc in scans]
         stats = RecoveryStats(full_step=full, step=full)
         try:
-            load_full_sharded(
-                [f for f, _, _ in picked], ctx.rank, model, optimizer, scheduler, stats
-            )
+            load_full_sharded([f for f, _, _ in picked], own, model, optimizer, scheduler, stats)
         except CorruptCheckpointError as e:
             pass_over_full(e, bad, skipped)
             continue
         stats.skipped += warn_foreign([x for _, _, foreign in picked for x in foreign])
         replay_records(
             [(rl, files) for rl, (_, files, _) in zip(rls, picked, strict=True)],
-            ctx.rank,
+            own,
             full,
             target,
             model,
@@ -261,8 +321,8 @@ def recover_sharded(
             stats,
             strict=step is not None,
         )
-        ctx.agree(stats.step, "the recovered step")
-        own_full, own_files, _ = picked[ctx.rank]
+        agree(stats.step, "the recovered step")
+        own_full, own_files, _ = picked[own]
         stats.state_run_id = state_run(own_full, own_files, stats.step)
         stats.skipped = skipped + stats.skipped
         stats.total_s = time.perf_counter() - t_start

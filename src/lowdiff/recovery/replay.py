@@ -497,9 +497,18 @@ def recover(
     scheduler: Any | None = None,
     step: int | None = None,
 ) -> RecoveryStats:
-    """Restore the live objects to ``step`` (None: the newest recoverable step)."""
+    """Restore the live objects to ``step`` (None: the newest recoverable step).
+
+    ``root`` may also be a distributed job's directory (written by any number of ranks):
+    the state is rebuilt from every shard, with rank 0's per-rank state (see
+    :func:`lowdiff.dist.recovery.recover_job`).
+    """
     st.check_training_objects(model, optimizer, scheduler)
     root = Path(root)
+    from lowdiff.dist.recovery import is_job_dir, recover_job
+
+    if is_job_dir(root):
+        return recover_job(root, model, optimizer, scheduler, step)
     sc = scan(root)
     skipped = warn_damaged(sc.problems)
     bad: set[Path] = set()
@@ -533,7 +542,8 @@ def restore(
     """Restore model, optimizer, scheduler and RNG state to a recoverable step.
 
     Args:
-        directory: a lowdiff checkpoint directory.
+        directory: a lowdiff checkpoint directory, or a distributed job's (written by any
+            number of ranks; restored in this process, with rank 0's buffers and RNG).
         model: the model, built the same way as for training (same parameter names and shapes).
         optimizer: an optimizer of the same type over ``model``'s parameters.
         scheduler: the LR scheduler, if training used one.
