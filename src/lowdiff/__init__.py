@@ -22,7 +22,8 @@ from lowdiff.errors import (
     RecoveryError,
     RecoveryWarning,
 )
-from lowdiff.inspect import DirectoryInfo, export, inspect_dir, verify_dir
+from lowdiff.exporting import export
+from lowdiff.inspect import DirectoryInfo, inspect_dir, verify_dir
 from lowdiff.recovery.replay import RecoveryStats, restore
 
 __version__ = "0.1.0"

@@ -1,20 +1,21 @@
-"""Looking into a checkpoint directory without the training code: inspect, verify, export."""
+"""Looking into a checkpoint directory without the training code: inspect, verify, export.
+
+Each accepts a single-process directory and a distributed job's (every shard, any world
+size); export itself lives in :mod:`lowdiff.exporting`.
+"""
 
 from __future__ import annotations
 
-import importlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lowdiff.engine.record import RecordLayout
-from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError, RecoveryError
-from lowdiff.format import codec, layout, sfile
+from lowdiff.errors import CorruptCheckpointError, RecoveryError
+from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
-from lowdiff.recovery.replay import RecoveryStats, recover
+from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import (
     FileInfo,
     make_plan,
@@ -205,78 +206,28 @@ def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
     return checked, bad
 
 
-def _set_path(
-    root: torch.nn.Module, name: str, value: torch.Tensor | torch.nn.Parameter, is_param: bool
-) -> None:
-    *parents, leaf = name.split(".")
-    mod = root
-    for part in parents:
-        child = getattr(mod, part, None) if part in mod._modules else None
-        if child is None:
-            child = torch.nn.Module()
-            mod.add_module(part, child)
-        mod = child
-    if is_param:
-        mod.register_parameter(leaf, value)  # type: ignore[arg-type]
-    else:
-        mod.register_buffer(leaf, value)
-
-
-def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    module, _, cls = name.rpartition(".")
-    if not (module == "torch.optim" or module.startswith("torch.optim.")):
-        raise CheckpointMismatchError(
-            f"this checkpoint was written with optimizer {name}; export without the training code supports "
-            "torch.optim optimizers only (use lowdiff.restore with your own model and optimizer)"
-        )
-    obj = getattr(importlib.import_module(module), cls, None)
-    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
-        raise CheckpointMismatchError(f"{name} is not a torch.optim optimizer")
-    return obj
-
-
 def rebuild(
     path: str | Path, step: int | None
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, RecoveryStats]:
-    """Rebuild a stand-in model and optimizer from the checkpoint alone and restore ``step``."""
-    root = Path(path)
-    sc = scan(root)
-    plan = make_plan(sc, step)
-    lf = sfile.read(plan.full.path)
-    md = lf.metadata
-    rl = RecordLayout.from_json(sc.manifest["record_layout"])
-    aliases = json.loads(md["model_aliases"])
-    msd = {k[len("model/") :]: v.clone() for k, v in lf.tensors.items() if k.startswith("model/")}
-    bnames = {n for n, _, _ in rl.buffers}
-    model = torch.nn.Module()
-    params: dict[str, torch.nn.Parameter] = {}
-    for name, t in msd.items():
-        if name in bnames:
-            _set_path(model, name, t, False)
-        else:  # optimized, or frozen (in the state dict but not in the optimizer)
-            params[name] = torch.nn.Parameter(t, requires_grad=t.is_floating_point())
-            _set_path(model, name, params[name], True)
-    for alias, canon in aliases.items():
-        _set_path(model, alias, params[canon], canon in params)
-    osd = codec.loads(md["optim"], lambda n: lf.tensors[n].clone())
-    cls = _optimizer_class(sc.manifest["optimizer"])
-    ordered = [params[p.name] for p in rl.params]
-    groups = []
-    for g in osd["param_groups"]:
-        hp = {k: v for k, v in g.items() if k != "params"}
-        groups.append({"params": [ordered[i] for i in g["params"]], **hp})
-    optimizer = cls(groups)  # type: ignore[call-arg]  # torch.optim classes default their hyperparameters
-    stats = recover(root, model, optimizer, None, step)
-    return model, optimizer, stats
+    """Rebuild a stand-in model and optimizer from the checkpoint alone and restore ``step``
+    (see :func:`lowdiff.exporting.rebuild`)."""
+    from lowdiff.exporting import rebuild as _rebuild
+
+    return _rebuild(path, step)
 
 
-def export(path: str | Path, step: int | None, out: str | Path) -> int:
-    """Write the model state at ``step`` (None: newest) as a plain safetensors file.
+def export(
+    path: str | Path,
+    step: int | None = None,
+    out: str | Path | None = None,
+    *,
+    format: str = "safetensors",  # noqa: A002 -- the CLI's name
+) -> int:
+    """Write the state at ``step`` (None: newest) to ``out``; see :func:`lowdiff.exporting.export`.
 
     Returns:
         The exported step.
     """
-    model, _, stats = rebuild(path, step)
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    sfile.write_tensors(out, sd, {"kind": "export", "step": str(stats.step)})
-    return stats.step
+    from lowdiff.exporting import export as _export
+
+    return _export(path, step, out, format=format)

@@ -192,10 +192,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lowdiff.inspect import export
+    from lowdiff.exporting import export
 
-    step = export(args.directory, args.step, args.out)
-    print(f"exported the model state at step {step} to {args.out}")
+    step = export(args.directory, args.step, args.out, format=args.format)
+    what = "the model state" if args.format == "safetensors" else "the training state"
+    if args.format == "hf":
+        what = "the model (save_pretrained)"
+    print(f"exported {what} at step {step} to {args.out} ({args.format})")
     return 0
 
 
@@ -274,12 +277,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", type=Path)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("export", help="write the model state at a recoverable step as safetensors")
-    p.add_argument("directory", type=Path)
+    p = sub.add_parser(
+        "export",
+        help="write the state at a recoverable step (safetensors, torch.save, DCP, Hugging Face)",
+    )
+    p.add_argument("directory", type=Path, help="a checkpoint directory or a distributed job's")
     p.add_argument(
         "--step", type=_non_negative_int, default=None, help="recoverable step (default: newest)"
     )
-    p.add_argument("--out", type=Path, required=True, help="output .safetensors file")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "torch", "dcp", "hf"),
+        default="safetensors",
+        help="safetensors: the model state dict (default); torch: one torch.save file with "
+        "model, optimizer, scheduler and step; dcp: a torch.distributed.checkpoint directory; "
+        "hf: a save_pretrained directory (transformers models)",
+    )
+    p.add_argument(
+        "--out", type=Path, required=True, help="output file (safetensors, torch) or directory"
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(

@@ -585,6 +585,7 @@ class LowDiffStrategy(Strategy):
             "torch": torch.__version__,
             "updated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "run_id": self._run_id,
+            **__import__("lowdiff.exporting", fromlist=["_"]).model_config_entry(self.model),
         }
 
     def _write_manifest(self) -> None:

@@ -1,0 +1,376 @@
+"""Export the state at any recoverable step in the formats other tools load.
+
+No training code is needed: a stand-in model (the checkpoint's parameter and buffer names,
+shapes and dtypes) and an optimizer of the recorded ``torch.optim`` class are built from
+the checkpoint's headers, and recovery restores them to the step (for a distributed job,
+from every shard, with rank 0's buffers). Then one of:
+
+- ``safetensors``: the model state dict as one safetensors file (lowdiff's ``export`` kind);
+- ``torch``: one ``torch.save`` file, ``{"model", "optimizer", "scheduler", "step"}``, that
+  the usual ``model.load_state_dict(ckpt["model"])`` resume code reads;
+- ``dcp``: a ``torch.distributed.checkpoint`` directory holding ``"model"`` and
+  ``"optimizer"`` in the conventions of ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` (parameters named by their fully qualified names), plus
+  ``"step"`` and, when training used one, ``"scheduler"``;
+- ``hf``: for a ``transformers`` model whose config training recorded in the manifest
+  (``model_config``, JSON), a ``save_pretrained`` directory that
+  ``AutoModel*.from_pretrained`` loads.
+
+Nothing under the checkpoint directory is written; the output appears whole or not at all
+(written under a temporary name beside it, then renamed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import sys
+import uuid
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.engine.record import RecordLayout
+from lowdiff.engine.state import unwrap_model
+from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError, RecoveryError
+from lowdiff.format import codec, layout, sfile
+from lowdiff.recovery.replay import RecoveryStats, recover
+
+FORMATS = ("safetensors", "torch", "dcp", "hf")
+"""What :func:`export` writes (``format=``)."""
+
+MODEL_CONFIG_KEY = "model_config"
+"""Manifest entry with a ``transformers`` model's class and config (for ``format="hf"``)."""
+
+
+def model_config_entry(model: torch.nn.Module) -> dict[str, Any]:
+    """``{"model_config": ...}`` for a ``transformers`` model, else ``{}`` (a manifest entry).
+
+    The entry holds the model's class name and its config as plain JSON (``to_dict()``),
+    enough to rebuild the architecture for an ``hf`` export; nothing is pickled. Only a
+    model of a class ``transformers`` itself exports is recorded, and ``transformers`` is
+    never imported here (a model of it means it is loaded already).
+    """
+    tf = sys.modules.get("transformers")
+    m = unwrap_model(model)
+    if tf is None or not isinstance(m, getattr(tf, "PreTrainedModel", ())):
+        return {}
+    cls = type(m).__name__
+    if getattr(tf, cls, None) is not type(m):
+        return {}
+    try:
+        config = json.loads(getattr(m, "config").to_json_string(use_diff=False))  # noqa: B009
+        json.dumps(config, allow_nan=False)  # the manifest is strict JSON
+    except (TypeError, ValueError, AttributeError):
+        return {}
+    return {MODEL_CONFIG_KEY: {"library": "transformers", "class": cls, "config": config}}
+
+
+class _SchedulerState:
+    """Takes the scheduler state recovery restores, for the formats that carry it."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def step(self) -> None:  # pragma: no cover - recovery never steps a scheduler
+        raise NotImplementedError
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+def _set_path(
+    root: torch.nn.Module, name: str, value: torch.Tensor | torch.nn.Parameter, is_param: bool
+) -> None:
+    *parents, leaf = name.split(".")
+    mod = root
+    for part in parents:
+        child = getattr(mod, part, None) if part in mod._modules else None
+        if child is None:
+            child = torch.nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    if is_param:
+        mod.register_parameter(leaf, value)  # type: ignore[arg-type]
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    module, _, cls = name.rpartition(".")
+    if not (module == "torch.optim" or module.startswith("torch.optim.")):
+        raise CheckpointMismatchError(
+            f"this checkpoint was written with optimizer {name}; export without the training code supports "
+            "torch.optim optimizers only (use lowdiff.restore with your own model and optimizer)"
+        )
+    obj = getattr(importlib.import_module(module), cls, None)
+    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+        raise CheckpointMismatchError(f"{name} is not a torch.optim optimizer")
+    return obj
+
+
+def _full_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], list[RecordLayout]]:
+    """Headers of the full checkpoints recovery to ``step`` starts from (one per shard),
+    and the shards' record layouts. Raises :class:`RecoveryError` for a step not served."""
+    from lowdiff.dist.recovery import _files_for, is_job_dir, plan_sharded, shard_scans
+    from lowdiff.recovery.scan import make_plan, scan
+
+    if is_job_dir(root):
+        scans = shard_scans(root, int(layout.read_manifest(root)["world_size"]))
+        target, full = plan_sharded(scans, step)
+        fulls = [_files_for(sc, full, target, frozenset())[0] for sc in scans]
+    else:
+        sc = scan(root)
+        scans, fulls = [sc], [make_plan(sc, step).full]
+    rls = [RecordLayout.from_json(sc.manifest["record_layout"]) for sc in scans]
+    return [sfile.read_header(f.path) for f in fulls], rls
+
+
+def rebuild(
+    path: str | Path, step: int | None, scheduler: Any | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, RecoveryStats]:
+    """A stand-in model and optimizer built from the checkpoint alone, restored to ``step``.
+
+    Works on a single-process directory and on a distributed job's (every shard, rank 0's
+    per-rank state). ``scheduler``, when given, receives the scheduler state.
+    """
+    from lowdiff.dist.shard import merge_state_dicts
+
+    root = Path(path)
+    headers, rls = _full_headers(root, step)
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    osds = []
+    for s, (h, rl) in enumerate(zip(headers, rls, strict=True)):
+        mine = {p.name for p in rl.params}
+        for e in h.entries:
+            if e.name.startswith("model/"):
+                name = e.name[len("model/") :]
+                if s == 0 or name in mine:  # other shards: only the parameters they own
+                    shapes[name] = (e.dtype, e.shape)
+        try:
+            osd = codec.loads(h.metadata["optim"], lambda _: torch.empty(0))
+            shard = codec.loads(h.metadata.get("shard", "null"))
+        except (KeyError, ValueError) as e:
+            raise CorruptCheckpointError(h.path, f"bad optimizer metadata ({e})") from None
+        osds.append((osd, shard if isinstance(shard, list) else [p.index for p in rl.params]))
+    own = headers[0].metadata
+    aliases = json.loads(own["model_aliases"])
+    bnames = {n for n, _, _ in rls[0].buffers}
+    model = torch.nn.Module()
+    params: dict[str, torch.nn.Parameter] = {}
+    for name, (dtype, shape) in shapes.items():
+        t = torch.zeros(shape, dtype=dtype)
+        if name in bnames:
+            _set_path(model, name, t, False)
+        else:  # optimized, or frozen (in the state dict but not in the optimizer)
+            params[name] = torch.nn.Parameter(t, requires_grad=t.is_floating_point())
+            _set_path(model, name, params[name], True)
+    for alias, canon in aliases.items():
+        _set_path(model, alias, params[canon], canon in params)
+    merged = merge_state_dicts(osds, 0)
+    ordered_names = [p.name for p in sorted((p for rl in rls for p in rl.params), key=_index)]
+    missing = [n for n in ordered_names if n not in params]
+    if missing:
+        raise CorruptCheckpointError(
+            headers[0].path, f"parameters missing from the full checkpoints: {missing[:3]}"
+        )
+    ordered = [params[n] for n in ordered_names]
+    groups = []
+    for g in merged["param_groups"]:
+        hp = {k: v for k, v in g.items() if k != "params"}
+        groups.append({"params": [ordered[i] for i in g["params"]], **hp})
+    manifest = _first_manifest(root)
+    cls = _optimizer_class(manifest["optimizer"])
+    optimizer = cls(groups)  # type: ignore[call-arg]  # torch.optim classes default their hyperparameters
+    stats = recover(root, model, optimizer, scheduler, step)
+    return model, optimizer, stats
+
+
+def _index(p: Any) -> int:
+    return int(p.index)
+
+
+def _first_manifest(root: Path) -> dict[str, Any]:
+    """The manifest with the training settings: rank 0's for a distributed job."""
+    from lowdiff.dist.context import rank_dir
+    from lowdiff.dist.recovery import is_job_dir
+
+    return layout.read_manifest(rank_dir(root, 0) if is_job_dir(root) else root)
+
+
+def export(
+    path: str | Path,
+    step: int | None = None,
+    out: str | Path | None = None,
+    *,
+    format: str = "safetensors",  # noqa: A002 -- the name users know from the CLI
+) -> int:
+    """Write the state at ``step`` (None: the newest recoverable step) to ``out``.
+
+    Args:
+        path: a lowdiff checkpoint directory, or a distributed job's (any world size).
+        step: a recoverable step (for a job: one every shard serves); None: the newest.
+        out: the file (``safetensors``, ``torch``) or directory (``dcp``, ``hf``) to write;
+            a directory must not exist yet or be empty.
+        format: one of :data:`FORMATS`; see the module docstring.
+
+    Returns:
+        The exported step.
+
+    Raises:
+        ValueError: an unknown format, no ``out``, or ``out`` inside the checkpoint directory
+            or a non-empty directory.
+        CheckpointMismatchError: ``hf`` for a checkpoint without a recorded model config.
+        RecoveryError: ``step`` is not recoverable.
+
+    Example:
+        >>> lowdiff.export("runs/ckpt", step=120, format="torch", out="step120.pt")  # doctest: +SKIP
+        120
+    """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+    if out is None:
+        raise ValueError("out is required: the file or directory to write")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+    root, dest = Path(path), Path(out)
+    if not root.is_dir():
+        from lowdiff.errors import NotACheckpointDirectoryError
+
+        raise NotACheckpointDirectoryError(f"{root} does not exist or is not a directory")
+    if dest.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"out must lie outside the checkpoint directory {root}, got {dest}")
+    if format in ("dcp", "hf") and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ValueError(f"out {dest} exists and is not an empty directory")
+    _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
+    hf_config = _hf_config(root) if format == "hf" else None
+    sched = _SchedulerState()
+    model, optimizer, stats = rebuild(root, step, sched if _has_scheduler(root) else None)
+    if format == "safetensors":
+        sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        sfile.write_tensors(dest, sd, {"kind": "export", "step": str(stats.step)})
+    elif format == "torch":
+        _publish(dest, lambda tmp: _write_torch(tmp, model, optimizer, sched.state, stats.step))
+    elif format == "dcp":
+        _publish(dest, lambda tmp: _write_dcp(tmp, model, optimizer, sched.state, stats.step))
+    else:
+        assert hf_config is not None
+        _publish(dest, lambda tmp: _write_hf(tmp, model, hf_config))
+    return stats.step
+
+
+def _has_scheduler(root: Path) -> bool:
+    return _first_manifest(root).get("scheduler") is not None
+
+
+def _hf_config(root: Path) -> dict[str, Any]:
+    entry = _first_manifest(root).get(MODEL_CONFIG_KEY)
+    if not isinstance(entry, dict) or entry.get("library") != "transformers":
+        raise CheckpointMismatchError(
+            f"{root}: format 'hf' needs the model's transformers config, and this checkpoint "
+            "records none (it was not made from a transformers model, or by a lowdiff that did "
+            "not record it); export format 'safetensors' or 'torch' instead"
+        )
+    return entry
+
+
+def _publish(dest: Path, write: Any) -> None:
+    """Write through ``write(tmp_path)`` beside ``dest``, then rename it into place."""
+    tmp = dest.parent / f".tmp-lowdiff-export-{uuid.uuid4().hex[:12]}-{dest.name}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write(tmp)
+        if dest.is_dir():
+            dest.rmdir()  # empty (checked before the export started)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+
+
+def _write_torch(
+    tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched: Any, step: int
+) -> None:
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": sched,
+            "step": step,
+        },
+        tmp,
+    )
+
+
+def fqn_optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter names, as ``get_optimizer_state_dict``
+    returns it for a model that is not sharded (what a DCP checkpoint's users load)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    osd = optimizer.state_dict()
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    state = {order[i]: dict(v) for i, v in osd["state"].items()}
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [order[i] for i in g["params"]]}
+        for g in osd["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def _write_dcp(
+    tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched: Any, step: int
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    sd: dict[str, Any] = {
+        "model": dict(model.state_dict()),
+        "optimizer": fqn_optimizer_state_dict(model, optimizer),
+        "step": step,
+    }
+    if sched is not None:
+        sd["scheduler"] = sched
+    tmp.mkdir()
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+
+
+def _write_hf(tmp: Path, model: torch.nn.Module, entry: Mapping[str, Any]) -> None:
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointMismatchError(
+            "format 'hf' needs the transformers package (pip install transformers)"
+        ) from None
+    cls = getattr(transformers, str(entry["class"]), None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise CheckpointMismatchError(
+            f"the recorded model class {entry['class']!r} is not a transformers model class"
+        )
+    config_cls: Any = cls.config_class
+    if config_cls is None:
+        raise CheckpointMismatchError(f"{entry['class']} names no config class")
+    config = config_cls.from_dict(dict(entry["config"]))
+    hf = cls(config)
+    sd = model.state_dict()
+    dtypes = {v.dtype for v in sd.values() if v.is_floating_point()}
+    if len(dtypes) == 1:
+        hf.to(dtypes.pop())
+    try:
+        hf.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise RecoveryError(
+            f"the recorded config of {entry['class']} does not fit the checkpoint's state: {e}"
+        ) from None
+    hf.save_pretrained(str(tmp))
