@@ -77,6 +77,7 @@ from lowdiff.errors import (
     DurabilityWarning,
     LowDiffError,
 )
+from lowdiff.exporting import model_config_entry
 from lowdiff.format import codec, layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.dtypes import dtype_name
@@ -585,7 +586,7 @@ class LowDiffStrategy(Strategy):
             "torch": torch.__version__,
             "updated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "run_id": self._run_id,
-            **__import__("lowdiff.exporting", fromlist=["_"]).model_config_entry(self.model),
+            **model_config_entry(self.model),  # what an "hf" export rebuilds the model from
         }
 
     def _write_manifest(self) -> None:
