@@ -1,0 +1,131 @@
+"""Helpers shared by the framework integrations (not a public API)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.checkpointer import Checkpointer
+from lowdiff.engine.checkpointer import LowDiffStrategy
+from lowdiff.errors import LowDiffError
+from lowdiff.format import codec, sfile
+from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
+
+log = logging.getLogger("lowdiff.integrations")
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` under a framework's wrapper (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): lowdiff's step hooks go
+    on the optimizer whose ``step()`` updates the parameters."""
+    seen = 0
+    while not _is_plain_optimizer(optimizer) and seen < 8:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer, seen = inner, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be (or wrap) a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def _is_plain_optimizer(optimizer: Any) -> bool:
+    # AcceleratedOptimizer subclasses torch.optim.Optimizer but only forwards to .optimizer
+    return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")
+
+
+def unwrap_scheduler(scheduler: Any) -> Any:
+    """The LR scheduler under Accelerate's ``AcceleratedScheduler`` (None stays None)."""
+    if scheduler is None:
+        return None
+    inner = getattr(scheduler, "scheduler", None)
+    return inner if inner is not None and hasattr(inner, "state_dict") else scheduler
+
+
+def capture_after(ck: Checkpointer, name: str) -> None:
+    """Take ``extra_state[name]`` again when :func:`recapture` is called, for every step
+    still waiting for its hand-over (the mechanism ``attach`` uses for a ``GradScaler``,
+    whose state after ``update()`` belongs to the step).
+
+    A framework updates its own counters (a global step, an epoch) after
+    ``optimizer.step()`` returned, so the state of step *n* is known only then.
+    """
+    impl = _impl(ck)
+    if name not in impl._extra:
+        raise ValueError(f"extra_state has no {name!r}")
+    if name not in impl._scalers:
+        impl._scalers.append(name)
+
+
+def recapture(ck: Checkpointer, name: str) -> None:
+    """Take ``extra_state[name]`` now for the steps waiting for it (see :func:`capture_after`)."""
+    impl = _impl(ck)
+    if not impl._closed:
+        impl._recapture_extra(name)
+
+
+def _impl(ck: Checkpointer) -> LowDiffStrategy:
+    impl = ck.strategy_impl
+    if not isinstance(impl, LowDiffStrategy):
+        raise TypeError(f"not a lowdiff strategy: {ck.strategy!r}")
+    return impl
+
+
+def saved_extra(root: str | Path) -> tuple[int, dict[str, Any]] | None:
+    """The newest recoverable step of a (single-process) lowdiff directory and the
+    ``extra_state`` saved with it, read from the files' headers without replaying anything.
+
+    None when the directory holds no checkpoint. ``resume()`` reaches the same step unless
+    a file turns out to be damaged when it is read in full (callers check).
+    """
+    root = Path(root)
+    if is_empty_dir(root):
+        return None
+    sc = scan(root)
+    plan = make_plan(sc, None)
+    t = plan.target
+    if t == plan.full.first_step:
+        md = sfile.read_header(plan.full.path).metadata
+        tree = json.loads(md["extra"]) if "extra" in md else None
+    else:
+        f = next(r for r in reversed(plan.record_files) if r.first_step <= t - 1 <= r.last_step)
+        metas = json.loads(sfile.read_header(f.path).metadata["records_meta"])
+        tree = codec.decode(metas[t - 1 - f.first_step]).get("extra")
+    if not isinstance(tree, dict):
+        return t, {}
+    return t, {k: codec.decode(v) for k, v in tree.items()}
+
+
+LOGGED_STATS = (
+    "steps",
+    "records_written",
+    "record_bytes",
+    "fulls_written",
+    "slot_wait_s",
+    "full_wait_s",
+    "full_copy_s",
+    "record_send_s",
+    "lag_wait_s",
+)
+"""The ``ck.stats`` entries the integrations log (the trainer-side costs and the output)."""
+
+
+def stats_for_logging(ck: Checkpointer, prefix: str = "lowdiff/") -> dict[str, float]:
+    """``ck.stats`` and the durable step, as flat numbers for a framework's logger."""
+    stats = ck.stats
+    out = {f"{prefix}{k}": float(stats[k]) for k in LOGGED_STATS if k in stats}
+    out[f"{prefix}durable_step"] = float(ck.durable_step)
+    return out
+
+
+def not_single_process(what: str) -> LowDiffError:
+    return LowDiffError(
+        f"{what} runs in one process here; under DDP use lowdiff.attach (or lowdiff.Checkpointer) "
+        "with the DistributedDataParallel model in your own loop"
+    )

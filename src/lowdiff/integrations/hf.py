@@ -1,0 +1,325 @@
+"""lowdiff for Hugging Face ``transformers.Trainer``: one callback.
+
+Example::
+
+    from lowdiff.integrations.hf import LowDiffCallback
+
+    cb = LowDiffCallback("runs/ckpt", compressor=lowdiff.TopK(0.01, error_feedback=False))
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    trainer.train(resume_from_checkpoint=cb.resume_from_checkpoint)   # None on a fresh start
+
+How it fits the Trainer:
+
+- ``on_train_begin`` (the Trainer has created, and Accelerate prepared, the optimizer and
+  the LR scheduler): ``lowdiff.attach`` on the ``torch.optim`` optimizer under
+  Accelerate's wrapper, with the scheduler, then ``resume()``. Every
+  ``optimizer.step()`` of the Trainer is checkpointed from then on.
+- The Trainer's progress (``TrainerState``: global step, epoch, FLOs, tokens seen, best
+  metric) is ``extra_state``; it is taken at ``on_step_end``, once the Trainer has counted
+  the step, and saved with that step.
+- Resuming: :attr:`LowDiffCallback.resume_from_checkpoint` reads the newest recoverable
+  step and its ``TrainerState`` from the checkpoint files' headers and writes a small
+  Trainer checkpoint directory (``trainer_state.json`` and the model's current weights,
+  which the Trainer requires) for ``trainer.train(resume_from_checkpoint=...)``. The
+  Trainer then skips the batches already trained with its own mechanism (same epochs,
+  same shuffling seed), and ``on_train_begin`` restores the model, optimizer, scheduler and
+  RNG states exactly from lowdiff. Resumed mid-epoch, the RNG states are set again right
+  before the first new step (the Trainer's skipping draws random numbers, as it does for its
+  own checkpoints).
+- ``on_log`` adds ``ck.stats`` (``lowdiff/...``) to the Trainer's log entry.
+- ``on_train_end`` closes the checkpointer (everything durable).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from lowdiff.attach import attach
+from lowdiff.checkpointer import Checkpointer
+from lowdiff.engine.worker import wait_for_writer
+from lowdiff.errors import LowDiffError
+from lowdiff.integrations._common import (
+    capture_after,
+    not_single_process,
+    recapture,
+    saved_extra,
+    stats_for_logging,
+    unwrap_optimizer,
+    unwrap_scheduler,
+)
+
+log = logging.getLogger("lowdiff.integrations.hf")
+
+TRAINER_STATE = "hf_trainer"
+"""The ``extra_state`` name under which the Trainer's progress is saved."""
+
+_FIELDS = (
+    "global_step",
+    "epoch",
+    "total_flos",
+    "num_input_tokens_seen",
+    "best_metric",
+    "best_global_step",
+    "best_model_checkpoint",
+)
+"""The ``TrainerState`` fields saved with every step (``log_history`` is not: it grows
+with the run, and every record would carry all of it)."""
+
+
+class _TrainerProgress:
+    """The Trainer's ``TrainerState`` counters as an ``extra_state`` object."""
+
+    def __init__(self, state: TrainerState) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: getattr(self.state, k) for k in _FIELDS}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k in _FIELDS:
+            if k in sd:
+                setattr(self.state, k, sd[k])
+
+
+class LowDiffCallback(TrainerCallback):
+    """Checkpoint every optimizer step of a ``transformers.Trainer`` with lowdiff.
+
+    Args:
+        directory: the lowdiff checkpoint directory.
+        extra_state: more state to save with every step (``{"name": obj}``, see
+            :class:`lowdiff.Checkpointer`); the name ``"hf_trainer"`` is taken.
+        log_stats: add ``ck.stats`` to the Trainer's logs (``on_log``).
+        **options: the options of :func:`lowdiff.attach` (``compressor``, ``full_every``,
+            ``batch_size``, ``strategy``, ``keep_full``, ...), except ``scheduler``:
+            the Trainer's own LR scheduler is used.
+
+    Example:
+        >>> cb = LowDiffCallback("runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
+        >>> trainer = Trainer(model=m, args=args, train_dataset=ds, callbacks=[cb])  # doctest: +SKIP
+        >>> trainer.train(resume_from_checkpoint=cb.resume_from_checkpoint)  # doctest: +SKIP
+
+    Single process only (the Trainer under ``torchrun`` is refused with a clear error).
+    ``args.ignore_data_skip`` must stay False (the Trainer skips the trained batches).
+    With ``error_feedback=False`` (or no compression, ``strategy="lowdiff+"``) training
+    after a resume is bit-identical to a run that never stopped.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        extra_state: dict[str, Any] | None = None,
+        log_stats: bool = True,
+        **options: Any,
+    ) -> None:
+        if "scheduler" in options:
+            raise ValueError("scheduler: the Trainer's own LR scheduler is checkpointed")
+        extra_state = dict(extra_state or {})
+        if TRAINER_STATE in extra_state:
+            raise ValueError(
+                f"extra_state: the name {TRAINER_STATE!r} is taken by the Trainer's state"
+            )
+        self.directory = Path(directory)
+        self.extra_state = extra_state
+        self.log_stats = log_stats
+        self.options = options
+        self.ck: Checkpointer | None = None
+        """The checkpointer, from ``on_train_begin`` on."""
+        self._args: TrainingArguments | None = None
+        self._model: torch.nn.Module | None = None
+        self._resume_dir: Path | None = None
+        self._resume_step: int | None = None
+        self._rng_at_resume: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ resuming
+    @property
+    def resume_from_checkpoint(self) -> str | None:
+        """A Trainer checkpoint directory to pass to ``trainer.train(resume_from_checkpoint=)``
+        (None when ``directory`` holds no checkpoint yet).
+
+        It holds ``trainer_state.json`` of the newest recoverable step (so the Trainer
+        skips the batches already trained) and the model's current weights (the Trainer
+        insists on a weights file; lowdiff overwrites them in ``on_train_begin``). It lies in
+        ``args.output_dir/lowdiff-resume`` and is rewritten at every call.
+        """
+        if self._args is None or self._model is None:
+            raise RuntimeError(
+                "resume_from_checkpoint is known once the callback is given to a Trainer "
+                "(Trainer(..., callbacks=[cb]))"
+            )
+        if not self.directory.exists():
+            return None
+        # a killed trainer's checkpointing process may still be writing its last records
+        wait_for_writer(self.directory, float(self.options.get("start_timeout", 120.0)))
+        found = saved_extra(self.directory)
+        if found is None:
+            return None
+        step, extra = found
+        progress = extra.get(TRAINER_STATE)
+        if progress is None:
+            raise LowDiffError(
+                f"{self.directory} holds no Trainer state at step {step}: it was not written "
+                "by lowdiff.integrations.hf.LowDiffCallback"
+            )
+        out = Path(self._args.output_dir or ".") / "lowdiff-resume"
+        out.mkdir(parents=True, exist_ok=True)
+        state = TrainerState(train_batch_size=self._args.per_device_train_batch_size)
+        # the values the Trainer compares with its arguments (a mismatch only warns)
+        for k in ("logging_steps", "eval_steps", "save_steps"):
+            setattr(state, k, getattr(self._args, k))
+        _TrainerProgress(state).load_state_dict(progress)
+        state.save_to_json(str(out / "trainer_state.json"))
+        self._save_weights(out)
+        self._resume_dir, self._resume_step = out, step
+        log.info("lowdiff: resume point at step %d (global step %d)", step, state.global_step)
+        return str(out)
+
+    def _save_weights(self, out: Path) -> None:
+        import safetensors.torch
+
+        assert self._model is not None
+        save = getattr(self._model, "save_pretrained", None)
+        if callable(save):
+            save(str(out), safe_serialization=True)
+        else:
+            safetensors.torch.save_model(self._model, str(out / "model.safetensors"))
+
+    # ------------------------------------------------------------------ Trainer events
+    def on_init_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self._args, self._model = args, model
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if args.world_size > 1:
+            raise not_single_process("lowdiff.integrations.hf.LowDiffCallback")
+        if model is None or optimizer is None:
+            raise LowDiffError("on_train_begin: the Trainer passed no model or optimizer")
+        if self.ck is not None:
+            self.ck.close()
+        hf_state_step = state.global_step  # from the resume point's trainer_state.json, else 0
+        progress = _TrainerProgress(state)
+        ck = attach(
+            model,
+            unwrap_optimizer(optimizer),
+            self.directory,
+            scheduler=unwrap_scheduler(lr_scheduler),
+            extra_state={TRAINER_STATE: progress, **self.extra_state},
+            **self.options,
+        )
+        capture_after(ck, TRAINER_STATE)
+        self.ck = ck
+        start = ck.resume()  # restores TrainerState through progress.load_state_dict
+        if start == 0:
+            return
+        if self._resume_step is None or hf_state_step != state.global_step:
+            ck.close()
+            self.ck = None
+            raise LowDiffError(
+                f"{self.directory} resumes at optimizer step {start} (global step "
+                f"{state.global_step}), but the Trainer starts at global step {hf_state_step}: "
+                "call trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint)"
+            )
+        if start != self._resume_step:
+            ck.close()
+            self.ck = None
+            raise LowDiffError(
+                f"{self.directory}: resume() reached step {start}, the resume point was made for "
+                f"step {self._resume_step} (a damaged file?); take resume_from_checkpoint again"
+            )
+        if _mid_epoch(args, state, train_dataloader):
+            self._rng_at_resume = _rng_state()
+        log.info("lowdiff: resumed at optimizer step %d, global step %d", start, state.global_step)
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._rng_at_resume is not None:
+            # the Trainer's skip of the trained batches drew random numbers that the
+            # uninterrupted run drew at the start of the epoch
+            _set_rng_state(self._rng_at_resume)
+            self._rng_at_resume = None
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.ck is not None:
+            recapture(self.ck, TRAINER_STATE)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if not self.log_stats or self.ck is None or logs is None:
+            return
+        stats = stats_for_logging(self.ck)
+        logs.update(stats)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(stats)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.ck is not None:
+            self.ck.close()
+            log.info("lowdiff: closed at optimizer step %d", self.ck.step_count)
+
+
+def _mid_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> bool:
+    """Whether the Trainer resumes inside an epoch (it then skips batches), computed as the
+    Trainer does."""
+    if args.ignore_data_skip:
+        return False
+    try:
+        n = len(loader)
+    except TypeError:
+        return state.global_step % max(state.max_steps, 1) != 0
+    ga = args.gradient_accumulation_steps
+    per_epoch = max(n // ga + int(n % ga > 0), 1)
+    return state.global_step % per_epoch != 0
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["cpu"])
+    if "cuda" in s:
+        torch.cuda.set_rng_state_all(s["cuda"])

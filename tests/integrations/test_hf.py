@@ -1,0 +1,24 @@
+"""transformers.Trainer with lowdiff.integrations.hf.LowDiffCallback: SIGKILL the real
+process mid-epoch, resume through the callback's resume point, and get the uninterrupted
+run's steps, epochs and final state (model, optimizer, scheduler, RNG, global step) bit
+for bit."""
+
+from __future__ import annotations
+
+import pytest
+from tests.integrations.harness import kill_resume_compare
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip(
+    "accelerate", reason="accelerate (needed by transformers.Trainer) is not installed"
+)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def test_trainer_resumes_bit_exactly_after_sigkill(tmp_path):
+    # 100 samples, batches of 8, 2 accumulation steps: 7 updates per epoch; the kill lands
+    # inside the second epoch, so the Trainer skips batches on resume
+    start, ref = kill_resume_compare(tmp_path, "hf_trainer.py", ["--steps", "20"], kill_after=9)
+    assert start % 7 != 0
+    assert len(ref) == 20
