@@ -50,7 +50,9 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any | None) ->
             f"scheduler must be an LR scheduler (with step, state_dict and load_state_dict), got {type(scheduler).__name__}"
         )
     attached = getattr(scheduler, "optimizer", optimizer)
-    if attached is not optimizer:
+    # a framework's wrapper of this optimizer (Accelerate's AcceleratedOptimizer, whose
+    # param_groups are the optimizer's) drives the same hyperparameters
+    if attached is not optimizer and getattr(attached, "optimizer", None) is not optimizer:
         raise ValueError("scheduler is attached to a different optimizer than the one passed")
 
 
