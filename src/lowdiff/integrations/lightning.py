@@ -1,0 +1,193 @@
+"""lowdiff for Lightning (``lightning.Trainer`` or ``pytorch_lightning.Trainer``): one callback.
+
+Example::
+
+    from lowdiff.integrations.lightning import LowDiffCallback
+
+    trainer = L.Trainer(max_steps=1000, callbacks=[LowDiffCallback("runs/ckpt", compressor=lowdiff.TopK(0.01))])
+    trainer.fit(module, train_dataloaders=StatefulDataLoader(...))   # resumes by itself
+
+How it fits Lightning:
+
+- ``on_fit_start`` (the strategy has set up the model and created the optimizer and LR
+  schedulers): ``lowdiff.attach`` on the ``torch.optim`` optimizer under Lightning's
+  wrapper, with the first LR scheduler, then ``resume()``. Lightning calls
+  ``optimizer.step(closure)``: the closure (forward and backward) runs first, lowdiff
+  takes the gradients after it.
+- The fit loop's state (``trainer.fit_loop.state_dict()``: epoch, batch and optimizer-step
+  progress, hence ``global_step``, and the state of a stateful train data loader such as
+  torchdata's ``StatefulDataLoader``) is ``extra_state``. It is taken in
+  ``on_train_batch_end``, where Lightning's own ``ModelCheckpoint`` takes it, once the
+  step and the step-wise LR schedulers are done, and saved with that step.
+- Resuming needs nothing from the user: ``on_fit_start`` runs before Lightning restores
+  its loops, and ``resume()`` hands the saved fit-loop state to ``fit_loop.load_state_dict``
+  exactly as Lightning does with its own checkpoints (``ckpt_path=``), so the fit loop
+  goes on from the next batch of the same epoch. Do not pass ``ckpt_path`` as well.
+- ``ck.stats`` is logged through the LightningModule's loggers every
+  ``log_every_n_steps`` (``lowdiff/...``).
+- ``on_fit_end`` closes the checkpointer (everything durable); so does an exception.
+
+Single optimizer, automatic optimization. Under DDP (``strategy="ddp"``) every rank runs
+the callback: lowdiff is given Lightning's ``DistributedDataParallel`` model and installs
+its own communication hook on it before the first backward (Lightning's
+``DDPStrategy(ddp_comm_hook=...)`` must stay unset: a DDP model takes one hook).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from lowdiff.attach import attach
+from lowdiff.checkpointer import Checkpointer
+from lowdiff.errors import LowDiffError
+from lowdiff.integrations._common import (
+    capture_after,
+    recapture,
+    stats_for_logging,
+    unwrap_optimizer,
+)
+
+try:  # the unified package, else the standalone one
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - depends on what is installed
+    import pytorch_lightning as pl  # type: ignore[no-redef]
+
+log = logging.getLogger("lowdiff.integrations.lightning")
+
+FIT_LOOP = "lightning_fit_loop"
+"""The ``extra_state`` name under which the fit loop's state is saved."""
+
+
+class _FitLoopState:
+    """Lightning's fit loop (progress counters, stateful data loader) as ``extra_state``."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = self.trainer.fit_loop.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        # what Lightning's checkpoint connector does with checkpoint["loops"]["fit_loop"]
+        self.trainer.fit_loop.load_state_dict(sd)
+
+
+class LowDiffCallback(pl.Callback):
+    """Checkpoint every optimizer step of a Lightning ``Trainer`` with lowdiff.
+
+    Args:
+        directory: the lowdiff checkpoint directory (under DDP: the job's directory; each
+            rank writes its shard below it).
+        extra_state: more state to save with every step (``{"name": obj}``, see
+            :class:`lowdiff.Checkpointer`); the name ``"lightning_fit_loop"`` is taken.
+        log_stats: log ``ck.stats`` through the LightningModule's loggers.
+        **options: the options of :func:`lowdiff.attach` (``compressor``, ``full_every``,
+            ``batch_size``, ``strategy``, ``keep_full``, ...), except ``scheduler``: the
+            Trainer's LR scheduler is used.
+
+    Example:
+        >>> cb = LowDiffCallback("runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
+        >>> trainer = L.Trainer(max_steps=1000, callbacks=[cb])  # doctest: +SKIP
+        >>> trainer.fit(module, train_dataloaders=loader)  # doctest: +SKIP
+
+    With a ``StatefulDataLoader`` (torchdata) as the train loader, a resumed run sees
+    exactly the batches an uninterrupted one would; with ``error_feedback=False`` (or
+    ``strategy="lowdiff+"``) training after a resume is bit-identical.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        extra_state: dict[str, Any] | None = None,
+        log_stats: bool = True,
+        **options: Any,
+    ) -> None:
+        if "scheduler" in options:
+            raise ValueError("scheduler: the Trainer's own LR scheduler is checkpointed")
+        extra_state = dict(extra_state or {})
+        if FIT_LOOP in extra_state:
+            raise ValueError(f"extra_state: the name {FIT_LOOP!r} is taken by the fit loop")
+        self.directory = directory
+        self.extra_state = extra_state
+        self.log_stats = log_stats
+        self.options = options
+        self.ck: Checkpointer | None = None
+        """The checkpointer, from ``on_fit_start`` on."""
+        self.resumed_step: int | None = None
+        """The optimizer step ``resume()`` returned."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.ckpt_path is not None:
+            raise LowDiffError(
+                "LowDiffCallback resumes from its own directory: do not pass ckpt_path to fit()"
+            )
+        if len(trainer.optimizers) != 1 or not pl_module.automatic_optimization:
+            raise LowDiffError(
+                "LowDiffCallback supports one optimizer with automatic optimization "
+                f"(got {len(trainer.optimizers)} optimizers, automatic_optimization="
+                f"{pl_module.automatic_optimization})"
+            )
+        configs = trainer.lr_scheduler_configs
+        if len(configs) > 1:
+            raise LowDiffError(
+                f"LowDiffCallback supports at most one LR scheduler, got {len(configs)}"
+            )
+        scheduler = configs[0].scheduler if configs else None
+        model = trainer.strategy.model  # DistributedDataParallel under DDP, else the module
+        assert isinstance(model, torch.nn.Module)
+        if self.ck is not None:
+            self.ck.close()
+        ck = attach(
+            model,
+            unwrap_optimizer(trainer.optimizers[0]),
+            self.directory,
+            scheduler=scheduler,
+            extra_state={FIT_LOOP: _FitLoopState(trainer), **self.extra_state},
+            **self.options,
+        )
+        capture_after(ck, FIT_LOOP)
+        self.ck = ck
+        self.resumed_step = ck.resume()  # restores the fit loop through load_state_dict
+        if self.resumed_step:
+            log.info(
+                "lowdiff: resumed at optimizer step %d (epoch %d)",
+                self.resumed_step,
+                trainer.current_epoch,
+            )
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.ck is None:
+            return
+        recapture(self.ck, FIT_LOOP)
+        if (
+            self.log_stats
+            and trainer.global_step % max(int(getattr(trainer, "log_every_n_steps", 50)), 1) == 0
+        ):
+            stats = stats_for_logging(self.ck)
+            for logger in trainer.loggers:
+                logger.log_metrics(stats, step=trainer.global_step)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.ck is not None:
+            self.ck.close()
