@@ -63,3 +63,12 @@ def test_unknown_strategy_and_option_are_clear_errors(tmp_path):
         lowdiff.Checkpointer(model, opt, tmp_path / "a", strategy="bogus")
     with pytest.raises(TypeError, match="max_lag"):
         lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="torch-save", max_lag=3)
+
+
+def test_lbfgs_is_refused_with_the_reason(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(
+        ValueError, match="LBFGS is not supported: its step\\(\\) evaluates the closure"
+    ):
+        lowdiff.Checkpointer(model, opt, tmp_path / "ck")

@@ -1,7 +1,8 @@
-"""``strategy="naive-dc"``: differential checkpointing in the style of Check-N-Run ("Naïve DC").
+"""``strategy="naive-dc"``: the LowDiff paper's "Naïve DC" baseline.
 
-The paper's Naïve DC baseline: a full checkpoint every ``full_every`` steps (and at step
-0), and in between, every ``diff_every`` steps, a *differential* checkpoint of the state
+Synchronous, dense differential checkpointing as the LowDiff paper constructs it (its
+own baseline, not a reimplementation of Check-N-Run): a full checkpoint every
+``full_every`` steps (and at step 0), and in between, every ``diff_every`` steps, a *differential* checkpoint of the state
 against the previous checkpoint. Unlike LowDiff, which logs the compressed gradients
 that training already computed, Naïve DC computes the differences itself, compresses
 them itself and moves the (uncompressed) optimizer differences as well. That extra work
@@ -16,8 +17,8 @@ the previous checkpoint):
   at ``base_step``, kept by the trainer and updated with exactly the arithmetic recovery
   uses. Entries that top-k leaves out stay in the next difference, so compression error
   never accumulates: an entry is at most as stale as its last selection;
-- optimizer state: every tensor as ``new - base``, dense and uncompressed (Check-N-Run
-  compresses only the model); ``compress_optimizer=True`` top-k compresses these too
+- optimizer state: every tensor as ``new - base``, dense and uncompressed (the paper's
+  Naïve DC compresses only the model); ``compress_optimizer=True`` top-k compresses these too
   (the paper's "Naïve DC w/ OC", Exp. 5). Tensors that are new (lazily created state),
   not floating point, or changed shape, and non-tensor values, are stored whole;
 - whole: buffers and other non-parameter model state, the optimizer's param groups,
@@ -259,7 +260,7 @@ class _Pool:
 
 
 class NaiveDCCheckpointer(BaselineCheckpointer):
-    """Check-N-Run-style differential checkpointing (see the module docstring).
+    """The LowDiff paper's Naïve DC: differences computed on the training side (module docstring).
 
     Args:
         model, optimizer, directory, compressor, full_every, scheduler, keep_full,

@@ -149,6 +149,11 @@ class LowDiffStrategy(Strategy):
         extra_state: dict[str, Any] | None = None,
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "LBFGS is not supported: its step() evaluates the closure several times per "
+                "update, and lowdiff records the one gradient each update applies"
+            )
         self._extra = st.check_extra_state(extra_state)
         self._deferred = False
         """Driven by the optimizer's hooks (:func:`lowdiff.attach`): each step's hand-over is
