@@ -17,8 +17,9 @@ How it fits Lightning:
 - The fit loop's state (``trainer.fit_loop.state_dict()``: epoch, batch and optimizer-step
   progress, hence ``global_step``, and the state of a stateful train data loader such as
   torchdata's ``StatefulDataLoader``) is ``extra_state``. It is taken in
-  ``on_train_batch_end``, where Lightning's own ``ModelCheckpoint`` takes it, once the
-  step and the step-wise LR schedulers are done, and saved with that step.
+  ``on_train_batch_end`` (``on_train_epoch_end`` for the epoch's last batch), where
+  Lightning's own ``ModelCheckpoint`` takes it, once the step and the step-wise LR
+  schedulers are done, and saved with that step.
 - Resuming needs nothing from the user: ``on_fit_start`` runs before Lightning restores
   its loops, and ``resume()`` hands the saved fit-loop state to ``fit_loop.load_state_dict``
   exactly as Lightning does with its own checkpoints (``ckpt_path=``), so the fit loop
@@ -171,7 +172,10 @@ class LowDiffCallback(pl.Callback):
     ) -> None:
         if self.ck is None:
             return
-        recapture(self.ck, FIT_LOOP)
+        if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            recapture(self.ck, FIT_LOOP)
+        # else on_train_epoch_end takes it: taken here, the epoch's last step would resume
+        # into the next epoch with the epoch counter one ahead
         if (
             self.log_stats
             and trainer.global_step % max(int(getattr(trainer, "log_every_n_steps", 50)), 1) == 0
@@ -179,6 +183,12 @@ class LowDiffCallback(pl.Callback):
             stats = stats_for_logging(self.ck)
             for logger in trainer.loggers:
                 logger.log_metrics(stats, step=trainer.global_step)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the epoch's last step: the fit loop's state at the end of the epoch, where
+        # Lightning's own end-of-epoch checkpoints take it
+        if self.ck is not None:
+            recapture(self.ck, FIT_LOOP)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
