@@ -31,6 +31,36 @@ from lowdiff.engine.checkpointer import LowDiffStrategy
 _ATTACHED = "_lowdiff_attached"
 
 
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` under a framework's wrapper (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): lowdiff's step hooks go
+    on the optimizer whose ``step()`` updates the parameters."""
+    seen = 0
+    while not _is_plain_optimizer(optimizer) and seen < 8:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer, seen = inner, seen + 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be (or wrap) a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def _is_plain_optimizer(optimizer: Any) -> bool:
+    # AcceleratedOptimizer subclasses torch.optim.Optimizer but only forwards to .optimizer
+    return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")
+
+
+def unwrap_scheduler(scheduler: Any) -> Any:
+    """The LR scheduler under Accelerate's ``AcceleratedScheduler`` (None stays None)."""
+    if scheduler is None:
+        return None
+    inner = getattr(scheduler, "scheduler", None)
+    return inner if inner is not None and hasattr(inner, "state_dict") else scheduler
+
+
 def attach(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -66,11 +96,18 @@ def attach(
       closure ran; the closure must return the loss.
     - A step is handed to the checkpointing process when the next update begins (or at
       ``flush()`` / ``close()``): a crash of the trainer loses at most the last step.
+    - A framework's wrapper of the optimizer or scheduler (Accelerate's
+      ``AcceleratedOptimizer`` / ``AcceleratedScheduler``, Lightning's
+      ``LightningOptimizer``) is unwrapped: the hooks go on the optimizer whose ``step()``
+      updates the parameters.
 
     Raises:
         RuntimeError: lowdiff is already attached to this optimizer.
         ValueError: a baseline strategy, or bad options (as for ``Checkpointer``).
     """
+    optimizer = unwrap_optimizer(optimizer)
+    if options.get("scheduler") is not None:
+        options["scheduler"] = unwrap_scheduler(options["scheduler"])
     if getattr(optimizer, _ATTACHED, None) is not None:
         raise RuntimeError(
             f"lowdiff is already attached to this optimizer (directory {getattr(optimizer, _ATTACHED)}); "

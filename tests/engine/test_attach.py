@@ -207,3 +207,23 @@ def test_attach_errors_are_clear(tmp_path):
         lowdiff.attach(other, o, tmp_path / "e")
     with pytest.raises(ValueError, match="max_lag >= 2"):
         lowdiff.attach(m, o, tmp_path / "f", strategy="lowdiff+", compressor=None, max_lag=1)
+
+
+def test_attach_unwraps_a_framework_wrapper_and_names_late_extra(tmp_path):
+    class Wrapper(torch.optim.Optimizer):  # shaped like Accelerate's AcceleratedOptimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    m, o, s = _build()
+    ck = lowdiff.attach(m, Wrapper(o), tmp_path / "ck", scheduler=s, extra_state={"data": Stream()})
+    assert ck.optimizer is o  # the hooks are on the optimizer that updates the parameters
+    with pytest.raises(ValueError, match="extra_state has no 'nope'"):
+        ck.strategy_impl.capture_after_update("nope")
+    ck.close()

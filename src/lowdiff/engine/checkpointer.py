@@ -160,8 +160,9 @@ class LowDiffStrategy(Strategy):
         finished when the next update begins, after the user's scheduler stepped."""
         self._pending: list[Callable[[], None]] = []
         self._pending_extra: list[tuple[dict[str, Any], set[str]]] = []
-        self._scalers: list[str] = []
-        """Names of the GradScalers in ``extra_state`` (captured after their update())."""
+        self._late_extra: list[str] = []
+        """``extra_state`` names taken again after the update (a GradScaler after its
+        ``update()``, a framework's step counters): :meth:`capture_after_update`."""
         self._inflight: tuple[int, StepGrads, list[dict[str, Any]] | None, float] | None = None
         self._hook_handles: list[Any] = []
         self._on_close: list[Callable[[], None]] = []
@@ -1039,8 +1040,8 @@ class LowDiffStrategy(Strategy):
             send()
             return
         self._pending.append(send)
-        if extra is not None and self._scalers:
-            self._pending_extra.append((extra, set(self._scalers)))
+        if extra is not None and self._late_extra:
+            self._pending_extra.append((extra, set(self._late_extra)))
 
     def _finish_handover(self) -> None:
         if not self._pending:
@@ -1051,10 +1052,26 @@ class LowDiffStrategy(Strategy):
             for send in pending:
                 send()
 
+    def capture_after_update(self, name: str) -> None:
+        """Driven by the optimizer's hooks: take ``extra_state[name]`` for each step when
+        :meth:`recapture` is next called after its update, instead of right after the
+        update. For state the loop changes after ``optimizer.step()`` returned and that
+        belongs to the step: a ``GradScaler`` after ``update()`` (done automatically), a
+        framework's global step or epoch counters.
+        """
+        if name not in self._extra:
+            raise ValueError(f"extra_state has no {name!r} (it has {sorted(self._extra)})")
+        if name not in self._late_extra:
+            self._late_extra.append(name)
+
+    def recapture(self, name: str) -> None:
+        """Take ``extra_state[name]`` now for the steps waiting for it (see
+        :meth:`capture_after_update`): each step takes it once, at the first call after
+        its update (a later call belongs to later steps)."""
+        if not self._closed:
+            self._recapture_extra(name)
+
     def _recapture_extra(self, name: str) -> None:
-        """A ``GradScaler`` was updated: the pending steps that have not seen its first
-        ``update()`` since their update carry its state after this one (and only this one:
-        a later update belongs to later steps, or to a skipped one)."""
         obj = self._extra[name]
         waiting = [(tree, names) for tree, names in self._pending_extra if name in names]
         if not waiting:
@@ -1084,7 +1101,7 @@ class LowDiffStrategy(Strategy):
         for name, obj in self._extra.items():
             if isinstance(obj, torch.amp.GradScaler):
                 self._wrap_scaler_update(name, obj)
-                self._scalers.append(name)
+                self.capture_after_update(name)
 
     def _wrap_scaler_update(self, name: str, scaler: torch.amp.GradScaler) -> None:
         update = scaler.update

@@ -7,8 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from lowdiff.attach import unwrap_optimizer as unwrap_optimizer  # used by the integrations
+from lowdiff.attach import unwrap_scheduler as unwrap_scheduler
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.engine.checkpointer import LowDiffStrategy
 from lowdiff.errors import LowDiffError
@@ -16,36 +16,6 @@ from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
 
 log = logging.getLogger("lowdiff.integrations")
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The ``torch.optim.Optimizer`` under a framework's wrapper (Accelerate's
-    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``): lowdiff's step hooks go
-    on the optimizer whose ``step()`` updates the parameters."""
-    seen = 0
-    while not _is_plain_optimizer(optimizer) and seen < 8:
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer, seen = inner, seen + 1
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be (or wrap) a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    return optimizer
-
-
-def _is_plain_optimizer(optimizer: Any) -> bool:
-    # AcceleratedOptimizer subclasses torch.optim.Optimizer but only forwards to .optimizer
-    return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer")
-
-
-def unwrap_scheduler(scheduler: Any) -> Any:
-    """The LR scheduler under Accelerate's ``AcceleratedScheduler`` (None stays None)."""
-    if scheduler is None:
-        return None
-    inner = getattr(scheduler, "scheduler", None)
-    return inner if inner is not None and hasattr(inner, "state_dict") else scheduler
 
 
 def capture_after(ck: Checkpointer, name: str) -> None:
@@ -56,18 +26,12 @@ def capture_after(ck: Checkpointer, name: str) -> None:
     A framework updates its own counters (a global step, an epoch) after
     ``optimizer.step()`` returned, so the state of step *n* is known only then.
     """
-    impl = _impl(ck)
-    if name not in impl._extra:
-        raise ValueError(f"extra_state has no {name!r}")
-    if name not in impl._scalers:
-        impl._scalers.append(name)
+    _impl(ck).capture_after_update(name)
 
 
 def recapture(ck: Checkpointer, name: str) -> None:
     """Take ``extra_state[name]`` now for the steps waiting for it (see :func:`capture_after`)."""
-    impl = _impl(ck)
-    if not impl._closed:
-        impl._recapture_extra(name)
+    _impl(ck).recapture(name)
 
 
 def _impl(ck: Checkpointer) -> LowDiffStrategy:
