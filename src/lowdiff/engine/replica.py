@@ -145,6 +145,12 @@ class ControlBlock:
         buf[_HDR.size : _HDR.size + len(raw)] = raw
         _HDR.pack_into(buf, 0, _MAGIC, seq + 2, state, step, len(raw))
 
+    def set_step(self, state: int, step: int) -> None:
+        """Publish a new state and step, keeping the JSON document (the header only)."""
+        magic, seq, _, _, n = _HDR.unpack_from(self._buf, 0)
+        _HDR.pack_into(self._buf, 0, magic, seq + 1, state, step, n)
+        _HDR.pack_into(self._buf, 0, magic, seq + 2, state, step, n)
+
     def set_state(self, state: int) -> None:
         magic, seq, _, step, n = _HDR.unpack_from(self._buf, 0)
         _HDR.pack_into(self._buf, 0, magic, seq + 1, state, step, n)

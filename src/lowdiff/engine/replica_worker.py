@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -80,8 +81,138 @@ def optimizer_class(path: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
+def balanced_shards(numels: list[int], n: int) -> list[list[int]]:
+    """Split parameter indices into at most ``n`` shards of about equal total numel.
+
+    Largest first onto the lightest shard (LPT); each shard keeps its indices in ascending
+    order, and empty shards are dropped (fewer parameters than ``n``).
+    """
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    loads = [0] * n
+    members: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        k = min(range(n), key=lambda k: (loads[k], k))
+        loads[k] += max(1, numels[i])
+        members[k].append(i)
+    return [sorted(m) for m in members if m]
+
+
+class ShardedOptimizer:
+    """The trainer's optimizer over the replica's parameters, stepped in parallel shards.
+
+    ``master`` is an instance of the trainer's class with the trainer's groups, flags and
+    state; it holds the hyperparameters and the full ``state`` (what ``state_dict()``
+    describes). With ``threads > 1`` the parameters are split into balanced shards (by
+    numel), each driven by its own optimizer instance of the same class, whose groups share
+    the master's hyperparameter values and whose per-parameter state dicts are the master's
+    own objects; the shards are stepped in parallel threads (torch's kernels release the
+    GIL). torch.optim's element-wise optimizers update each parameter from its own gradient
+    and state only, and their for-loop, foreach and fused kernels group tensors without
+    mixing them, so a sharded step gives the same bits as one step over all parameters
+    (tests/plus/test_replica_sharded.py checks it for Adam, AdamW and SGD).
+
+    Args:
+        cls: the trainer's optimizer class.
+        params: the replica's parameters, in the trainer's optimizer order.
+        osd: the trainer's ``optimizer.state_dict()`` with tensors already resolved.
+        threads: parallel shards (at most one per parameter).
+    """
+
+    def __init__(
+        self,
+        cls: type[torch.optim.Optimizer],
+        params: list[torch.nn.Parameter],
+        osd: dict[str, Any],
+        threads: int = 1,
+    ) -> None:
+        groups = [
+            {
+                "params": [params[i] for i in g["params"]],
+                **{k: v for k, v in g.items() if k != "params"},
+            }
+            for g in osd["param_groups"]
+        ]
+        self.master = cls(groups)  # type: ignore[call-arg]
+        self.master.load_state_dict(osd)
+        self.shards: list[torch.optim.Optimizer] = [self.master]
+        self._pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        """(shard group, master group): the shard group takes the master's values."""
+        self._pool: ThreadPoolExecutor | None = None
+        self._owner: list[tuple[torch.Tensor, torch.optim.Optimizer]] = []
+        """(parameter, its shard) in the master's parameter order."""
+        parts = balanced_shards([p.numel() for p in params], threads)
+        if len(parts) > 1:
+            self.shards = []
+            for part in parts:
+                mine = {id(params[i]) for i in part}
+                sgroups = []
+                masters = []
+                for g in self.master.param_groups:
+                    ps = [p for p in g["params"] if id(p) in mine]
+                    if ps:
+                        sgroups.append(
+                            {"params": ps, **{k: v for k, v in g.items() if k != "params"}}
+                        )
+                        masters.append(g)
+                opt = cls(sgroups)  # type: ignore[call-arg]
+                for sg, mg in zip(opt.param_groups, masters, strict=True):
+                    self._pairs.append((sg, mg))
+                    for p in sg["params"]:
+                        if p in self.master.state:
+                            opt.state[p] = self.master.state[p]  # one dict, two owners
+                self.shards.append(opt)
+            where = {id(p): o for o in self.shards for g in o.param_groups for p in g["params"]}
+            self._owner = [(p, where[id(p)]) for g in self.master.param_groups for p in g["params"]]
+            self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="lowdiff-shard")
+
+    @property
+    def state(self) -> Any:
+        return self.master.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.master.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.master.state_dict()
+
+    def apply_hparams(self, hparams: list[dict[str, Any]]) -> None:
+        st.apply_hparams(self.master, hparams)
+        for sg, mg in self._pairs:
+            for k, v in mg.items():
+                if k != "params":
+                    sg[k] = v
+
+    def step(self) -> None:
+        if self._pool is None:
+            self.master.step()
+            return
+        for f in [self._pool.submit(o.step) for o in self.shards]:
+            f.result()
+        if len(self.master.state) != sum(len(o.state) for o in self.shards):
+            # state created by this step (a parameter's first gradient): the master takes
+            # it in parameter order, the order one optimizer over all of them creates it in
+            # (its state_dict lists the state in that order)
+            for p, o in self._owner:
+                if p not in self.master.state and p in o.state:
+                    self.master.state[p] = o.state[p]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 class _Replica:
-    """Model state and optimizer of the replica, backed by the shared arena."""
+    """Model state and optimizer of the replica, backed by the shared arena.
+
+    Per merged step only the work of the step runs: the gradients bound, the update, the
+    buffers and RNG copied, the step number published in the control block's header. The
+    metadata of the step (the optimizer's ``state_dict()``, scheduler, RNG, extra state as
+    JSON) is built only when something needs it: a persist, and the ORPHANED publication a
+    new trainer reads (the only state in which a reader copies the replica).
+    """
 
     def __init__(self, cfg: ReplicaConfig, ctl: rp.ControlBlock) -> None:
         self.cfg = cfg
@@ -92,16 +223,31 @@ class _Replica:
         self.tensors: dict[str, torch.Tensor] = {}
         self.entries: list[sfile.TensorEntry] = []
         self.params: list[torch.nn.Parameter] = []
-        self.opt: torch.optim.Optimizer | None = None
+        self.opt: ShardedOptimizer | None = None
         self.aliases = "{}"
-        self.sched_json = "null"
         self.rng_json = "{}"
+        self._sched: Any = None
+        """The scheduler state after the last merged step, as it arrived (encoded)."""
+        self._sched_json: str | None = "null"
+        self._extra: Any = None
         self.extra_json: str | None = None
         """The trainer's extra state (``extra_state=``) at this step, as saved, or None."""
         self.step = -1
         self.doc: dict[str, Any] = {}
         self._entries_json: str | None = None
         self._state_json: str | None = None
+        self._state_ids: set[int] = set()
+        """ids of the optimizer state tensors bound to arena views."""
+        self._state_shape = (-1, -1)
+        """(parameters with state, state entries) when the state was last bound."""
+        self._row_views: dict[
+            int, tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
+        ] = {}
+        """Per snapshot slot (by address): what :meth:`_slot_views` returns."""
+        self._arena_moved = False
+        self._rng: Any = None
+        self._grads_bound: int | None = None
+        """The slot (by address) whose gradient views the parameters' ``.grad`` hold."""
 
     # -- arena ------------------------------------------------------------------------------
     def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -117,20 +263,29 @@ class _Replica:
         self.arena, self.entries, self.tensors = shm, entries, views
         self._entries_json = None
         self._state_json = None
+        self._arena_moved = True
         if old is not None:
             _unlink_and_close(old)
 
-    def _adopt_optimizer_state(self) -> None:
-        """Move optimizer state that lives outside the arena (new after a step) into it."""
+    def _adopt_optimizer_state(self, full: bool = False) -> None:
+        """Move optimizer state that lives outside the arena into it.
+
+        After every step (``full=False``) only the shape of the state is checked: how many
+        parameters have state and how many entries they hold, which changes when a step
+        creates state (a parameter's first gradient). torch.optim's optimizers update
+        existing state tensors in place; one that replaced a tensor instead would leave the
+        arena behind, so before anything reads the arena (a persist, a publication) the
+        check is ``full``: every state tensor compared by identity with the arena views bound
+        last time (those stay alive in ``self.tensors``, so an id cannot be reused).
+        """
         assert self.opt is not None
-        live = [
-            v
-            for p in self.params
-            for v in self.opt.state.get(p, {}).values()
-            if isinstance(v, torch.Tensor)
-        ]
-        arena_ptrs = {t.data_ptr() for n, t in self.tensors.items() if n.startswith("optim/state[")}
-        if len(live) == len(arena_ptrs) and all(v.data_ptr() in arena_ptrs for v in live):
+        state = self.opt.state
+        shape = (len(state), sum(len(s) for s in state.values()))
+        if shape == self._state_shape and not full:
+            return
+        live = {id(v) for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)}
+        if live == self._state_ids:
+            self._state_shape = shape
             return
         # rebuild: model tensors + current optimizer state + RNG, then rebind everything
         sd = self.opt.state_dict()
@@ -154,6 +309,7 @@ class _Replica:
             for info, p in zip(self.rl.params, self.params, strict=True):
                 p.data = self.tensors[f"model/{info.name}"]
         by_index = dict(enumerate(self.params))
+        bound: set[int] = set()
         for n, view in self.tensors.items():
             if not n.startswith("optim/state["):
                 continue
@@ -162,6 +318,29 @@ class _Replica:
             owner = by_index.get(int(idx_s))
             if owner is not None and key in self.opt.state.get(owner, {}):
                 self.opt.state[owner][key] = view
+                bound.add(id(view))
+        self._state_ids = bound
+        state = self.opt.state
+        self._state_shape = (len(state), sum(len(s) for s in state.values()))
+        self._row_views.clear()  # they name the tensors of the old arena
+
+    def _slot_views(
+        self, row: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """A snapshot slot's gradient views and its (replica tensor, slot view) copies of
+        buffers and RNG states, built once per slot and arena."""
+        key = row.data_ptr()
+        got = self._row_views.get(key)
+        if got is None:
+            views = self.rl.views(row)
+            grads = [views[f"g{info.index}.values"].view(info.shape) for info in self.rl.params]
+            copies = [
+                (self.tensors[f"model/{name}"], v)
+                for name, v in self.rl.buffer_values(views).items()
+            ]
+            copies += [(self.tensors[name], v) for name, v in self.rl.rng_tensors(views).items()]
+            got = self._row_views[key] = (grads, copies)
+        return got
 
     # -- build and merge -----------------------------------------------------------------------
     def init_from(
@@ -176,61 +355,71 @@ class _Replica:
             for p in self.rl.params
         ]
         osd = codec.loads(meta["optim"], lambda n: self.tensors[n])
-        cls = optimizer_class(self.cfg.optimizer)
-        groups = [
-            {
-                "params": [self.params[i] for i in g["params"]],
-                **{k: v for k, v in g.items() if k != "params"},
-            }
-            for g in osd["param_groups"]
-        ]
-        self.opt = cls(groups)  # type: ignore[call-arg]
-        self.opt.load_state_dict(osd)
-        self._bind()
-        self._adopt_optimizer_state()
-        self.aliases, self.sched_json, self.rng_json = (
-            meta["model_aliases"],
-            meta["scheduler"],
-            meta["rng"],
+        if self.opt is not None:
+            self.opt.close()
+        self.opt = ShardedOptimizer(
+            optimizer_class(self.cfg.optimizer), self.params, osd, self.cfg.threads
         )
-        self.extra_json = meta.get("extra")
+        self._bind()
+        self._adopt_optimizer_state(full=True)
+        self.aliases, self.rng_json = meta["model_aliases"], meta["rng"]
+        self._sched, self._sched_json = None, meta["scheduler"]
+        self._extra, self.extra_json = None, meta.get("extra")
         self.step = step
         self.publish(rp.STATE_RUNNING)
 
     def merge(self, row: torch.Tensor, step: int, meta: dict[str, Any]) -> None:
-        assert self.opt is not None
+        opt = self.opt
+        assert opt is not None
         if step != self.step:
             raise RuntimeError(
                 f"replica is at step {self.step}, received the gradients of step {step}"
             )
-        views = self.rl.views(row)
-        nograd = set(meta["nograd"])
-        for info, p in zip(self.rl.params, self.params, strict=True):
-            p.grad = (
-                None if info.index in nograd else views[f"g{info.index}.values"].view(info.shape)
-            )
-        st.apply_hparams(self.opt, codec.decode(meta["hp"]))
-        self.opt.step()
-        for p in self.params:
-            p.grad = None
+        grads, copies = self._slot_views(row)
+        nograd = meta["nograd"]
+        key = None if nograd else row.data_ptr()
+        if key is None or key != self._grads_bound:
+            # the gradients stay bound after the step: the next step from the same slot
+            # (max_lag=1) finds them in place
+            idle = set(nograd)
+            for info, p, g in zip(self.rl.params, self.params, grads, strict=True):
+                p.grad = None if info.index in idle else g
+            self._grads_bound = key
+        opt.apply_hparams(codec.decode(meta["hp"]))
+        opt.step()
         self._adopt_optimizer_state()
-        st.apply_hparams(self.opt, codec.decode(meta["hp_after"]))
-        for name, v in self.rl.buffer_values(views).items():
-            self.tensors[f"model/{name}"].copy_(v)
-        for name, v in self.rl.rng_tensors(views).items():
-            self.tensors[name].copy_(v)
-        self.sched_json = codec.dumps(codec.decode(meta["sched"]))
-        self.rng_json = codec.dumps(meta["rng"])
+        opt.apply_hparams(codec.decode(meta["hp_after"]))
+        if self._arena_moved:  # the copies named the old arena's tensors
+            _, copies = self._slot_views(row)
+        for dst, src in copies:
+            dst.copy_(src)
+        # encoded when a persist or a reader needs them (metadata())
+        self._sched, self._sched_json = meta["sched"], None
+        self.rng_json = ""
+        self._rng = meta["rng"]
         if "extra" in meta:
-            # the meta arrives decoded (codec.loads): encode the extra state again
-            self.extra_json = json.dumps(codec.encode(meta["extra"]), separators=(",", ":"))
+            self._extra, self.extra_json = meta["extra"], None
         self.step = step + 1
-        self.publish(rp.STATE_RUNNING)
+        if self._arena_moved:
+            self.publish(rp.STATE_RUNNING)  # the arena's name changed
+        else:
+            self.ctl.set_step(rp.STATE_RUNNING, self.step)
+
+    def sync(self) -> None:
+        """Make the arena hold every optimizer state tensor (before anything reads it)."""
+        self._adopt_optimizer_state(full=True)
 
     def metadata(self) -> dict[str, str]:
-        """The metadata a full checkpoint of the current step carries."""
+        """The metadata a full checkpoint of the current step carries (call :meth:`sync`
+        first: the arena may have moved)."""
         assert self.opt is not None
-
+        if self._sched_json is None:
+            self._sched_json = codec.dumps(codec.decode(self._sched))
+        if not self.rng_json:
+            self.rng_json = codec.dumps(self._rng)
+        if self.extra_json is None and self._extra is not None:
+            # the meta arrived decoded (codec.loads): encode the extra state again
+            self.extra_json = json.dumps(codec.encode(self._extra), separators=(",", ":"))
         return {
             "kind": "full",
             "step": str(self.step),
@@ -238,7 +427,7 @@ class _Replica:
             "layout_id": self.rl.layout_id,
             "model_aliases": self.aliases,
             "optim": self._optim_json(),
-            "scheduler": self.sched_json,
+            "scheduler": self._sched_json,
             "rng": self.rng_json,
             "source": "lowdiff+ replica",
             **({} if self.cfg.shard is None else {"shard": codec.dumps(self.cfg.shard)}),
@@ -276,6 +465,12 @@ class _Replica:
         return f'{{"param_groups":{codec.dumps(sd["param_groups"])},"state":{self._state_json}}}'
 
     def publish(self, state: int) -> None:
+        """Write the whole control block: arena, entries and the metadata of this step.
+
+        Runs at the start, when the arena moves, and when the replica is ORPHANED (what a
+        new trainer reads); every other merged step only advances the header's step.
+        """
+        self.sync()
         if self._entries_json is None:
             self._entries_json = json.dumps(rp.entries_to_json(self.entries), separators=(",", ":"))
         meta = self.metadata()
@@ -286,8 +481,11 @@ class _Replica:
         raw = f'{head[:-1]},"entries":{self._entries_json},"meta":{json.dumps(meta, separators=(",", ":"))}}}'
         self.doc = {"meta": meta}
         self.ctl.write_raw(state, self.step, raw.encode())
+        self._arena_moved = False
 
     def close(self) -> None:
+        if self.opt is not None:
+            self.opt.close()
         if self.arena is not None:
             _unlink_and_close(self.arena)
 
@@ -309,6 +507,7 @@ class _Persister(FullWriter):
     def snapshot(self, rep: _Replica) -> None:
         """Copy the replica as it is at this step boundary and write the copy."""
         self.wait()  # the buffer is free only once the previous write is done
+        rep.sync()
         size = rep.entries[-1].end if rep.entries else 0
         if self.buf is None or self.buf.numel() < size:
             self.buf = torch.empty(size + size // 8, dtype=torch.uint8)
@@ -335,7 +534,9 @@ def replica_worker_main(
 ) -> None:
     """Entry point of the LowDiff+ checkpointing process."""
     detach_from_trainer_group()
-    torch.set_num_threads(max(1, cfg.threads))
+    # replica_threads is the number of parallel shards, each stepped by one thread: no
+    # intra-op threads on top of them (they would oversubscribe the cores)
+    torch.set_num_threads(1)
     ctr = Counters(counters)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
     released = [False]  # a flag, not an Event: set from a signal handler
