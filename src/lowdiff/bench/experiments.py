@@ -62,6 +62,7 @@ from lowdiff.bench.core import make_optimizer as _make_optimizer
 EXPERIMENTS = (
     "overhead",
     "breakdown",
+    "replica",
     "storage",
     "frequency",
     "recovery",
@@ -104,9 +105,13 @@ class Profile:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 5, 10, 20])
     ratios: list[float] = field(default_factory=lambda: [0.001, 0.005, 0.01, 0.05, 0.1])
     gemini_persist_every: int = 10
+    replica_params: int = 8_437_760
+    """Parameters of ``replica`` (the LowDiff+ replica update against a bare step)."""
+    replica_threads: list[int] = field(default_factory=lambda: [1, 2])
+    """``replica_threads`` values of ``replica``."""
 
     def __post_init__(self) -> None:
-        for name in ("intervals", "recovery_fulls", "batch_sizes"):
+        for name in ("intervals", "recovery_fulls", "batch_sizes", "replica_threads"):
             vals = getattr(self, name)
             if not vals or any(
                 isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals
@@ -738,6 +743,22 @@ def _fidelity(ctx: Context) -> list[dict[str, Any]]:
     return fidelity(ctx)
 
 
+def replica(ctx: Context) -> list[dict[str, Any]]:
+    """The LowDiff+ replica's per-step update against a bare ``torch.optim`` step of the
+    same class, flags and thread count over the same parameters (issue target: at most
+    1.2x), alternating blocks in this process; see :mod:`lowdiff.bench.replica`."""
+    from lowdiff.bench.replica import replica_update_bench
+
+    rows = replica_update_bench(
+        n_params=ctx.profile.replica_params,
+        threads=tuple(ctx.profile.replica_threads),
+        repeats=max(3, ctx.settings.repeats),
+        steps=5,
+        progress=ctx.progress,
+    )
+    return [{"experiment": "replica", **r} for r in rows]
+
+
 RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
     "overhead": overhead,
     "frequency": frequency,
@@ -747,6 +768,7 @@ RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
     "ratio": ratio,
     "fidelity": _fidelity,
     "breakdown": breakdown,
+    "replica": replica,
 }
 
 

@@ -414,6 +414,30 @@ def section_breakdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def section_replica(rows: list[dict[str, Any]]) -> str:
+    got = _of(rows, "replica")
+    if not got:
+        return ""
+    from lowdiff.bench.replica import format_rows
+
+    return "\n".join(
+        [
+            "## LowDiff+ replica update",
+            "",
+            "The replica's update per step (in its process: the step's metadata decoded, the "
+            "gradients of a snapshot slot bound, the optimizer step over `replica_threads` "
+            "balanced shards of one thread each, buffers and RNG copied, the step published) "
+            "against a bare `torch.optim` step of the same class and flags with as many torch "
+            "threads, over the same parameters, gradients and state; blocks alternate, medians "
+            "per step. Same bits: the replica and the bare optimizer hold identical tensors "
+            "after the same steps.",
+            "",
+            format_rows(got),
+            "",
+        ]
+    )
+
+
 SECTIONS = {
     "overhead": section_overhead,
     "frequency": section_frequency,
@@ -422,6 +446,7 @@ SECTIONS = {
     "storage": section_storage,
     "ratio": section_ratio,
     "breakdown": section_breakdown,
+    "replica": section_replica,
     "fidelity": section_fidelity,
 }
 
