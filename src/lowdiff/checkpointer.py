@@ -83,7 +83,8 @@ class Checkpointer:
             ``"auto"``: as often as the disk keeps up (writing at most half the time).
         idle_timeout: LowDiff+ only: seconds a replica whose trainer died waits for a new
             trainer to attach before it persists and exits.
-        replica_threads: LowDiff+ only: torch threads of the replica's optimizer step.
+        replica_threads: LowDiff+ only: parallel shards of the replica's update (whole
+            tensors, balanced by size, one thread each; the same bits as one thread).
         mtbf: with ``"auto"``: the job's mean time between failures in seconds; default:
             the environment variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
         on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,
