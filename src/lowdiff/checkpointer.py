@@ -102,15 +102,6 @@ class Checkpointer:
             never pickled; a state that cannot be saved so is a ``TypeError`` at the first
             step naming the object and the value.
 
-    Example:
-        >>> ck = lowdiff.Checkpointer(model, opt, "runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
-        >>> start = ck.resume()  # doctest: +SKIP
-        >>> for step in range(start, 1000):  # doctest: +SKIP
-        ...     loss_fn(model, batch_for(step)).backward()
-        ...     ck.step()
-        ...     opt.zero_grad()
-        >>> ck.close()  # doctest: +SKIP
-
     Every other keyword goes to the strategy (a baseline's own options, such as
     ``persist_every`` of ``"gemini"``); an option a strategy does not take is a
     ``TypeError`` naming it.
