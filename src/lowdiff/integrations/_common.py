@@ -18,6 +18,22 @@ from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
 log = logging.getLogger("lowdiff.integrations")
 
 
+def callback_extra_state(
+    options: dict[str, Any], extra_state: dict[str, Any] | None, reserved: str, owner: str
+) -> dict[str, Any]:
+    """Check a framework callback's options: the framework's own scheduler is the one
+    checkpointed, and ``reserved`` is the name the framework's state is saved under.
+
+    Returns a copy of ``extra_state`` (empty when None).
+    """
+    if "scheduler" in options:
+        raise ValueError("scheduler: the Trainer's own LR scheduler is checkpointed")
+    extra = dict(extra_state or {})
+    if reserved in extra:
+        raise ValueError(f"extra_state: the name {reserved!r} is taken by {owner}")
+    return extra
+
+
 def capture_after(ck: Checkpointer, name: str) -> None:
     """Take ``extra_state[name]`` again when :func:`recapture` is called, for every step
     still waiting for its hand-over (the mechanism ``attach`` uses for a ``GradScaler``,

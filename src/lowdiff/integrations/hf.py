@@ -47,6 +47,7 @@ from lowdiff.checkpointer import Checkpointer
 from lowdiff.engine.worker import wait_for_writer
 from lowdiff.errors import LowDiffError
 from lowdiff.integrations._common import (
+    callback_extra_state,
     capture_after,
     not_single_process,
     recapture,
@@ -120,13 +121,9 @@ class LowDiffCallback(TrainerCallback):
         log_stats: bool = True,
         **options: Any,
     ) -> None:
-        if "scheduler" in options:
-            raise ValueError("scheduler: the Trainer's own LR scheduler is checkpointed")
-        extra_state = dict(extra_state or {})
-        if TRAINER_STATE in extra_state:
-            raise ValueError(
-                f"extra_state: the name {TRAINER_STATE!r} is taken by the Trainer's state"
-            )
+        extra_state = callback_extra_state(
+            options, extra_state, TRAINER_STATE, "the Trainer's state"
+        )
         self.directory = Path(directory)
         self.extra_state = extra_state
         self.log_stats = log_stats

@@ -46,6 +46,7 @@ from lowdiff.attach import attach
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.errors import LowDiffError
 from lowdiff.integrations._common import (
+    callback_extra_state,
     capture_after,
     recapture,
     stats_for_logging,
@@ -109,11 +110,7 @@ class LowDiffCallback(pl.Callback):
         log_stats: bool = True,
         **options: Any,
     ) -> None:
-        if "scheduler" in options:
-            raise ValueError("scheduler: the Trainer's own LR scheduler is checkpointed")
-        extra_state = dict(extra_state or {})
-        if FIT_LOOP in extra_state:
-            raise ValueError(f"extra_state: the name {FIT_LOOP!r} is taken by the fit loop")
+        extra_state = callback_extra_state(options, extra_state, FIT_LOOP, "the fit loop")
         self.directory = directory
         self.extra_state = extra_state
         self.log_stats = log_stats
