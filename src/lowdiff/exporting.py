@@ -120,14 +120,21 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 def _full_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], list[RecordLayout]]:
     """Headers of the full checkpoints recovery to ``step`` starts from (one per shard),
     and the shards' record layouts. Raises :class:`RecoveryError` for a step not served."""
-    from lowdiff.dist.recovery import _files_for, is_job_dir, plan_sharded, shard_scans
+    from lowdiff.dist.recovery import (
+        _files_for,
+        is_job_dir,
+        plan_sharded,
+        scan_dirs,
+        serving_generation,
+    )
     from lowdiff.recovery.scan import make_plan, scan
 
-    if is_job_dir(root):
-        scans = shard_scans(root, int(layout.read_manifest(root)["world_size"]))
+    g = serving_generation(root, step) if is_job_dir(root) else None
+    if g is not None and not g.single:
+        scans = scan_dirs(g.root, g.shard_dirs())
         target, full = plan_sharded(scans, step)
         fulls = [_files_for(sc, full, target, frozenset())[0] for sc in scans]
-    else:
+    else:  # a single process's directory (or generation 0 of a job that resumed one)
         sc = scan(root)
         scans, fulls = [sc], [make_plan(sc, step).full]
     rls = [RecordLayout.from_json(sc.manifest["record_layout"]) for sc in scans]
@@ -199,11 +206,11 @@ def _index(p: Any) -> int:
 
 
 def _first_manifest(root: Path) -> dict[str, Any]:
-    """The manifest with the training settings: rank 0's for a distributed job."""
-    from lowdiff.dist.context import rank_dir
-    from lowdiff.dist.recovery import is_job_dir
+    """The manifest with the training settings: rank 0's of the newest generation for a
+    distributed job."""
+    from lowdiff.dist.recovery import generations, is_job_dir
 
-    return layout.read_manifest(rank_dir(root, 0) if is_job_dir(root) else root)
+    return layout.read_manifest(generations(root)[-1].shard_dirs()[0] if is_job_dir(root) else root)
 
 
 def export(

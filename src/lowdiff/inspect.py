@@ -123,24 +123,40 @@ class JobInfo:
 
 
 def inspect_job(path: str | Path) -> JobInfo:
-    """Summarise a distributed job's directory: every shard, and the steps all of them serve."""
-    from lowdiff.dist.recovery import shard_scans
+    """Summarise a distributed job's directory: every shard, and the steps all of them serve.
+
+    A job resumed at other world sizes has several generations (see
+    :func:`lowdiff.dist.recovery.generations`): the shards of every generation are listed,
+    oldest first, the steps are those some generation serves, and the manifest is the
+    newest generation's.
+    """
+    from lowdiff.dist.recovery import generations, scan_dirs
     from lowdiff.recovery.scan import chain_from, usable
 
     root = Path(path)
-    manifest = layout.read_manifest(root)
-    scans = shard_scans(root, int(manifest["world_size"]))
-    common = set.intersection(
-        *({f.first_step for f in sc.fulls if f.path not in usable(sc)} for sc in scans)
-    )
-    spans = sorted((f, min(chain_from(sc, f)[0] for sc in scans)) for f in common)
+    gens = generations(root)
+    shards: list[DirectoryInfo] = []
+    spans: list[tuple[int, int]] = []
+    for g in gens:
+        if g.single:
+            info = inspect_dir(g.root)
+            shards.append(info)
+            spans.extend(info.recoverable_intervals)
+            continue
+        scans = scan_dirs(g.root, g.shard_dirs())
+        common = set.intersection(
+            *({f.first_step for f in sc.fulls if f.path not in usable(sc)} for sc in scans)
+        )
+        spans.extend((f, min(chain_from(sc, f)[0] for sc in scans)) for f in common)
+        shards.extend(inspect_dir(sc.root) for sc in scans)
     merged: list[tuple[int, int]] = []
-    for lo, hi in spans:
+    for lo, hi in sorted(spans):
         if merged and lo <= merged[-1][1] + 1:
             merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
         else:
             merged.append((lo, hi))
-    return JobInfo(root, manifest, [inspect_dir(sc.root) for sc in scans], merged)
+    manifest = layout.read_manifest(gens[-1].root) if gens else layout.read_manifest(root)
+    return JobInfo(root, manifest, shards, merged)
 
 
 def is_job(path: str | Path) -> bool:
@@ -162,18 +178,29 @@ def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
     if is_baseline_dir(root):  # a baseline strategy's directory: commit files, not sfiles
         return verify_baseline_dir(root)
     if is_job(root):
-        from lowdiff.dist.context import rank_dir
+        from lowdiff.dist.recovery import generations
 
         n_checked, bad_shards = 1, []
-        for r in range(int(layout.read_manifest(root)["world_size"])):
-            d = rank_dir(root, r)
-            if not (d / layout.MANIFEST).exists():
-                bad_shards.append((d, "shard directory missing or without a manifest"))
+        for g in generations(root):
+            if g.single:  # a single process's directory that a job resumed
+                n, b = _verify_plain(g.root)
+                n_checked += n - 1  # its manifest is the job root's, counted above
+                bad_shards.extend(b)
                 continue
-            n, b = verify_dir(d)
-            n_checked += n
-            bad_shards.extend(b)
+            n_checked += g.index > 0  # the generation's own job manifest
+            for d in g.shard_dirs():
+                if not (d / layout.MANIFEST).exists():
+                    bad_shards.append((d, "shard directory missing or without a manifest"))
+                    continue
+                n, b = _verify_plain(d)
+                n_checked += n
+                bad_shards.extend(b)
         return n_checked, bad_shards
+    return _verify_plain(root)
+
+
+def _verify_plain(root: Path) -> tuple[int, list[tuple[Path, str]]]:
+    """:func:`verify_dir` of one single-process or shard directory."""
     bad: list[tuple[Path, str]] = []
     checked = 1
     try:

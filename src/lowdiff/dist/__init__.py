@@ -16,6 +16,10 @@ initialised process group runs in distributed mode:
   Per-rank state (buffers, RNG) is kept by every rank for itself.
 - Recovery agrees on one step across ranks (:mod:`lowdiff.dist.recovery`) and rebuilds
   the whole state on every rank from all the shards.
+- A job may resume at another world size: it rebuilds the state from the old shards
+  (new rank ``r`` takes the per-rank state of old rank ``min(r, W - 1)``) and writes a new
+  generation of shards in ``DIR/gen-G/``, leaving the old one as it is
+  (:func:`~lowdiff.dist.recovery.generations`).
 """
 
 from lowdiff.dist.context import DistContext, assign_shards, detect

@@ -336,9 +336,12 @@ class LowDiffStrategy(Strategy):
             assert directory is not None
             self.root = Path(directory)
             if self._dist is not None:
+                from lowdiff.dist.recovery import rank_root
+
                 self.job_root = self.root
                 check_directory(self.job_root)
-                self.root = rank_dir(self.job_root, self._dist.rank)
+                # the newest generation's shard at this world size, else the next generation's
+                self.root = rank_root(self.job_root, self._dist.rank, self._dist.world_size)
             check_directory(self.root)
             self.root.mkdir(parents=True, exist_ok=True)
             fd = acquire_flock(self.root / layout.LOCK_FILE, blocking=False)
@@ -550,7 +553,14 @@ class LowDiffStrategy(Strategy):
             return
         assert self.root is not None
         if self._dist is not None:
-            if self._dist.all_max([0 if is_empty_dir(self.root) else 1])[0]:
+            from lowdiff.dist.recovery import generations
+
+            held = any(
+                not is_empty_dir(d)
+                for g in generations(self.job_root or self.root)
+                for d in g.shard_dirs()
+            )
+            if self._dist.all_max([int(held or not is_empty_dir(self.root))])[0]:
                 raise LowDiffError(
                     f"{self.job_root} already holds checkpoints; call ck.resume() on every rank "
                     "before the first step() to continue from them, or use a new directory"
@@ -1206,53 +1216,117 @@ class LowDiffStrategy(Strategy):
             snap.on_reduced_grad(k, grad)
 
     def _resume_dist(self) -> int:
-        """Distributed resume: every rank ends at one agreed step (see lowdiff.dist.recovery)."""
-        from lowdiff.dist.recovery import is_job_dir, job_manifest, recover_sharded
+        """Distributed resume: every rank ends at one agreed step (see lowdiff.dist.recovery).
+
+        When the newest generation of the job has this world size and serves a step, the
+        job continues in it (as always). Otherwise it reshards: the state is rebuilt from
+        the newest generation that serves a step, and a new generation begins in
+        ``DIR/gen-G/`` with a full checkpoint at the resumed step; the old generation's
+        files are left as they are.
+        """
+        from lowdiff.dist.recovery import (
+            generation_dir,
+            generations,
+            job_manifest,
+            recover_generations,
+        )
 
         ctx, job = self._dist, self.job_root
         assert ctx is not None and job is not None and self.root is not None
-        have_job = is_job_dir(job)
-        if have_job:
-            m = layout.read_manifest(job)
-            if int(m.get("world_size", -1)) != ctx.world_size or m.get("strategy") != self.strategy:
-                raise CheckpointMismatchError(
-                    f"{job} was written by {m.get('world_size')} ranks with strategy "
-                    f"{m.get('strategy')!r}; this job runs {ctx.world_size} ranks with {self.strategy!r}"
-                )
-        if self.strategy == "lowdiff+":
+        gens = generations(job)
+        newest = gens[-1] if gens else None
+        if newest is not None and newest.strategy != self.strategy:
+            raise CheckpointMismatchError(
+                f"{newest.root} was written with strategy {newest.strategy!r}; this job runs "
+                f"{self.strategy!r}"
+            )
+        in_place = (
+            newest is not None
+            and not newest.single
+            and newest.world_size == ctx.world_size
+            and self.root.parent == newest.root
+        )
+        if self.strategy == "lowdiff+" and in_place:
             # a replica left by a crashed trainer still holds the writer lock: look first
-            shard_ok = have_job and (self.root / layout.MANIFEST).exists()
+            shard_ok = (self.root / layout.MANIFEST).exists()
             if ctx.all_min([int(shard_ok)])[0]:
                 self._check_manifest(layout.read_manifest(self.root))
                 if self._resume_dist_from_memory():
                     return self._step
         self._wait_for_previous_writer()
+        others = sorted({d for g in gens for d in g.shard_dirs()} - {self.root})
+        for i, d in enumerate(others):
+            if self.strategy == "lowdiff+" and i % ctx.world_size == ctx.rank and d.is_dir():
+                # a replica left by a crashed trainer of another world size: it persists
+                # what it holds and exits (its memory is of no use to this world size)
+                with contextlib.suppress(Exception):
+                    old_id = str(layout.read_manifest(d).get("layout_id"))
+                    live, _ = rp.find_live_replica(d, old_id, wait_s=self.start_timeout)
+                    if live is not None:
+                        live.release_owner(self.start_timeout)
+        for d in others:
+            if d.is_dir():
+                wait_for_writer(d, self.start_timeout)
         self._remove_stale_temps()
         ctx.barrier()  # every rank's previous checkpointing process has finished
-        if ctx.all_max([0 if is_empty_dir(self.root) else 1])[0] == 0:
+        held = [d for g in gens for d in g.shard_dirs() if not is_empty_dir(d)]
+        if ctx.all_max([int(bool(held) or not is_empty_dir(self.root))])[0] == 0:
+            # nothing was ever durable: a fresh job, generation 0, at this world size
+            self._switch_root(rank_dir(job, ctx.rank))
             if ctx.rank == 0:
                 layout.write_manifest(job, job_manifest(ctx.world_size, self.strategy))
             ctx.barrier()
             self._start_fresh()
             return 0
-        if not have_job:
+        if newest is None:
             raise CheckpointMismatchError(f"{job} holds shard directories but no job manifest")
-        self._check_manifest(layout.read_manifest(self.root))
-        stats = recover_sharded(job, ctx, self.model, self.optimizer, self.scheduler)
+        if in_place:
+            self._check_manifest(layout.read_manifest(self.root))
+        g, stats = recover_generations(job, ctx, self.model, self.optimizer, self.scheduler)
         self.recovery_stats = stats
-        st.apply_extra(self._extra, stats.extra, f"{self.root} step {stats.step}")
+        st.apply_extra(self._extra, stats.extra, f"{g.root} step {stats.step}")
         self._step = stats.step
         self._durable = stats.step
         ctx.barrier()  # every rank has read every shard before any file moves
-        self._quarantine_beyond(stats)
-        ctx.barrier()  # no rank writes the new run's files before every shard is cut back
         self.compressor.reset_state()
-        self._write_manifest()
-        self._launch_worker()
-        self._started = True
-        if self.strategy == "lowdiff+":
-            self._emit_full(self._step, kind="init")
+        if in_place and g.index == newest.index:
+            self._quarantine_beyond(stats)
+            ctx.barrier()  # no rank writes the new run's files before every shard is cut back
+            self._write_manifest()
+            self._launch_worker()
+            self._started = True
+            if self.strategy == "lowdiff+":
+                self._emit_full(self._step, kind="init")
+            return self._step
+        # reshard into a new generation; the old ones stay as they are
+        gen = newest.index + 1
+        # (another directory than the one locked at construction when the newest
+        # generation had this world size but serves no step)
+        self._switch_root(rank_dir(generation_dir(job, gen), ctx.rank))
+        if ctx.rank == 0:
+            layout.write_manifest(
+                generation_dir(job, gen),
+                job_manifest(ctx.world_size, self.strategy, generation=gen, start_step=self._step),
+            )
+        ctx.barrier()  # the generation exists before any rank writes in it
+        self._start_fresh()
         return self._step
+
+    def _switch_root(self, root: Path) -> None:
+        """Under DDP: make ``root`` this rank's shard directory (locked) instead of the one
+        chosen at construction."""
+        if root == self.root:
+            return
+        check_directory(root)
+        root.mkdir(parents=True, exist_ok=True)
+        fd = acquire_flock(root / layout.LOCK_FILE, blocking=False)
+        if fd is None:
+            raise DirectoryLockedError(
+                f"{root} is in use by another trainer ({lock_holder(root / layout.LOCK_FILE)})"
+            )
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self.root, self._lock_fd = root, fd
 
     def _resume_dist_from_memory(self) -> bool:
         """LowDiff+ under DDP: rebuild the whole state from every rank's replica shard.

@@ -8,7 +8,9 @@ checkpointing process first, as a machine failure would), log the job-wide durab
 after every step, and save its final state.
 
 Run it with ``torchrun --nproc-per-node 2 -m lowdiff.torture.ddp_job --dir D --out O``
-(or through :func:`lowdiff.torture.ddp.torchrun`). Files written under ``--out``:
+(or through :func:`lowdiff.torture.ddp.torchrun`; any ``--nproc-per-node`` works, and a
+job resumes a directory written at another world size). With ``--single`` it is one
+plain process (``python -m lowdiff.torture.ddp_job --single ...``), written as rank 0. Files written under ``--out``:
 
 - ``start-rank{r}-{pid}.txt``: ``"{step} {source}"``, where this attempt resumed;
 - ``resumed-{step}-rank{r}.pt``, ``state-{step}-rank{r}.pt``, ``final-rank{r}.pt``: states;
@@ -55,17 +57,19 @@ class Net(nn.Module):
 
 
 def build(
-    strategy: str, directory: Path, ef: bool, full_every: int, batch_size: int
+    strategy: str, directory: Path, ef: bool, full_every: int, batch_size: int, single: bool = False
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any, lowdiff.Checkpointer]:
     torch.manual_seed(0)
     net = Net()
-    model = DDP(net, bucket_cap_mb=0.004)  # several buckets even for this small model
+    # several buckets even for this small model
+    model: nn.Module = net if single else DDP(net, bucket_cap_mb=0.004)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     # per-rank RNG streams (dropout; Python and NumPy are checkpointed too)
-    torch.manual_seed(1000 + dist.get_rank())
-    random.seed(2000 + dist.get_rank())
-    np.random.seed(3000 + dist.get_rank())
+    rank = 0 if single else dist.get_rank()
+    torch.manual_seed(1000 + rank)
+    random.seed(2000 + rank)
+    np.random.seed(3000 + rank)
     kw: dict[str, Any] = {}
     if strategy == "lowdiff+":
         kw = {"compressor": None, "persist_every": 1, "keep_full": None}
@@ -86,10 +90,10 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train(args: argparse.Namespace) -> None:
-    rank = dist.get_rank()
+    rank = 0 if args.single else dist.get_rank()
     out = Path(args.out)
     model, opt, sched, ck = build(
-        args.strategy, Path(args.dir), args.ef, args.full_every, args.batch_size
+        args.strategy, Path(args.dir), args.ef, args.full_every, args.batch_size, args.single
     )
     start = ck.resume()
     source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
@@ -204,12 +208,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH-PREFIX",
         help="append 'step durable_step' lines to PATH-PREFIX-rank{r}.txt after every step",
     )
+    ap.add_argument(
+        "--single",
+        action="store_true",
+        help="one process without a process group or DDP (a single-process run, as rank 0)",
+    )
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     args = parse(argv)
+    if args.single:
+        train(args)
+        return
     dist.init_process_group("gloo")
     try:
         train(args)
