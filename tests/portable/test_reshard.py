@@ -138,3 +138,21 @@ def test_lowdiff_plus_killed_two_ranks_resume_in_one(tmp_path):
     assert 1 <= step <= 8
     _check_resumed(old, new, step, 2, 1)
     assert [g.world_size for g in generations(ck)] == [2, 1]
+
+
+def test_generation_without_a_full_checkpoint_is_passed_over(tmp_path):
+    """A job that died before its new generation's first full checkpoint: the next resume
+    starts from the old generation again, in a newer generation."""
+    from lowdiff.dist.recovery import generation_dir, job_manifest
+    from lowdiff.format import layout
+    from lowdiff.recovery.scan import is_empty_dir
+
+    ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
+    _job(2, ck, old, "--steps", "8", "--save-steps", "8")
+    dead = generation_dir(ck, 1)
+    (dead / "rank-00000").mkdir(parents=True)
+    layout.write_manifest(dead, job_manifest(1, "lowdiff", generation=1, start_step=8))
+    _job(1, ck, new, "--steps", "10")
+    _check_resumed(old, new, 8, 2, 1)
+    assert [(g.index, g.world_size) for g in generations(ck)] == [(0, 2), (1, 1), (2, 1)]
+    assert is_empty_dir(dead / "rank-00000")  # nothing was written there

@@ -1280,7 +1280,7 @@ class LowDiffStrategy(Strategy):
             return 0
         if newest is None:
             raise CheckpointMismatchError(f"{job} holds shard directories but no job manifest")
-        if in_place:
+        if in_place and (self.root / layout.MANIFEST).exists():
             self._check_manifest(layout.read_manifest(self.root))
         g, stats = recover_generations(job, ctx, self.model, self.optimizer, self.scheduler)
         self.recovery_stats = stats
