@@ -156,3 +156,17 @@ def test_generation_without_a_full_checkpoint_is_passed_over(tmp_path):
     _check_resumed(old, new, 8, 2, 1)
     assert [(g.index, g.world_size) for g in generations(ck)] == [(0, 2), (1, 1), (2, 1)]
     assert is_empty_dir(dead / "rank-00000")  # nothing was written there
+
+
+def test_a_plain_process_is_refused_on_a_job_directory(tmp_path):
+    """Writing a job's directory from one plain process would fork its chain: refused."""
+    from lowdiff.dist.recovery import job_manifest
+    from lowdiff.format import layout
+
+    d = tmp_path / "job"
+    d.mkdir()
+    layout.write_manifest(d, job_manifest(2, "lowdiff"))
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(lowdiff.CheckpointMismatchError, match="distributed job's directory"):
+        lowdiff.Checkpointer(model, opt, d)

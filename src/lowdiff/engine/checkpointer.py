@@ -342,6 +342,15 @@ class LowDiffStrategy(Strategy):
                 check_directory(self.job_root)
                 # the newest generation's shard at this world size, else the next generation's
                 self.root = rank_root(self.job_root, self._dist.rank, self._dist.world_size)
+            else:
+                from lowdiff.dist.recovery import is_job_dir
+
+                if is_job_dir(self.root):
+                    raise CheckpointMismatchError(
+                        f"{self.root} is a distributed job's directory: continue it under "
+                        "torchrun (any number of ranks, 1 included), or read a step of it "
+                        "with lowdiff.restore() / lowdiff export"
+                    )
             check_directory(self.root)
             self.root.mkdir(parents=True, exist_ok=True)
             fd = acquire_flock(self.root / layout.LOCK_FILE, blocking=False)
