@@ -8,7 +8,17 @@ import torch
 from lowdiff.torture.report import TortureReport
 
 # Tests run on 2 shared cores; more threads only add contention and noise.
-torch.set_num_threads(int(os.environ.get("LOWDIFF_TEST_THREADS", "1")))
+_THREADS = int(os.environ.get("LOWDIFF_TEST_THREADS", "1"))
+torch.set_num_threads(_THREADS)
+
+
+@pytest.fixture(autouse=True)
+def _same_thread_count():
+    """Every test starts with the same torch thread count (a different count may round a
+    reduction differently, so a test that left it changed would break exact comparisons
+    in the tests after it)."""
+    torch.set_num_threads(_THREADS)
+    yield
 
 # The torture tests add their figures here; the summary is printed at the end of the run.
 _TORTURE = TortureReport()

@@ -144,16 +144,24 @@ class _Harness:
                 "rng": self.rng_extra,
             }
         )
+        saved = torch.get_num_threads()
         torch.set_num_threads(1)  # the replica process: one thread per shard
-        t0 = time.perf_counter()
-        self.rep.merge(self.row, self.rep.step, codec.loads(meta_json))
-        return time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            self.rep.merge(self.row, self.rep.step, codec.loads(meta_json))
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(saved)
 
     def bare_step(self) -> float:
+        saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
-        t0 = time.perf_counter()
-        self.bare.step()
-        return time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            self.bare.step()
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(saved)
 
     def identical(self) -> bool:
         """Same bits in the replica and the bare twin (parameters and optimizer state)."""

@@ -61,6 +61,20 @@ def run_scenario(
     ref: list[dict[str, torch.Tensor]],
 ) -> None:
     """Train with one injected fault in ``d`` and check what the trainer and disk show."""
+    with workload.one_thread():  # the thread count the reference was computed with
+        _run_scenario(d, point, kind, nth, action, policy, report, ref)
+
+
+def _run_scenario(
+    d: Path,
+    point: str,
+    kind: str,
+    nth: int,
+    action: str,
+    policy: str,
+    report: TortureReport,
+    ref: list[dict[str, torch.Tensor]],
+) -> None:
     what = f"{action} at {point} of {kind} #{nth} ({policy})"
     strerror = os.strerror(errno.ENOSPC if action == "enospc" else errno.EIO)
     report.storage_faults += 1
@@ -138,7 +152,6 @@ def run_storage(
         point, kind, nth, action, policy = SCENARIOS[i % len(SCENARIOS)]
         d = Path(workdir) / f"storage-{i}"
         shutil.rmtree(d, ignore_errors=True)
-        with workload.one_thread():
-            run_scenario(d, point, kind, nth + i // len(SCENARIOS), action, policy, report, ref)
+        run_scenario(d, point, kind, nth + i // len(SCENARIOS), action, policy, report, ref)
     if log:
         log(f"storage: {report.storage_faults} faults")
