@@ -457,13 +457,25 @@ class LowDiffStrategy(Strategy):
         manifest = layout.read_manifest(self.root)
         self._check_manifest(manifest)
         stats = recover(self.root, self.model, self.optimizer, self.scheduler)
+        self._adopt_recovered(stats, self.root)
+        return self._continue_recovered()
+
+    def _adopt_recovered(self, stats: RecoveryStats, where: Path) -> None:
+        """The recovered state is loaded: take its step, durability and extra state."""
         self.recovery_stats = stats
-        st.apply_extra(self._extra, stats.extra, f"{self.root} step {stats.step}")
+        st.apply_extra(self._extra, stats.extra, f"{where} step {stats.step}")
         self._step = stats.step
         self._durable = stats.step
         self._last_full = stats.full_step
-        self._quarantine_beyond(stats)
-        self.compressor.reset_state()
+        self.compressor.reset_state()  # error-feedback residuals restart at zero
+
+    def _continue_recovered(self, barrier: Callable[[], None] | None = None) -> int:
+        """Cut the directory back to the recovered step and start checkpointing from it
+        (under DDP ``barrier`` keeps every rank from writing before every shard is cut)."""
+        assert self.recovery_stats is not None
+        self._quarantine_beyond(self.recovery_stats)
+        if barrier is not None:
+            barrier()
         self._write_manifest()
         self._launch_worker()
         self._started = True
@@ -1292,21 +1304,10 @@ class LowDiffStrategy(Strategy):
         if in_place and (self.root / layout.MANIFEST).exists():
             self._check_manifest(layout.read_manifest(self.root))
         g, stats = recover_generations(job, ctx, self.model, self.optimizer, self.scheduler)
-        self.recovery_stats = stats
-        st.apply_extra(self._extra, stats.extra, f"{g.root} step {stats.step}")
-        self._step = stats.step
-        self._durable = stats.step
+        self._adopt_recovered(stats, g.root)
         ctx.barrier()  # every rank has read every shard before any file moves
-        self.compressor.reset_state()
         if in_place and g.index == newest.index:
-            self._quarantine_beyond(stats)
-            ctx.barrier()  # no rank writes the new run's files before every shard is cut back
-            self._write_manifest()
-            self._launch_worker()
-            self._started = True
-            if self.strategy == "lowdiff+":
-                self._emit_full(self._step, kind="init")
-            return self._step
+            return self._continue_recovered(barrier=ctx.barrier)
         # reshard into a new generation; the old ones stay as they are
         gen = newest.index + 1
         # (another directory than the one locked at construction when the newest

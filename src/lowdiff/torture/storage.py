@@ -50,6 +50,7 @@ SCENARIOS: list[tuple[str, str, int, str, str]] = [
 ]
 
 
+@workload.one_thread()  # the thread count the reference was computed with
 def run_scenario(
     d: Path,
     point: str,
@@ -61,20 +62,6 @@ def run_scenario(
     ref: list[dict[str, torch.Tensor]],
 ) -> None:
     """Train with one injected fault in ``d`` and check what the trainer and disk show."""
-    with workload.one_thread():  # the thread count the reference was computed with
-        _run_scenario(d, point, kind, nth, action, policy, report, ref)
-
-
-def _run_scenario(
-    d: Path,
-    point: str,
-    kind: str,
-    nth: int,
-    action: str,
-    policy: str,
-    report: TortureReport,
-    ref: list[dict[str, torch.Tensor]],
-) -> None:
     what = f"{action} at {point} of {kind} #{nth} ({policy})"
     strerror = os.strerror(errno.ENOSPC if action == "enospc" else errno.EIO)
     report.storage_faults += 1
