@@ -26,7 +26,7 @@ order, since some of them are collective)::
                                            # them: compressed and decompressed in place,
                                            # the DDP hook's merged records, LowDiff+'s
                                            # layer-wise snapshots
-        hp = capture_hparams(optimizer)    # if s.records_hparams: the update's
+        hp = s.hparams()                   # if s.records_hparams: the update's
                                            # hyperparameters, before the scheduler moves
         optimizer.step(); scheduler.step()
         s.after_update(t, grads, hp, update_s)
@@ -145,6 +145,28 @@ class StepGrads:
     """The snapshot slot holding the gradients (LowDiff+)."""
     extra_s: float = 0.0
     """Time spent profiling (counted as checkpointing work, not training)."""
+    compress_s: float = 0.0
+    """Time spent compressing the gradients on the training process (compressed
+    training's own work, which training without checkpoints does too)."""
+
+
+PIPELINE_STAGES = (
+    "begin", "take_gradients", "compress", "hparams", "update", "after_update", "steps"
+)  # fmt: skip
+"""Keys of :attr:`Strategy.pipeline_s`."""
+
+
+def trainer_overhead_s(times: dict[str, float]) -> float:
+    """A strategy's own seconds on the training process in :attr:`Strategy.pipeline_s`:
+    every stage except compression (compressed training compresses anyway) and the
+    update itself."""
+    return (
+        times["begin"]
+        + times["take_gradients"]
+        - times["compress"]
+        + times["hparams"]
+        + times["after_update"]
+    )
 
 
 class Strategy(abc.ABC):
@@ -190,11 +212,7 @@ class Strategy(abc.ABC):
                 "lowdiff is attached to the optimizer: call optimizer.step() (and your "
                 "scheduler's step()) as usual, not ck.step()"
             )
-        with record_function("lowdiff.take_gradients"):
-            t = self.begin_step()
-            self.before_update(t)
-            grads = self.take_gradients(t)
-            hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
+        t, grads, hp = self.prepare_update()
         t0 = time.perf_counter()
         self.optimizer.step()
         if self.scheduler is not None:
@@ -202,10 +220,63 @@ class Strategy(abc.ABC):
                 self.scheduler.step()
             else:
                 self.scheduler.step(metric)
+        self.finish_update(t, grads, hp, time.perf_counter() - t0)
+
+    def prepare_update(self) -> tuple[int, StepGrads, Any]:
+        """The pipeline up to the update: ``begin_step``, ``before_update``,
+        ``take_gradients`` and the hyperparameters; (t, grads, hp). Shared by :meth:`step`
+        and the optimizer hooks of :func:`lowdiff.attach`; timed per stage into
+        :attr:`pipeline_s`."""
+        clock = time.perf_counter
+        with record_function("lowdiff.take_gradients"):
+            t0 = clock()
+            t = self.begin_step()
+            self.before_update(t)
+            t1 = clock()
+            grads = self.take_gradients(t)
+            t2 = clock()
+            hp = self.hparams() if self.records_hparams else None
+            t3 = clock()
+        times = self.pipeline_s
+        times["begin"] += t1 - t0
+        times["take_gradients"] += t2 - t1
+        times["compress"] += grads.compress_s
+        times["hparams"] += t3 - t2
+        return t, grads, hp
+
+    def finish_update(self, t: int, grads: StepGrads, hp: Any, update_s: float) -> None:
+        """The pipeline after the update (``after_update``), timed into :attr:`pipeline_s`."""
+        t0 = time.perf_counter()
         with record_function("lowdiff.after_update"):
-            self.after_update(t, grads, hp, time.perf_counter() - t0)
+            self.after_update(t, grads, hp, update_s)
+        times = self.pipeline_s
+        times["update"] += update_s
+        times["after_update"] += time.perf_counter() - t0
+        times["steps"] += 1
+
+    @property
+    def pipeline_s(self) -> dict[str, float]:
+        """Seconds this process spent in each stage of the pipeline, summed over steps.
+
+        Keys: ``begin`` (``begin_step`` + ``before_update``), ``take_gradients`` (of which
+        ``compress``: compressing the gradients, which compressed training does anyway),
+        ``hparams``, ``update`` (``optimizer.step()`` and ``scheduler.step()``),
+        ``after_update``, and ``steps``. The strategy's own cost on the training process
+        is :func:`trainer_overhead_s` of this dict.
+        """
+        times = self.__dict__.get("_pipeline_s")
+        if times is None:
+            times = self.__dict__["_pipeline_s"] = dict.fromkeys(PIPELINE_STAGES, 0.0)
+        return times
 
     # ------------------------------------------------------------------ stages
+    def hparams(self) -> Any:
+        """The update's hyperparameters, taken before ``optimizer.step()`` (called only
+        when :attr:`records_hparams`); passed to :meth:`after_update` as ``hp``. By
+        default :func:`lowdiff.engine.state.capture_hparams`; a strategy may return them
+        in the form it stores them."""
+        return st.capture_hparams(self.optimizer)
+
     @abc.abstractmethod
     def resume(self) -> int:
         """Restore the newest recoverable state, or prepare an empty directory; the step."""
@@ -222,9 +293,7 @@ class Strategy(abc.ABC):
         """The gradients of update ``t`` as the optimizer will apply them."""
 
     @abc.abstractmethod
-    def after_update(
-        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
-    ) -> None:
+    def after_update(self, t: int, grads: StepGrads, hp: Any, update_s: float) -> None:
         """Update ``t`` is done (the state is at ``t + 1``): record it, checkpoint when due."""
 
     @abc.abstractmethod

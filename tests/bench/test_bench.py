@@ -163,6 +163,8 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
         recovery_fulls=[2],
         batch_sizes=[2],
         ratios=[0.01, 0.1],
+        hot_trainer_workload="gpt2-tiny",
+        hot_steps=3,
     )
     files = run_bench(list(DEFAULT_EXPERIMENTS), out=out, settings=s, profile=p)
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]

@@ -24,7 +24,7 @@ def test_registry_names() -> None:
         "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b",
     ]  # fmt: skip
     assert expected_full == FULL
-    assert set(TINY) == {f"{n}-tiny" for n in expected_full} | {"gpt2-demo", "gpt2-tiny"}
+    assert set(TINY) == {f"{n}-tiny" for n in expected_full} | {"gpt2-demo", "gpt2-tiny", "gpt2-3m"}
     assert zoo.workload_names() == list(zoo.WORKLOADS)
     assert sorted(zoo.workload_names()) == sorted(FULL + TINY)
     for name in FULL:

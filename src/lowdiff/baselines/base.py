@@ -389,13 +389,13 @@ class BaselineCheckpointer(Strategy):
 
     def take_gradients(self, t: int) -> StepGrads:
         """The training's compression (as strategy ``"none"`` applies it), or nothing."""
-        if self.compressor is not None:
-            compress_grads(self._params, self._numels, self.compressor, t)
-        return StepGrads()
+        if self.compressor is None:
+            return StepGrads()
+        t0 = time.perf_counter()
+        compress_grads(self._params, self._numels, self.compressor, t)
+        return StepGrads(compress_s=time.perf_counter() - t0)
 
-    def after_update(
-        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
-    ) -> None:
+    def after_update(self, t: int, grads: StepGrads, hp: Any, update_s: float) -> None:
         """Checkpoint the state after update ``t`` every ``full_every`` steps."""
         self._step = t + 1
         self._stats["steps"] += 1

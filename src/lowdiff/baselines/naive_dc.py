@@ -359,9 +359,7 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
         )
 
     # ------------------------------------------------------------------ the step loop
-    def after_update(
-        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
-    ) -> None:
+    def after_update(self, t: int, grads: StepGrads, hp: Any, update_s: float) -> None:
         """A full checkpoint when due (the base class), else a differential one when due."""
         super().after_update(t, grads, hp, update_s)
         s = self._step

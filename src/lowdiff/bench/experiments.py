@@ -29,7 +29,15 @@ hand every step to a process that outlives a crash of the trainer; every row say
   the memory a batch holds.
 - ``storage`` (Exp. 9): bytes per checkpoint and bytes written per step.
 - ``ratio`` (Exp. 10): LowDiff's overhead and record size against the top-k ratio.
-- ``breakdown``: the per-iteration tables (checkpoint costs per method; LowDiff+ phases).
+- ``breakdown``: the per-iteration tables (checkpoint costs per method; LowDiff+ phases;
+  LowDiff's own work on the training process, per pipeline stage, on the profile's
+  ``hot_trainer_workload``).
+- ``replica``: the LowDiff+ replica update against a bare ``torch.optim`` step.
+- ``hotpaths``: the hot-path targets side by side with their measured ratios: the replica
+  update (at most 1.2x a bare step), LowDiff end to end (at most 3% over compressed
+  training, a record durable every step, on ``hot_e2e_workload``), LowDiff's work on the
+  training process (at most 2% of a step), LowDiff+ snapshot copies (at least 70% of
+  memcpy bandwidth) and the DDP exchange's bytes on the wire against a dense all-reduce.
 """
 
 from __future__ import annotations
@@ -69,10 +77,12 @@ EXPERIMENTS = (
     "batching",
     "ratio",
     "fidelity",
+    "hotpaths",
 )
 """Every experiment, in the order they run."""
-DEFAULT_EXPERIMENTS = EXPERIMENTS[:-1]
-"""What ``lowdiff bench`` runs when no experiment is named (``fidelity`` runs when named)."""
+DEFAULT_EXPERIMENTS = EXPERIMENTS[:-2]
+"""What ``lowdiff bench`` runs when no experiment is named (``fidelity`` and ``hotpaths``
+run when named)."""
 OVERHEAD_BOUND = 0.035
 """The slowdown bound of Exp. 4 (3.5%, after CheckFreq)."""
 DCP_MODES = ("thread", "process")
@@ -109,8 +119,17 @@ class Profile:
     """Parameters of ``replica`` (the LowDiff+ replica update against a bare step)."""
     replica_threads: list[int] = field(default_factory=lambda: [1, 2])
     """``replica_threads`` values of ``replica``."""
+    hot_e2e_workload: str = "gpt2-3m"
+    """Workload of ``hotpaths``' end-to-end LowDiff overhead (3.3M parameters)."""
+    hot_trainer_workload: str = "gpt2-demo"
+    """Workload of the trainer-side cost (``hotpaths``, ``breakdown``) and of the
+    snapshot-bandwidth and DDP-exchange measurements."""
+    hot_steps: int = 60
+    """Timed steps per block of the end-to-end and trainer-side measurements."""
 
     def __post_init__(self) -> None:
+        if self.hot_steps < 1:
+            raise ValueError(f"hot_steps must be >= 1, got {self.hot_steps}")
         for name in ("intervals", "recovery_fulls", "batch_sizes", "replica_threads"):
             vals = getattr(self, name)
             if not vals or any(
@@ -124,6 +143,9 @@ QUICK_PROFILE = Profile(
     recovery_fulls=[5, 10],
     batch_sizes=[1, 2, 5, 10],
     ratios=[0.001, 0.01, 0.1],
+    hot_e2e_workload="gpt2-tiny",
+    hot_trainer_workload="gpt2-tiny",
+    hot_steps=10,
 )
 
 
@@ -674,7 +696,8 @@ def ratio(ctx: Context) -> list[dict[str, Any]]:
 
 
 def breakdown(ctx: Context) -> list[dict[str, Any]]:
-    """The per-iteration tables: checkpoint costs per method, and LowDiff+'s phases."""
+    """The per-iteration tables: checkpoint costs per method, LowDiff+'s phases, and
+    LowDiff's own work on the training process per pipeline stage."""
     p = ctx.profile
     rows: list[dict[str, Any]] = []
     k = min(p.intervals)
@@ -733,6 +756,10 @@ def breakdown(ctx: Context) -> list[dict[str, Any]]:
                 "median_s": r["median_s"],
             }
         )
+    # LowDiff's own work on the training process, per pipeline stage
+    for r in _lowdiff_steps(ctx, p.hot_trainer_workload):
+        if r["table"] in ("stage", "part") or r.get("name") == "trainer_overhead":
+            rows.append({**r, "experiment": "breakdown", "table": f"trainer-{r['table']}"})
     return rows
 
 
@@ -747,16 +774,105 @@ def replica(ctx: Context) -> list[dict[str, Any]]:
     """The LowDiff+ replica's per-step update against a bare ``torch.optim`` step of the
     same class, flags and thread count over the same parameters (issue target: at most
     1.2x), alternating blocks in this process; see :mod:`lowdiff.bench.replica`."""
+    return [{"experiment": "replica", **r} for r in _replica_rows(ctx)]
+
+
+def _lowdiff_steps(ctx: Context, workload: str) -> list[dict[str, Any]]:
+    """LowDiff against compressed training on ``workload`` (:mod:`lowdiff.bench.hotpaths`),
+    run once per bench run and shared by ``breakdown`` and ``hotpaths``."""
+    from lowdiff.bench.hotpaths import lowdiff_step_bench
+
+    key = f"lowdiff-steps:{workload}"
+    if key not in ctx.cache:
+        ctx.cache[key] = lowdiff_step_bench(
+            workload=workload,
+            steps=ctx.profile.hot_steps,
+            repeats=max(3, ctx.settings.repeats),
+            ratio=ctx.profile.ratio,
+            workdir=ctx.settings.workdir,
+            progress=ctx.progress,
+        )
+    return ctx.cache[key]
+
+
+def _replica_rows(ctx: Context) -> list[dict[str, Any]]:
     from lowdiff.bench.replica import replica_update_bench
 
-    rows = replica_update_bench(
-        n_params=ctx.profile.replica_params,
-        threads=tuple(ctx.profile.replica_threads),
-        repeats=max(3, ctx.settings.repeats),
-        steps=5,
-        progress=ctx.progress,
+    if "replica" not in ctx.cache:
+        ctx.cache["replica"] = replica_update_bench(
+            n_params=ctx.profile.replica_params,
+            threads=tuple(ctx.profile.replica_threads),
+            repeats=max(3, ctx.settings.repeats),
+            steps=5,
+            progress=ctx.progress,
+        )
+    return ctx.cache["replica"]
+
+
+def hotpaths(ctx: Context) -> list[dict[str, Any]]:
+    """The hot-path targets, each measured side by side in this run with its target
+    beside it (rows with ``table="target"``), followed by the measurements' own rows."""
+    from lowdiff.bench.snapshot_bw import snapshot_bandwidth_bench
+    from lowdiff.bench.wire import ddp_wire_bench
+
+    p = ctx.profile
+    rows: list[dict[str, Any]] = []
+
+    def target(n: int, name: str, value: float, goal: float | None, met: bool, **kw: Any) -> None:
+        rows.append(
+            {"experiment": "hotpaths", "table": "target", "target_id": n, "name": name,
+             "value": value, "target": goal, "met": bool(met), **kw}
+        )  # fmt: skip
+
+    for r in _replica_rows(ctx):
+        flags = ",".join(f"{k}={v}" for k, v in r["flags"].items())
+        target(
+            1, f"replica update / bare step ({r['optimizer'].rsplit('.', 1)[-1]} {flags}, "
+            f"{r['threads']} thread(s))", r["ratio"], r["target"],
+            r["meets_target"] and r["identical"], compare="<=", unit="x",
+            detail=f"{r['replica_s'] * 1e3:.2f} ms vs {r['bare_s'] * 1e3:.2f} ms; "
+            f"identical bits: {r['identical']}",
+        )  # fmt: skip
+    e2e_rows = _lowdiff_steps(ctx, p.hot_e2e_workload)
+    e2e = next(r for r in e2e_rows if r.get("name") == "end_to_end_overhead")
+    target(
+        2, f"LowDiff end to end over compressed training ({p.hot_e2e_workload}, "
+        f"{e2e['n_params'] / 1e6:.1f}M parameters, a record durable every step, "
+        f"f={e2e['full_every']})", e2e["value"], e2e["target"], e2e["met"], compare="<=",
+        unit="overhead", detail=f"{e2e['lowdiff_s_per_step'] * 1e3:.1f} ms vs "
+        f"{e2e['none_s_per_step'] * 1e3:.1f} ms per step (medians of {e2e['repeats']} blocks)",
+    )  # fmt: skip
+    tr_rows = _lowdiff_steps(ctx, p.hot_trainer_workload)
+    tr = next(r for r in tr_rows if r.get("name") == "trainer_overhead")
+    target(
+        3, f"LowDiff's work on the training process / step ({p.hot_trainer_workload})",
+        tr["value"], tr["target"], tr["met"], compare="<=", unit="fraction",
+        detail=f"{tr['trainer_s_per_step'] * 1e3:.3f} ms of a {tr['none_s_per_step'] * 1e3:.1f} "
+        "ms step; per stage in the breakdown experiment",
+    )  # fmt: skip
+    snap = snapshot_bandwidth_bench(
+        workload=p.hot_trainer_workload, repeats=max(3, ctx.settings.repeats), progress=ctx.progress
     )
-    return [{"experiment": "replica", **r} for r in rows]
+    for r in snap:
+        if "snapshot_over_memcpy" in r:
+            target(
+                4, f"LowDiff+ snapshot copies / memcpy bandwidth ({p.hot_trainer_workload})",
+                r["snapshot_over_memcpy"], r["target"], r["met"], compare=">=", unit="fraction",
+            )  # fmt: skip
+    wire = ddp_wire_bench(workload=p.hot_trainer_workload, ratio=p.ratio, progress=ctx.progress)
+    last = max(r["step"] for r in wire)
+    w0 = next(r for r in wire if r["step"] == last and r["rank"] == 0)
+    target(
+        5, f"DDP exchange bytes / dense all-reduce ({p.hot_trainer_workload}, "
+        f"{w0['world_size']} ranks, ratio {p.ratio})", w0["lowdiff_over_dense"], None, True,
+        compare="", unit="fraction", detail=f"{w0['lowdiff_bytes']:,} vs "
+        f"{w0['dense_payload_bytes']:,} bytes per rank and step; indices {w0['index_dtypes']}, "
+        f"values {w0['value_dtype']}",
+    )  # fmt: skip
+    rows += e2e_rows + (tr_rows if tr_rows is not e2e_rows else [])
+    rows += [{**r, "experiment": "hotpaths", "table": "snapshot"} for r in snap]
+    rows += [{**r, "experiment": "hotpaths", "table": "wire"} for r in wire]
+    return rows
 
 
 RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
@@ -769,6 +885,7 @@ RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
     "fidelity": _fidelity,
     "breakdown": breakdown,
     "replica": replica,
+    "hotpaths": hotpaths,
 }
 
 

@@ -410,7 +410,127 @@ def section_breakdown(rows: list[dict[str, Any]]) -> str:
                     ["iteration (median)", *[fmt_s(r["median_s"]) for r in plus]],
                 ],
             ),
+            "",
         ]
+    out += trainer_tables(rows, "breakdown")
+    return "\n".join(out)
+
+
+_STAGE_NAMES = {
+    "begin": "begin_step + before_update",
+    "take_gradients": "take_gradients (all of it)",
+    "compress": "of which compression (training's own)",
+    "hparams": "hyperparameters",
+    "update": "optimizer.step() (training's own)",
+    "after_update": "after_update (record hand-over, full checkpoint copy)",
+}
+
+
+def trainer_tables(rows: list[dict[str, Any]], experiment: str) -> list[str]:
+    """The trainer-side tables of :mod:`lowdiff.bench.hotpaths` (per stage, per part)."""
+    pre = "trainer-" if experiment == "breakdown" else ""
+    summary = [
+        r
+        for r in _of(rows, experiment, table=f"{pre}summary")
+        if r.get("name") == "trainer_overhead"
+    ]
+    stages = _of(rows, experiment, table=f"{pre}stage")
+    parts = _of(rows, experiment, table=f"{pre}part")
+    if not stages:
+        return []
+    out = []
+    for s0 in summary:
+        out += [
+            f"LowDiff's own work on the training process ({s0['workload']}, "
+            f"{s0['n_params'] / 1e6:.2f}M parameters, a record every step, f={s0['full_every']}): "
+            f"**{fmt_s(s0['trainer_s_per_step'])} per step, {s0['value'] * 100:.2f}% of a "
+            f"{fmt_s(s0['none_s_per_step'])} step** of the same compressed training without "
+            f"checkpoints (target at most {s0['target'] * 100:.0f}%). Per stage of the step "
+            "pipeline, seconds per step, medians of the blocks:",
+            "",
+        ]
+    for wl in sorted({r["workload"] for r in stages}):
+        mine = [r for r in stages if r["workload"] == wl]
+        out += [
+            f"`{wl}`:",
+            "",
+            table(
+                ["stage", "compressed training, no checkpoint", "LowDiff"],
+                [
+                    [
+                        _STAGE_NAMES.get(r["stage"], r["stage"]),
+                        fmt_s(r["none_s_per_step"]),
+                        fmt_s(r["lowdiff_s_per_step"]),
+                    ]
+                    for r in mine
+                ],
+            ),
+            "",
+        ]
+        mp = [r for r in parts if r["workload"] == wl]
+        if mp:
+            out += [
+                table(
+                    ["part of LowDiff's hand-over", "per step"],
+                    [[r["what"], fmt_s(r["lowdiff_s_per_step"])] for r in mp],
+                ),
+                "",
+            ]
+    return out
+
+
+def section_hotpaths(rows: list[dict[str, Any]]) -> str:
+    targets = _of(rows, "hotpaths", table="target")
+    if not targets:
+        return ""
+
+    def val(r: dict[str, Any]) -> str:
+        v = r["value"]
+        if r["unit"] == "x":
+            return f"{v:.2f}x"
+        if r["unit"] == "overhead":
+            return f"{v * 100:+.1f}%"
+        return f"{v * 100:.1f}%" if v >= 0.001 else f"{v * 100:.3f}%"
+
+    def goal(r: dict[str, Any]) -> str:
+        g = r["target"]
+        if g is None:
+            return "reported"
+        shown = f"{g:.2f}x" if r["unit"] == "x" else f"{g * 100:.0f}%"
+        return f"{r['compare']} {shown}"
+
+    out = [
+        "## Hot paths: each target beside its measurement",
+        "",
+        "Every figure is a ratio of two measurements taken side by side in this run "
+        "(alternating blocks; medians). See `lowdiff.bench.hotpaths`, `lowdiff.bench.replica`, "
+        "`lowdiff.bench.snapshot_bw` and `lowdiff.bench.wire` for what each one times.",
+        "",
+        table(
+            ["#", "what", "measured", "target", "met", "detail"],
+            [
+                [
+                    str(r["target_id"]),
+                    r["name"],
+                    val(r),
+                    goal(r),
+                    "yes" if r["met"] else "**no**",
+                    r.get("detail", ""),
+                ]
+                for r in targets
+            ],
+        ),
+        "",
+    ]
+    e2e = [r for r in _of(rows, "hotpaths", table="summary") if r["name"] == "end_to_end_overhead"]
+    for r in e2e:
+        out += [
+            f"End to end, `{r['workload']}`: per-block seconds per step, LowDiff "
+            f"{', '.join(f'{x * 1e3:.1f}' for x in r['blocks_lowdiff_s'])} ms; compressed "
+            f"training without checkpoints {', '.join(f'{x * 1e3:.1f}' for x in r['blocks_none_s'])} ms.",
+            "",
+        ]
+    out += trainer_tables(rows, "hotpaths")
     return "\n".join(out)
 
 
@@ -447,6 +567,7 @@ SECTIONS = {
     "ratio": section_ratio,
     "breakdown": section_breakdown,
     "replica": section_replica,
+    "hotpaths": section_hotpaths,
     "fidelity": section_fidelity,
 }
 

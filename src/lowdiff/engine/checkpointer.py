@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -283,6 +284,8 @@ class LowDiffStrategy(Strategy):
         dev = next(iter(devices), torch.device("cpu"))
         self._record_device: torch.device | None = None if dev.type == "cpu" else dev
         self._buffer_names = st.buffer_names(model)
+        self._buffer_refs = st.BufferRefs(model, self._buffer_names)
+        self._hp_text = st.HparamsText()
         self._step = 0
         self._started = False
         self._closed = False
@@ -320,6 +323,10 @@ class LowDiffStrategy(Strategy):
         """Full-checkpoint stagings handed over (compared with its STAGING_DONE count)."""
         self._side_stream: Any = None
         self._staging: torch.Tensor | None = None
+        self._full_plan: tuple[Any, list[Any], int] | None = None
+        """A full checkpoint's layout: (the tensors' names, dtypes and shapes, entries, size)."""
+        self._full_dsts: tuple[Any, Any, list[torch.Tensor]] | None = None
+        """The staging buffer and layout the views were made for, and the views."""
         self._lock_fd: int | None = None
         self.root: Path | None = None
         self.job_root: Path | None = None
@@ -361,6 +368,7 @@ class LowDiffStrategy(Strategy):
                 )
             self._lock_fd = fd
             self._rng_layout = st.RngLayout()
+            self._rng_capture = st.RngCapture(self._rng_layout)
             buffers = [
                 (n, b.dtype, tuple(b.shape))
                 for n, b in st.get_buffers(model, self._buffer_names).items()
@@ -406,13 +414,16 @@ class LowDiffStrategy(Strategy):
     def stats(self) -> dict[str, float]:
         """Counters and timings of this session (stall and copy times on the training side)."""
         self._poll()
-        return dict(
+        out = dict(
             self._stats,
             durable_step=self.durable_step,
             record_row_bytes=getattr(self, "layout", None) and self.layout.row_bytes or 0,
             full_every=self.full_every,
             batch_size=self.batch_size,
         )
+        if self._hook_state is not None:  # DDP: bytes of lowdiff's gradient exchange
+            out.update(self._hook_state.wire.as_dict())
+        return out
 
     @property
     def plan_history(self) -> list[dict[str, Any]]:
@@ -503,9 +514,7 @@ class LowDiffStrategy(Strategy):
             self._step_t = now
         return t
 
-    def after_update(
-        self, t: int, grads: StepGrads, hp: list[dict[str, Any]] | None, update_s: float
-    ) -> None:
+    def after_update(self, t: int, grads: StepGrads, hp: str | None, update_s: float) -> None:
         t0 = time.perf_counter()
         tuner = self._tuner
         if tuner is not None:
@@ -683,6 +692,7 @@ class LowDiffStrategy(Strategy):
             self._pinned = slots
         self._slots = slots
         self._slot_views = [self.layout.views(slots[i]) for i in range(n_slots)]
+        self._slot_dsts = [_SlotDsts.of(self.layout, v) for v in self._slot_views]
         self._next_slot = 0
         self._filled = 0
         self._staged = 0
@@ -765,8 +775,9 @@ class LowDiffStrategy(Strategy):
         elif kind == "records_done":
             self._stats["record_files_written"] += 1
             self._stats["records_written"] += msg[1]
-            self._stats["record_bytes"] += msg[2]
+            self._stats["record_bytes"] += max(0, msg[2])
             self._stats["record_write_s"] += msg[3]
+            self._durable = max(self._durable, int(msg[4]))
             if self._tuner is not None:
                 self._tuner.observe_record_file(msg[1], msg[2], msg[3])
         elif kind == "full_done":
@@ -849,15 +860,14 @@ class LowDiffStrategy(Strategy):
         t: int,
         payloads: dict[int, dict[str, torch.Tensor]],
         nograd: list[int],
-        hp: list[dict[str, Any]],
+        hp: str,
     ) -> None:
         t0 = time.perf_counter()
         slot = self._wait_slot("a free record slot")
         t1 = time.perf_counter()
-        views = self._slot_views[slot]
         done = None
         if self._record_device is None or self._record_device.type != "cuda":
-            self._copy_payloads(views, payloads)  # synchronous device-to-host copies
+            self._copy_payloads(slot, payloads)  # synchronous device-to-host copies
         else:
             # Accelerator training: copy the payloads into the (pinned) host slot on a side
             # stream, after the compute stream's work that produced them. The record is
@@ -869,11 +879,11 @@ class LowDiffStrategy(Strategy):
             ready.record()
             with torch.cuda.stream(self._side_stream):
                 self._side_stream.wait_event(ready)
-                self._copy_payloads(views, payloads, non_blocking=self._pinned is not None)
+                self._copy_payloads(slot, payloads, non_blocking=self._pinned is not None)
                 done = torch.cuda.Event()
                 done.record(self._side_stream)
         try:
-            rng_extra, extra = self._fill_row_tensors(views)
+            rng_extra, extra = self._fill_row_tensors(slot)
             if done is not None:
                 done.synchronize()
         except BaseException:
@@ -898,16 +908,23 @@ class LowDiffStrategy(Strategy):
 
     def _copy_payloads(
         self,
-        views: dict[str, torch.Tensor],
+        slot: int,
         payloads: dict[int, dict[str, torch.Tensor]],
         non_blocking: bool = False,
     ) -> None:
-        for info in self.layout.params:
-            payload = payloads.get(info.index)
-            if payload is None:
-                continue
+        """Copy the step's compressed payloads into record slot ``slot`` (one batched copy)."""
+        where = self._slot_dsts[slot].payload
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for index, payload in payloads.items():
+            fields = where.get(index)
+            if fields is None:
+                continue  # under DDP: another rank's shard
             for name, tensor in payload.items():
-                views[f"g{info.index}.{name}"].copy_(tensor, non_blocking=non_blocking)
+                dsts.append(fields[name])
+                srcs.append(tensor)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
     def _emit_full(self, step: int, kind: str = "full") -> None:
         self._finish_handover()  # a deferred full checkpoint still holds the staging buffer
@@ -919,7 +936,12 @@ class LowDiffStrategy(Strategy):
         tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in msd.items()}
         tensors.update(otensors)
         tensors.update(rng_t)
-        entries, size = plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
+        sig = tuple((k, v.dtype, v.shape) for k, v in tensors.items())
+        if self._full_plan is None or self._full_plan[0] != sig:
+            # the layout changes only when the state's tensors do (optimizer state appears
+            # after the first update; a parameter group is added)
+            self._full_plan = (sig, *plan(sig))
+        _, entries, size = self._full_plan
         t0 = time.perf_counter()
         ctr = self._ctr_view
         self._await(
@@ -932,10 +954,12 @@ class LowDiffStrategy(Strategy):
             rp.ensure_shm_space(size + size // 8, "staging a full checkpoint")
             self._staging = torch.empty(max(size, 1) + size // 8, dtype=torch.uint8).share_memory_()
             self._send(("stage", self._staging))
-        views = view_tensors(entries, self._staging[:size])
+        dsts = self._full_dsts
+        if dsts is None or dsts[0] is not self._staging or dsts[1] is not entries:
+            views = view_tensors(entries, self._staging[:size])
+            dsts = self._full_dsts = (self._staging, entries, [views[k] for k, _, _ in sig])
         with torch.no_grad():
-            for k, v in tensors.items():
-                views[k].copy_(v.detach())
+            torch._foreach_copy_(dsts[2], list(tensors.values()))
         t2 = time.perf_counter()
         meta = {
             "kind": "full",
@@ -1033,32 +1057,30 @@ class LowDiffStrategy(Strategy):
             why,
         )
 
-    def _fill_row_tensors(self, views: dict[str, torch.Tensor]) -> tuple[Any, Any]:
-        """Write the step's buffers and RNG states into the row, right after the update.
+    def _fill_row_tensors(self, slot: int) -> tuple[Any, Any]:
+        """Write the step's buffers and RNG states into row ``slot``, right after the update.
 
         Returns the RNG bookkeeping and the extra state (``extra_state=``) of this moment.
         """
-        for n, b in st.get_buffers(self.model, self._buffer_names).items():
-            views[f"buf.{n}"].copy_(b)
-        rng_t, rng_extra = st.capture_rng(self._rng_layout)
-        for k, v in rng_t.items():
-            views[k].copy_(v)
+        dst = self._slot_dsts[slot]
+        if dst.buffers:
+            torch._foreach_copy_(dst.buffers, self._buffer_refs.tensors())
+        rng_extra = self._rng_capture.into(self._slot_views[slot])
         return rng_extra, st.capture_extra(self._extra)
 
-    def _row_meta(
-        self, t: int, nograd: list[int], hp: list[dict[str, Any]], rng_extra: Any, extra: Any
-    ) -> str:
-        """The record's JSON document; the hyperparameters after the update and the
-        scheduler's state are taken now (after the scheduler stepped)."""
-        doc = codec.dumps(
-            {
-                "step": t,
-                "nograd": nograd,
-                "hp": hp,
-                "hp_after": st.capture_hparams(self.optimizer),
-                "sched": None if self.scheduler is None else self.scheduler.state_dict(),
-                "rng": rng_extra,
-            }
+    def hparams(self) -> str:
+        """The update's hyperparameters as the JSON text a record holds (groups that did
+        not change since the previous step are not encoded again)."""
+        return self._hp_text(self.optimizer)
+
+    def _row_meta(self, t: int, nograd: list[int], hp: str, rng_extra: Any, extra: Any) -> str:
+        """The record's JSON document (``codec.dumps`` of ``{"hp", "hp_after", "nograd",
+        "rng", "sched", "step"}``, keys sorted); the hyperparameters after the update and
+        the scheduler's state are taken now (after the scheduler stepped)."""
+        sched = "null" if self.scheduler is None else codec.dumps(self.scheduler.state_dict())
+        doc = (
+            f'{{"hp":{hp},"hp_after":{self._hp_text(self.optimizer)},"nograd":{_json(nograd)},'
+            f'"rng":{codec.dumps(rng_extra)},"sched":{sched},"step":{int(t)}}}'
         )
         return doc if extra is None else _with_extra(doc, extra)
 
@@ -1182,11 +1204,7 @@ class LowDiffStrategy(Strategy):
         return (args[0], closure_then_take, *args[2:]), kwargs
 
     def _begin_update(self) -> None:
-        with record_function("lowdiff.take_gradients"):
-            t = self.begin_step()
-            self.before_update(t)
-            grads = self.take_gradients(t)
-            hp = st.capture_hparams(self.optimizer) if self.records_hparams else None
+        t, grads, hp = self.prepare_update()
         self._inflight = (t, grads, hp, time.perf_counter())
 
     def _on_step_post(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -1196,8 +1214,7 @@ class LowDiffStrategy(Strategy):
             return  # a closure that never ran (nothing was updated)
         t, grads, hp, t0 = self._inflight
         self._inflight = None
-        with record_function("lowdiff.after_update"):
-            self.after_update(t, grads, hp, time.perf_counter() - t0)
+        self.finish_update(t, grads, hp, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ distributed
     def _install_ddp_hook(self) -> None:
@@ -1410,14 +1427,16 @@ class LowDiffStrategy(Strategy):
                 )
             record_consumed(out.payloads, self._params)
         else:
+            t0 = time.perf_counter()
             out.payloads, out.nograd = compress_grads(
                 self._params, self._numels, self.compressor, t
             )
+            out.compress_s = time.perf_counter() - t0
             if self._tuner is not None and self._tuner.wants_decompress_sample and out.payloads:
                 out.extra_s = self._time_decompress(out.payloads)
         return out
 
-    def _emit(self, t: int, grads: StepGrads, hp: list[dict[str, Any]]) -> None:
+    def _emit(self, t: int, grads: StepGrads, hp: str) -> None:
         """Hand step ``t`` over to the checkpointing process; a full checkpoint when due;
         the storage-error policy; the job-wide durable step under DDP."""
         with contextlib.suppress(_CheckpointingSuspended):
@@ -1644,13 +1663,13 @@ class LowDiffPlusStrategy(LowDiffStrategy):
         self._stats["snapshot_finish_s"] += time.perf_counter() - t0
         return out
 
-    def _emit(self, t: int, grads: StepGrads, hp: list[dict[str, Any]]) -> None:
+    def _emit(self, t: int, grads: StepGrads, hp: str) -> None:
         """Hand the snapshot slot of step ``t`` to the replica."""
         if self._staging is not None and int(self._ctr_view[channel.STAGING_DONE]) >= self._staged:
             # the replica took the initial state: the staging copy is no longer needed
             self._staging = None
         t0 = time.perf_counter()
-        rng_extra, extra = self._fill_row_tensors(self._slot_views[grads.slot])
+        rng_extra, extra = self._fill_row_tensors(grads.slot)
         slot, nograd = grads.slot, grads.nograd
         self._handover(
             lambda: self._send(("step", slot, t, self._row_meta(t, nograd, hp, rng_extra, extra))),
@@ -1658,6 +1677,24 @@ class LowDiffPlusStrategy(LowDiffStrategy):
         )
         self._stats["record_send_s"] += time.perf_counter() - t0
         self._refresh_job_durable()
+
+
+@dataclasses.dataclass
+class _SlotDsts:
+    """One record slot's destination tensors, resolved once per slot."""
+
+    payload: dict[int, dict[str, torch.Tensor]]
+    """Parameter index -> compressed field -> its view in the row."""
+    buffers: list[torch.Tensor]
+    """The buffers' views, in the layout's order."""
+
+    @staticmethod
+    def of(layout: RecordLayout, views: dict[str, torch.Tensor]) -> _SlotDsts:
+        payload = {
+            info.index: {f.name: views[f"g{info.index}.{f.name}"] for f in fields}
+            for info, fields in zip(layout.params, layout.fields, strict=True)
+        }
+        return _SlotDsts(payload, [views[f"buf.{n}"] for n, _, _ in layout.buffers])
 
 
 def _json(tree: Any) -> str:

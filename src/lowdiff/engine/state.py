@@ -15,6 +15,8 @@ Python's ``random`` and NumPy's global generator).
 
 from __future__ import annotations
 
+import array
+import operator
 import random
 import sys
 from collections.abc import Mapping
@@ -144,6 +146,25 @@ def get_buffers(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Ten
     return {n: all_b[n] for n in names}
 
 
+class BufferRefs:
+    """Where each named buffer lives, resolved once (the per-step path does no module walk).
+
+    A buffer is read from its module's ``_buffers`` dict at every :meth:`tensors` call, so
+    a buffer reassigned in place of the old one (``self.running_mean = t``, ``module.to``)
+    is the one taken.
+    """
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        mods = dict(unwrap_model(model).named_modules())
+        self.refs: list[tuple[dict[str, Any], str]] = []
+        for n in names:
+            owner, _, attr = n.rpartition(".")
+            self.refs.append((mods[owner]._buffers, attr))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [d[a] for d, a in self.refs]
+
+
 def set_buffers(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
     m = unwrap_model(model)
     all_b = dict(m.named_buffers())
@@ -174,6 +195,55 @@ def capture_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
             d[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
         out.append(d)
     return out
+
+
+_IMMUTABLE = (float, int, bool, str, type(None))
+
+
+def _immutable(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return all(_immutable(x) for x in v)
+    return type(v) in _IMMUTABLE
+
+
+class HparamsText:
+    """The JSON text of the per-group hyperparameters (``codec.dumps`` of
+    :func:`capture_hparams`), re-encoding only the groups that changed.
+
+    A group is taken as unchanged when it has the same keys bound to the very same value
+    objects as when it was last encoded and all of them are immutable (numbers, strings,
+    ``None``, tuples of these): the encoder keeps those objects alive, so an identical
+    identity means an identical value. A group holding a tensor or a list (mutable in
+    place) is encoded every time. What a scheduler or a user assigns (``g["lr"] = x``)
+    is a new object, so it is seen at the next call.
+    """
+
+    def __init__(self) -> None:
+        self._memo: list[tuple[tuple[Any, ...], tuple[Any, ...], str] | None] = []
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> str:
+        groups = optimizer.param_groups
+        memo = self._memo
+        if len(memo) != len(groups):
+            memo[:] = [None] * len(groups)
+        parts = []
+        for i, g in enumerate(groups):
+            keys, vals = tuple(g), tuple(g.values())
+            m = memo[i]
+            if (
+                m is not None
+                and m[0] == keys
+                and len(vals) == len(m[1])
+                and all(map(operator.is_, vals, m[1]))
+            ):
+                parts.append(m[2])
+                continue
+            hp = {k: v for k, v in zip(keys, vals, strict=True) if k != "params"}
+            text = codec.dumps(hp)
+            cacheable = all(_immutable(v) for v in hp.values())
+            memo[i] = (keys, vals, text) if cacheable else None
+            parts.append(text)
+        return "[" + ",".join(parts) + "]"
 
 
 def apply_hparams(optimizer: torch.optim.Optimizer, hparams: list[dict[str, Any]]) -> None:
@@ -231,6 +301,44 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
         tensors["rng.numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32))
         extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
     return tensors, extra
+
+
+class RngCapture:
+    """Writes the RNG states of :class:`RngLayout` into a record row each step.
+
+    Python's ``random`` state (625 words) is converted to a tensor only when it changed
+    since the previous step; most training loops never draw from it.
+    """
+
+    def __init__(self, layout: RngLayout) -> None:
+        self.layout = layout
+        self._py_state: tuple[int, ...] | None = None
+        self._py_tensor: torch.Tensor | None = None
+
+    def into(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Copy the states into ``views`` (a row's ``rng.*`` tensors); the JSON-able rest."""
+        views["rng.torch"].copy_(torch.get_rng_state())
+        version, internal, gauss = random.getstate()
+        if internal != self._py_state or self._py_tensor is None:
+            words = array.array("I", internal) if array.array("I").itemsize == 4 else None
+            if words is not None:
+                self._py_tensor = torch.frombuffer(words, dtype=torch.int32).clone()
+            else:
+                self._py_tensor = torch.tensor(internal, dtype=torch.int64).to(torch.int32)
+            self._py_state = internal
+        views["rng.python"].view(torch.int32).copy_(self._py_tensor)
+        extra: dict[str, Any] = {"python": [version, gauss]}
+        if self.layout.cuda:
+            views["rng.cuda"].copy_(torch.cuda.get_rng_state())
+        if self.layout.numpy:
+            import numpy as np
+
+            name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+            views["rng.numpy"].view(torch.int32).copy_(
+                torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.int32))
+            )
+            extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
+        return extra
 
 
 def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:

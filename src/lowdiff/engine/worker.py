@@ -329,9 +329,16 @@ class _Writer:
     def ack(self) -> None:
         """Announce the newest durable step, once its records chain to a full checkpoint
         on disk: the recovered state, or the first full checkpoint this session writes."""
+        step = self.take_ack()
+        if step >= 0:
+            self.send(("durable", step))
+
+    def take_ack(self) -> int:
+        """The durable step to announce now, or -1 (see :meth:`ack`)."""
         if self.durable > self.acked and (self.resumed or self.full.persisted >= 0):
             self.acked = self.durable
-            self.send(("durable", self.durable))
+            return self.acked
+        return -1
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self.send_lock, contextlib.suppress(OSError):
@@ -383,12 +390,16 @@ class _Writer:
         path = layout.records_path(self.root, first, last)
         sfile.write(path, [entry], self.batch[:n].reshape(-1), meta)
         self.follows = self.cfg.run_id
-        with contextlib.suppress(OSError):
-            self.send(("records_done", n, path.stat().st_size, time.perf_counter() - t0))
+        took = time.perf_counter() - t0
         self.steps.clear()
         self.metas.clear()
         self.durable = last + 1
-        self.ack()
+        # one message per file: its size and write time, and the step it made durable
+        # (or -1 while nothing chains to a full checkpoint yet)
+        size = -1
+        with contextlib.suppress(OSError):
+            size = path.stat().st_size
+        self.send(("records_done", n, size, took, self.take_ack()))
 
     # -- full checkpoints -------------------------------------------------------------------
     def start_full(self, step: int, entries_json: list[Any], meta: dict[str, str]) -> None:
@@ -503,6 +514,21 @@ def detach_from_trainer_group() -> None:
         os.setpgid(0, 0)
 
 
+def yield_to_training() -> None:
+    """Let the training threads keep their cores.
+
+    One intra-op thread, and on Linux the ``SCHED_BATCH`` policy: the kernel does not let
+    a wake-up of this process (a record arriving, a write completing) preempt a running
+    training thread; the process still gets its fair share of CPU time, so it keeps up
+    with the trainer as before, but its work fills the gaps instead of interrupting a
+    step in the middle.
+    """
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+
+
 def worker_main(
     cfg: WorkerConfig,
     slots: torch.Tensor,
@@ -512,7 +538,7 @@ def worker_main(
 ) -> None:
     """Entry point of the checkpointing process."""
     detach_from_trainer_group()
-    torch.set_num_threads(1)  # leave the cores to training
+    yield_to_training()
     w = _Writer(cfg, slots, Counters(counters), results)
     lock_fd = None
     parent = os.getppid()

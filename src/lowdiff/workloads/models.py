@@ -44,6 +44,9 @@ MODELS: dict[str, ModelSpec] = {
     # The demo default: ~0.84 M parameters, ~150 ms per step at batch 8 x 128 on two (shared)
     # CPU cores, so the four training runs of the demo fit in about two minutes.
     "gpt2-demo": ModelSpec(n_layer=4, n_embd=128, n_head=4, n_positions=128),
+    # The hot-path benchmark's end-to-end model (``lowdiff bench hotpaths``): ~3.3 M
+    # parameters, batch 8 x 128.
+    "gpt2-3m": ModelSpec(n_layer=4, n_embd=256, n_head=4, n_positions=128),
     # Tests: ~0.12 M parameters; ~20 ms per step at batch 4 x 64 (mostly per-op overhead).
     "gpt2-tiny": ModelSpec(n_layer=2, n_embd=64, n_head=4, n_positions=128),
 }

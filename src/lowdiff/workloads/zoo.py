@@ -209,6 +209,7 @@ def _qwen3(
 _SPECS: tuple[WorkloadSpec, ...] = (
     WorkloadSpec("gpt2-demo", "gpt2", True, batch_size=8, seq_len=128, from_models=True),
     WorkloadSpec("gpt2-tiny", "gpt2", True, batch_size=4, seq_len=64, from_models=True),
+    WorkloadSpec("gpt2-3m", "gpt2", True, batch_size=8, seq_len=128, from_models=True),
     _gpt2("gpt2-s", 12, 768, 12, batch_size=8, seq_len=512, published_params=124_000_000),
     _gpt2("gpt2-m", 24, 1024, 16, batch_size=8, seq_len=512, published_params=355_000_000),
     _gpt2("gpt2-l", 36, 1280, 20, batch_size=4, seq_len=512, published_params=774_000_000),

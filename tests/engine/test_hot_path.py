@@ -1,0 +1,191 @@
+"""The per-step capture helpers give exactly what the plain captures give, and notice
+every change; the pipeline's stage timings add up."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import lowdiff
+from lowdiff.engine import state as st
+from lowdiff.format import codec
+from lowdiff.strategy import PIPELINE_STAGES, trainer_overhead_s
+
+
+def _opt(**kw):
+    p = torch.nn.Parameter(torch.zeros(3))
+    q = torch.nn.Parameter(torch.zeros(2))
+    return torch.optim.Adam([{"params": [p]}, {"params": [q], "lr": 0.5}], lr=0.1, **kw)
+
+
+def _plain(opt) -> str:
+    return codec.dumps(st.capture_hparams(opt))
+
+
+def test_hparams_text_equals_the_plain_encoding_and_sees_every_change():
+    opt = _opt()
+    h = st.HparamsText()
+    assert h(opt) == _plain(opt)
+    assert h(opt) == _plain(opt)  # memoised
+    opt.param_groups[1]["lr"] = 0.25  # a scheduler's assignment
+    assert h(opt) == _plain(opt) and '"lr":0.25' in h(opt)
+    opt.param_groups[0]["betas"] = (0.8, 0.9)
+    assert h(opt) == _plain(opt)
+    opt.param_groups[0]["new_key"] = 3  # a key added
+    assert h(opt) == _plain(opt) and "new_key" in h(opt)
+    del opt.param_groups[0]["new_key"]
+    assert h(opt) == _plain(opt)
+    # an int and a float that compare equal are different values to restore
+    opt.param_groups[1]["lr"] = 1
+    first = h(opt)
+    opt.param_groups[1]["lr"] = 1.0
+    assert h(opt) == _plain(opt) != first
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.01})
+    assert h(opt) == _plain(opt)
+
+
+def test_hparams_text_re_encodes_mutable_values_every_time():
+    opt = _opt()
+    h = st.HparamsText()
+    opt.param_groups[0]["lr"] = torch.tensor(0.1)  # capturable optimizers hold tensors
+    assert h(opt) == _plain(opt)
+    opt.param_groups[0]["lr"].fill_(0.3)  # changed in place: same object
+    assert h(opt) == _plain(opt)
+    opt.param_groups[0]["milestones"] = [1, 2]
+    assert h(opt) == _plain(opt)
+    opt.param_groups[0]["milestones"].append(3)
+    assert h(opt) == _plain(opt) and "[1,2,3]" in h(opt)
+
+
+def _views(layout: st.RngLayout) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(s, dtype=d) for k, d, s in layout.specs()}
+
+
+def test_rng_capture_writes_what_capture_rng_returns():
+    layout = st.RngLayout()
+    cap = st.RngCapture(layout)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    for draw in range(4):
+        views = _views(layout)
+        extra = cap.into(views)
+        tensors, ref_extra = st.capture_rng(layout)
+        assert extra == ref_extra
+        assert tensors.keys() == views.keys()
+        for k, v in tensors.items():
+            assert v.dtype == views[k].dtype and v.shape == views[k].shape, k
+            assert torch.equal(v.view(torch.uint8), views[k].view(torch.uint8)), (k, draw)
+        # draw from some generators only: the unchanged ones must still be right
+        if draw % 2 == 0:
+            random.random()
+        torch.rand(2)
+        if draw == 1:
+            np.random.rand()
+    # the restored state draws what the captured one would
+    views = _views(layout)
+    extra = cap.into(views)
+    want = (random.random(), float(np.random.rand()), torch.rand(1))
+    st.restore_rng(views, extra)
+    assert (random.random(), float(np.random.rand())) == want[:2]
+    assert torch.equal(torch.rand(1), want[2])
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+
+def test_buffer_refs_follow_reassigned_buffers():
+    net = _Net()
+    names = st.buffer_names(net)
+    refs = st.BufferRefs(net, names)
+    assert [t.data_ptr() for t in refs.tensors()] == [
+        t.data_ptr() for t in st.get_buffers(net, names).values()
+    ]
+    net.bn.running_mean = torch.full((4,), 7.0)  # a new tensor in place of the old
+    net.count = torch.tensor(5)
+    got = dict(zip(names, refs.tensors(), strict=True))
+    assert torch.equal(got["bn.running_mean"], torch.full((4,), 7.0))
+    assert int(got["count"]) == 5
+
+
+def test_records_still_replay_exactly_with_changing_hparams_and_buffers(tmp_path):
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ck = lowdiff.Checkpointer(
+        net, opt, tmp_path / "ck", compressor=lowdiff.TopK(0.5), scheduler=sched,
+        full_every=100, batch_size=2,
+    )  # fmt: skip
+    ck.resume()
+    for i in range(7):
+        x = torch.randn(8, 4)
+        net.lin(net.bn(x)).pow(2).mean().backward()
+        if i == 3:
+            opt.param_groups[0]["weight_decay"] = 0.5  # by hand, between steps
+            net.count = net.count + 10  # a buffer reassigned
+        random.random()
+        ck.step()
+        opt.zero_grad()
+    live = st.state_tensors(net, opt, sched)
+    ck.close()
+    net2 = _Net()
+    opt2 = torch.optim.AdamW(net2.parameters(), lr=0.01)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    lowdiff.restore(tmp_path / "ck", net2, opt2, scheduler=sched2)
+    got = st.state_tensors(net2, opt2, sched2)
+    assert got.keys() == live.keys()
+    for k in live:
+        if k.startswith("rng."):
+            continue  # restore() into another process's objects leaves the RNG alone
+        assert torch.equal(got[k], live[k]), k
+
+
+@pytest.mark.parametrize("strategy", ["none", "lowdiff"])
+def test_pipeline_stage_times_add_up(tmp_path, strategy):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(16, 16)
+    o = torch.optim.Adam(m.parameters(), lr=0.1)
+    ck = lowdiff.Checkpointer(
+        m, o, tmp_path / "ck", strategy=strategy, compressor=lowdiff.TopK(0.25)
+    )
+    ck.resume()
+    for _ in range(5):
+        m(torch.randn(4, 16)).sum().backward()
+        ck.step()
+        o.zero_grad()
+    times = dict(ck.strategy_impl.pipeline_s)
+    ck.close()
+    assert set(times) == set(PIPELINE_STAGES)
+    assert times["steps"] == 5
+    assert 0 < times["compress"] <= times["take_gradients"]
+    assert times["update"] > 0 and times["after_update"] > 0
+    own = trainer_overhead_s(times)
+    assert own == pytest.approx(
+        times["begin"] + times["take_gradients"] - times["compress"] + times["hparams"]
+        + times["after_update"]
+    )  # fmt: skip
+
+
+def test_attach_times_the_same_stages(tmp_path):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 8)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    ck = lowdiff.attach(m, o, tmp_path / "ck", compressor=lowdiff.TopK(0.5))
+    ck.resume()
+    for _ in range(3):
+        m(torch.randn(2, 8)).sum().backward()
+        o.step()
+        o.zero_grad()
+    ck.flush()
+    times = dict(ck.strategy_impl.pipeline_s)
+    ck.close()
+    assert times["steps"] == 3 and times["compress"] > 0
