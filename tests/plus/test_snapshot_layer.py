@@ -3,21 +3,28 @@
 ``GradSnapshotter`` is driven directly with plain CPU tensors as slot rows and the
 record layout ``Checkpointer`` would build; no checkpointing process is started.
 Slots start filled with 0xFF bytes (NaN for float32) so that any region the
-snapshotter failed to write compares unequal.
+snapshotter failed to write compares unequal. The DDP tests wrap the model in a real
+``DistributedDataParallel`` over a one-rank gloo group, with lowdiff's LowDiff+
+communication hook feeding the snapshotter.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lowdiff.compressors.base import NoCompression
+from lowdiff.dist.context import DistContext
+from lowdiff.dist.hooks import PlusHookState, plus_hook
 from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.snapshot import GradSnapshotter, plan_blocks
+from lowdiff.engine.snapshot import _SERIAL_ELEMS, GradSnapshotter, _same_bytes, plan_blocks
 from lowdiff.engine.state import ParamInfo, RngLayout, optimizer_params
 
 # ----------------------------------------------------------------------------- plan_blocks
@@ -132,9 +139,12 @@ class Rig:
             assert torch.equal(got, p.grad.reshape(-1)), f"{info.name}: slot != gradient"
 
 
-def make_rig(n_slots: int = 2, with_branch: bool = True, **kw: int) -> Rig:
+def make_rig(
+    n_slots: int = 2, with_branch: bool = True, wrap: Callable[[Net], nn.Module] | None = None, **kw
+) -> Rig:
     torch.manual_seed(0)
-    model = Net(with_branch)
+    net = Net(with_branch)
+    model = net if wrap is None else wrap(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     params = optimizer_params(model, opt)
     layout = RecordLayout.build([i for i, _ in params], NoCompression(), [], RngLayout())
@@ -148,7 +158,7 @@ def make_rig(n_slots: int = 2, with_branch: bool = True, **kw: int) -> Rig:
         return s
 
     snap = GradSnapshotter(params, [slots[i] for i in range(n_slots)], views, acquire, **kw)
-    return Rig(model, params, slots, views, snap, acquired)
+    return Rig(model, params, slots, views, snap, acquired)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -384,4 +394,142 @@ def test_abandon_returns_the_held_slot_and_resets(rigs):
     _backward(rig.model, seed=4)
     slot, _ = rig.snap.finish()
     assert slot == 1
+    rig.assert_slot_holds_grads(slot)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"block_bytes": 4096, "chunk_bytes": 40_000}], ids=["block", "chunked"]
+)
+def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
+    def widen(net: Net) -> Net:
+        net.l2 = nn.Linear(10, 7000)  # 70,000 weights: three pieces
+        net.l3 = nn.Linear(7000, 3)
+        if strided:  # a transposed weight, so autograd gives it a transposed gradient
+            net.l2.weight = nn.Parameter(net.l2.weight.detach().t().contiguous().t())
+        return net
+
+    rig = rigs(wrap=widen, **kw)
+    k = next(k for k, (i, _) in enumerate(rig.params) if i.name == "l2.weight")
+    bi = rig.snap.block_of[k]
+    cuts = rig.snap.pieces[bi]
+    assert cuts is not None
+    want = 10_000 if kw else _SERIAL_ELEMS  # the smaller of a chunk and a piece
+    assert cuts[rig.snap.blocks[bi].members.index(k)] == want
+    for step in range(2):
+        rig.model.zero_grad()
+        _backward(rig.model, seed=step)
+        assert rig.params[k][1].grad.is_contiguous() != strided
+        slot, _ = rig.snap.finish()
+        assert rig.snap.stats.recopied == 0
+        rig.assert_slot_holds_grads(slot)
+    assert rig.snap.stats.copy_bytes == 2 * sum(b.end - b.start for b in rig.snap.blocks)
+
+
+def test_same_bytes_compares_bits_not_values():
+    z, nz = torch.zeros(3), torch.tensor([0.0, -0.0, 0.0])
+    assert torch.equal(z, nz) and not _same_bytes([z], [nz])  # -0.0 == 0.0 as values
+    nan = torch.tensor([float("nan"), 1.0])
+    assert _same_bytes([nan, z], [nan.clone(), z.clone()])  # NaN has its own bits
+    assert not _same_bytes([z], [torch.zeros(3, dtype=torch.float64)])
+    assert not _same_bytes([z], [torch.zeros(1, 3)])
+
+
+# ----------------------------------------------------------------------------- DDP
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield DistContext(0, 1, dist.group.WORLD, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def ddp_rig(rigs, ctx: DistContext, **ddp_kw) -> Rig:
+    """A rig whose model is DDP-wrapped, fed by the LowDiff+ hook (one bucket per layer)."""
+    rig = rigs(
+        wrap=lambda net: DDP(net, bucket_cap_mb=0.0001, **ddp_kw),
+        autograd_hooks=False,
+        block_bytes=64,
+    )
+    owned = {id(p): k for k, (_, p) in enumerate(rig.params)}
+    rig.model.register_comm_hook(PlusHookState(ctx, owned, rig.snap.on_reduced_grad), plus_hook)
+    return rig
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grad-copied", "grad-is-bucket"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero-none", "zero-fill"])
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "clipped"])
+def test_ddp_version_counters_settle_every_gradient(
+    rigs, one_rank_group, bucket_view, set_to_none, clip
+):
+    rig = ddp_rig(rigs, one_rank_group, gradient_as_bucket_view=bucket_view)
+    for step in range(3):
+        rig.model.zero_grad(set_to_none=set_to_none)
+        _backward(rig.model, seed=step)
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(rig.model.parameters(), 1e-3)
+            assert norm > 1e-3  # the clip fired
+        slot, nograd = rig.snap.finish()
+        assert nograd == []
+        rig.assert_slot_holds_grads(slot)
+    # no gradient was compared by value: the counters told clean from changed
+    assert rig.snap.stats.compared == 0
+    assert rig.snap.stats.recopied == (3 * len(rig.params) if clip else 0)
+
+
+@pytest.mark.multiprocess
+def test_ddp_one_gradient_changed_after_the_hook_is_recopied(rigs, one_rank_group):
+    rig = ddp_rig(rigs, one_rank_group)
+    _backward(rig.model)
+    with torch.no_grad():
+        rig.model.module.l2.weight.grad.mul_(-1)
+    slot, _ = rig.snap.finish()
+    assert (rig.snap.stats.recopied, rig.snap.stats.compared) == (1, 0)
+    rig.assert_slot_holds_grads(slot)
+
+
+@pytest.mark.multiprocess
+def test_ddp_gradient_replaced_after_the_hook_is_compared_and_recopied(rigs, one_rank_group):
+    rig = ddp_rig(rigs, one_rank_group)
+    _backward(rig.model)
+    m = rig.model.module
+    m.l1.bias.grad = m.l1.bias.grad * 3  # a new tensor: the counters cannot tell
+    m.l3.bias.grad = m.l3.bias.grad.clone()  # a new tensor with the same bytes
+    slot, _ = rig.snap.finish()
+    assert (rig.snap.stats.compared, rig.snap.stats.recopied) == (2, 1)
+    rig.assert_slot_holds_grads(slot)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero-none", "zero-fill"])
+def test_ddp_parameters_unused_on_this_rank(rigs, one_rank_group, set_to_none):
+    rig = ddp_rig(rigs, one_rank_group, find_unused_parameters=True)
+    branch = {i.index for i, p in rig.params if i.name.startswith("branch.")}
+    for step in range(4):
+        rig.model.zero_grad(set_to_none=set_to_none)
+        _backward(rig.model, seed=step, use_branch=step % 2 == 0)
+        if step == 3 and not set_to_none:
+            with torch.no_grad():  # a stale gradient DDP leaves alone, changed by hand
+                rig.model.module.branch.weight.grad.add_(1.0)
+        slot, nograd = rig.snap.finish()
+        unused = step % 2 == 1
+        assert set(nograd) == (branch if unused and set_to_none else set())
+        rig.assert_slot_holds_grads(slot, skip=tuple(nograd))
+    # only the unused parameters with a gradient were compared by value
+    assert rig.snap.stats.compared == (0 if set_to_none else 2 * len(branch))
+    assert rig.snap.stats.recopied == (0 if set_to_none else 1)
+
+
+@pytest.mark.multiprocess
+def test_ddp_accumulation_under_no_sync(rigs, one_rank_group):
+    rig = ddp_rig(rigs, one_rank_group)
+    with rig.model.no_sync():
+        _backward(rig.model, seed=1)
+    _backward(rig.model, seed=2)
+    slot, _ = rig.snap.finish()
+    assert (rig.snap.stats.recopied, rig.snap.stats.compared) == (0, 0)
     rig.assert_slot_holds_grads(slot)

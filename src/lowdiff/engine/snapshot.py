@@ -5,7 +5,10 @@ As soon as a parameter's gradient is final in backward (its
 host slot starts, while backward goes on for the earlier layers:
 
 - on CPU the slot is shared memory and the copies run on one background thread (PyTorch
-  copies release the GIL), in hook order;
+  copies release the GIL), in hook order: one ``torch._foreach_copy_`` per block into
+  destination views built once per slot, so a block costs that thread one Python call
+  whatever its number of tensors, with large gradients cut into pieces small enough to
+  be copied by that thread alone (``_SERIAL_ELEMS``);
 - on CUDA the slot memory is pinned, and copies are issued ``non_blocking`` on a side
   stream after an event recorded on the compute stream; ``record_stream`` keeps the
   gradient's memory from being reused before the copy is done.
@@ -24,15 +27,32 @@ chunks. Call sequence:
    hand), and returns the slot and the parameters without gradient.
 3) ``close()`` removes the hooks.
 
-The distributed version plugs in at ``_on_grad``: a DDP communication hook calls it per
-bucket once the bucket's allreduce is done.
+The distributed version plugs in at ``_on_grad``: a DDP communication hook calls
+``on_reduced_grad`` per bucket once the bucket's allreduce is done, with the averaged
+gradient as a view into the bucket. DDP then copies the bucket into ``.grad`` (unless
+``gradient_as_bucket_view`` makes ``.grad`` that very memory). ``finish()`` tells from
+version counters alone, without reading any gradient, that ``.grad`` still holds the
+bytes the hook copied:
+
+- the bucket view's counter has not moved since the hook, and ``.grad`` is the tensor
+  it was at the hook;
+- if ``.grad`` is the bucket's memory, its counter has not moved either;
+- otherwise the parameter was accumulated on this rank during the step (a bare
+  post-accumulate hook notes that), so DDP copied the bucket into ``.grad``, exactly
+  once: its counter is one past its value at the hook.
+
+A counter further on means a change after the hook (clipping, scaling): re-copied.
+What the counters cannot settle (a parameter this rank did not use, under
+``find_unused_parameters``: DDP leaves the ``.grad`` of one no rank used as it was, and
+creates the ``.grad`` of one only other ranks used) is compared with the bucket byte for
+byte, all such gradients in one comparison, and re-copied where they differ.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +80,12 @@ class SnapshotStats:
     """Gradients copied again at step() because they changed after their hook."""
     late: int = 0
     """Gradients that had no hook call (set outside backward)."""
+    compared: int = 0
+    """DDP: gradients the version counters could not settle, compared by value at step()."""
+    copy_s: float = 0.0
+    """CPU: busy time of the background thread in the copy tasks started during backward."""
+    copy_bytes: int = 0
+    """CPU: gradient bytes those copy tasks wrote."""
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -84,6 +110,36 @@ def plan_blocks(offsets: list[tuple[int, int]], block_bytes: int) -> list[_Block
         else:
             blocks.append(_Block([k], a, b))
     return blocks
+
+
+def _same_bytes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """Whether two lists of tensors hold the same bytes, in one comparison for all.
+
+    Bytes, not values: ``-0.0`` and ``0.0`` differ, and a NaN equals its own bits.
+    """
+    if [(t.shape, t.dtype) for t in a] != [(t.shape, t.dtype) for t in b]:
+        return False
+
+    def flat(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts])
+
+    return torch.equal(flat(a), flat(b))
+
+
+def _no_grad_thread() -> None:
+    # the copy thread never records autograd history, whatever the gradients require
+    torch.set_grad_enabled(False)
+
+
+_SERIAL_ELEMS = 32768
+"""Most elements one copy of the CPU copy thread moves: at ATen's grain size
+(``at::internal::GRAIN_SIZE``) or below, a copy runs on the calling thread alone. A larger
+one would start an OpenMP team of its own, which competes with backward's team for the
+same cores and waits for its slowest thread; on a loaded machine that costs more than the
+copy itself."""
+
+# finish()'s verdicts on one gradient that had a hook
+_SAME, _CHANGED, _UNSURE = 0, 1, 2
 
 
 class GradSnapshotter:
@@ -120,25 +176,73 @@ class GradSnapshotter:
                 self.block_of[k] = bi
         dev = params[0][1].device if params else torch.device("cpu")
         self.cuda = dev.type == "cuda"
+        # Per slot and parameter, the destination shaped as the parameter, so a gradient
+        # of any strides lands in its logical (row-major) order. On CPU, per block, how
+        # each member is cut (0: copied whole, else elements per piece) and, per slot, the
+        # destinations of the block's one foreach copy, pieces included.
+        self.dsts = [
+            [views[f"g{info.index}.values"].view(p.shape) for info, p in params]
+            for views in row_views
+        ]
+        self.pieces: list[list[int] | None] = []
+        self.block_dsts: list[list[list[torch.Tensor]]] = []
+        if not self.cuda:
+            for b in self.blocks:
+                cuts = [self._piece_elems(b, self.dsts[0][k]) for k in b.members]
+                self.pieces.append(cuts if any(cuts) else None)
+            self.block_dsts = [
+                [
+                    self._plan_block_dsts(d, b, c)
+                    for b, c in zip(self.blocks, self.pieces, strict=True)
+                ]
+                for d in self.dsts
+            ]
         self.stream = torch.cuda.Stream(device=dev) if self.cuda else None
         self.pool = (
             None
             if self.cuda
-            else ThreadPoolExecutor(max_workers=1, thread_name_prefix="lowdiff-snapshot")
+            else ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lowdiff-snapshot", initializer=_no_grad_thread
+            )
         )
         self.lock = threading.Lock()
         self._reset()
-        # under DDP the communication hook feeds on_reduced_grad() instead: the gradient
-        # an autograd hook sees is not yet averaged over the ranks
-        self.handles = (
-            [p.register_post_accumulate_grad_hook(self._hook(k)) for k, (_, p) in enumerate(params)]
-            if autograd_hooks
-            else []
-        )
+        # Under DDP the communication hook feeds on_reduced_grad() instead: the gradient an
+        # autograd hook sees is not yet averaged over the ranks. A bare hook still notes
+        # which parameters this rank accumulated, which finish() needs (module docstring).
+        on_acc = self._hook if autograd_hooks else self._mark
+        self.handles = [
+            p.register_post_accumulate_grad_hook(on_acc(k)) for k, (_, p) in enumerate(params)
+        ]
+
+    def _chunk_elems(self, t: torch.Tensor) -> int:
+        return max(1, self.chunk_bytes // max(1, t.element_size()))
+
+    def _piece_elems(self, b: _Block, dst: torch.Tensor) -> int:
+        n = _SERIAL_ELEMS
+        if b.chunked:
+            n = min(n, self._chunk_elems(dst))
+        return n if dst.numel() > n else 0
+
+    def _plan_block_dsts(
+        self, dsts: list[torch.Tensor], b: _Block, cuts: list[int] | None
+    ) -> list[torch.Tensor]:
+        if cuts is None:
+            return [dsts[k] for k in b.members]
+        out: list[torch.Tensor] = []
+        for k, n in zip(b.members, cuts, strict=True):
+            if n:
+                out.extend(dsts[k].view(-1).split(n))
+            else:
+                out.append(dsts[k])
+        return out
 
     def _reset(self) -> None:
         self.slot: int | None = None
         self.seen: list[tuple[torch.Tensor, int] | None] = [None] * len(self.params)
+        # DDP: .grad and its version counter when the hook handed over the bucket view
+        self.grad_at: list[tuple[torch.Tensor | None, int] | None] = [None] * len(self.params)
+        self.used = [False] * len(self.params)
         self.futures: list[Future[Any]] = []
         self.events: list[Any] = []
         for b in self.blocks:
@@ -147,6 +251,12 @@ class GradSnapshotter:
     def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             self._on_grad(k)
+
+        return hook
+
+    def _mark(self, k: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            self.used[k] = True
 
         return hook
 
@@ -160,6 +270,8 @@ class GradSnapshotter:
     def on_reduced_grad(self, k: int, grad: torch.Tensor) -> None:
         """DDP: the averaged gradient ``k`` (a view into its bucket) is ready; may run on any thread."""
         with self.lock:
+            g = self.params[k][1].grad
+            self.grad_at[k] = (g, -1 if g is None else g._version)
             self._on_grad(k, grad)
 
     def _on_grad(self, k: int, grad: torch.Tensor | None = None) -> None:
@@ -171,40 +283,56 @@ class GradSnapshotter:
         slot = self._take_slot()
         first_time = self.seen[k] is None
         self.seen[k] = (grad, grad._version)
-        b = self.blocks[self.block_of[k]]
+        bi = self.block_of[k]
+        b = self.blocks[bi]
         if first_time:
             b.ready += 1
             if b.ready < len(b.members):
                 return
         elif b.ready < len(b.members):
             return  # accumulation over micro-batches: the block is copied once complete
-        self._copy_block(b, slot)
+        self._copy_block(bi, b, slot)
 
     def _dst(self, slot: int, k: int) -> torch.Tensor:
         info = self.params[k][0]
         return self.row_views[slot][f"g{info.index}.values"]
 
-    def _copy_block(self, b: _Block, slot: int) -> None:
-        grads = []
-        for k in b.members:
-            entry = self.seen[k]
-            assert entry is not None
-            grads.append(entry[0])
+    def _copy_block(self, bi: int, b: _Block, slot: int) -> None:
+        seen = self.seen
+        grads = [seen[k][0] for k in b.members]  # type: ignore[index]
         if self.cuda:
             self._copy_block_cuda(b, slot, grads)
-        else:
-            assert self.pool is not None
-            self.futures.append(
-                self.pool.submit(self._copy_cpu, [self._dst(slot, k) for k in b.members], grads)
+            return
+        assert self.pool is not None
+        self.futures.append(
+            self.pool.submit(
+                self._copy_cpu, self.block_dsts[slot][bi], grads, self.pieces[bi], b.end - b.start
             )
+        )
 
-    def _copy_cpu(self, dsts: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        for dst, g in zip(dsts, grads, strict=True):
-            src = g.detach().reshape(-1)
-            n = dst.numel()
-            step = max(1, self.chunk_bytes // max(1, dst.element_size()))
-            for i in range(0, n, step):
-                dst[i : i + step].copy_(src[i : i + step])
+    def _copy_cpu(
+        self,
+        dsts: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        cuts: list[int] | None,
+        nbytes: int,
+    ) -> None:
+        """(copy thread) One block in one foreach copy: its small gradients whole, the
+        others in pieces small enough to run on this thread alone (see _SERIAL_ELEMS)."""
+        t0 = time.perf_counter()
+        if cuts is None:
+            srcs: list[torch.Tensor] = grads
+        else:
+            srcs = []
+            for g, n in zip(grads, cuts, strict=True):
+                if n:
+                    # a view when contiguous; a strided gradient is read in logical order
+                    srcs.extend(g.reshape(-1).split(n))
+                else:
+                    srcs.append(g)
+        torch._foreach_copy_(dsts, srcs)
+        self.stats.copy_s += time.perf_counter() - t0
+        self.stats.copy_bytes += nbytes
 
     def _copy_block_cuda(self, b: _Block, slot: int, grads: list[torch.Tensor]) -> None:
         assert self.stream is not None
@@ -231,6 +359,32 @@ class GradSnapshotter:
         for i in range(0, dst.numel(), step):
             dst[i : i + step].copy_(src[i : i + step], non_blocking=True)
 
+    def _verdict(self, k: int, g: torch.Tensor, seen: tuple[torch.Tensor, int]) -> int:
+        """Whether the slot still holds ``.grad`` (``g``) of parameter ``k``, by counters."""
+        snapped, version = seen
+        if snapped is g:
+            return _SAME if g._version == version else _CHANGED
+        at = self.grad_at[k]
+        if at is None:
+            return _CHANGED  # not DDP: .grad was replaced by another tensor after its hook
+        if snapped._version != version:
+            return _CHANGED  # the bucket was written after the copy
+        before, v0 = at
+        if g is not before:
+            return _UNSURE  # .grad was created after the hook (by DDP, or by hand)
+        if (
+            g.data_ptr() == snapped.data_ptr()
+            and g.dtype == snapped.dtype
+            and g.shape == snapped.shape
+            and g.stride() == snapped.stride()
+        ):
+            return _SAME if g._version == v0 else _CHANGED  # .grad is the bucket view
+        if not self.used[k]:
+            return _UNSURE  # DDP copies into .grad only if some rank used the parameter
+        if g._version == v0 + 1:
+            return _SAME  # DDP's one copy from the bucket, nothing since
+        return _CHANGED if g._version > v0 + 1 else _UNSURE
+
     def finish(self) -> tuple[int, list[int]]:
         """Complete the step's snapshot; returns (slot, optimizer indices without gradient)."""
         t0 = time.perf_counter()
@@ -240,6 +394,7 @@ class GradSnapshotter:
             e.synchronize()
         self.stats.finish_wait_s += time.perf_counter() - t0
         slot = self._take_slot()
+        dsts = self.dsts[slot]
         for b in self.blocks:
             if 0 < b.ready < len(b.members):
                 # some members had no gradient this step, so the block never became
@@ -247,32 +402,44 @@ class GradSnapshotter:
                 for k in b.members:
                     seen = self.seen[k]
                     if seen is not None:
-                        self._dst(slot, k).copy_(seen[0].detach().reshape(-1))
+                        dsts[k].copy_(seen[0].detach())
         nograd: list[int] = []
+        unsure: list[int] = []
         for k, (info, p) in enumerate(self.params):
             g = p.grad
             if g is None:
                 nograd.append(info.index)
                 continue
             seen = self.seen[k]
-            if seen is not None and seen[0] is not g:
-                # DDP copied the bucket into .grad: the snapshot holds if the bucket is
-                # unchanged since and .grad still equals it (clipping changes .grad only)
-                same = seen[1] == seen[0]._version and torch.equal(seen[0].view_as(g), g)
-                if same:
+            if seen is None:
+                self.stats.late += 1  # set outside backward
+            else:
+                verdict = self._verdict(k, g, seen)
+                if verdict == _SAME:
                     continue
-                seen = (seen[0], -1)
-            if seen is None or seen[0] is not g or seen[1] != g._version:
-                # changed after its hook (e.g. clipping), or set outside backward
-                if seen is None:
-                    self.stats.late += 1
-                else:
-                    self.stats.recopied += 1
-                dst = self._dst(slot, k)
-                dst.copy_(g.detach().reshape(-1))
+                if verdict == _UNSURE:
+                    unsure.append(k)
+                    continue
+                self.stats.recopied += 1  # changed after its hook (e.g. clipping)
+            dsts[k].copy_(g.detach())
+        if unsure:
+            self._settle(unsure, dsts)
         self.stats.steps += 1
         self._reset()
         return slot, nograd
+
+    def _settle(self, ks: list[int], dsts: list[torch.Tensor]) -> None:
+        """Compare the gradients the counters could not settle; re-copy those that differ."""
+        self.stats.compared += len(ks)
+        snapped = [self.seen[k][0] for k in ks]  # type: ignore[index]
+        grads = [self.params[k][1].grad for k in ks]
+        if _same_bytes(snapped, grads):  # type: ignore[arg-type]
+            return
+        for k, s, g in zip(ks, snapped, grads, strict=True):
+            assert g is not None
+            if not _same_bytes([s], [g]):
+                self.stats.recopied += 1
+                dsts[k].copy_(g.detach())
 
     def abandon(self) -> int | None:
         """Forget a half-taken step (after an error); returns the slot it held, if any."""
