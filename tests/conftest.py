@@ -4,7 +4,9 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from lowdiff.dist.context import DistContext
 from lowdiff.torture.report import TortureReport
 
 # Tests run on 2 shared cores; more threads only add contention and noise.
@@ -19,6 +21,17 @@ def _same_thread_count():
     in the tests after it)."""
     torch.set_num_threads(_THREADS)
     yield
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group for the test (destroyed after it); its context."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield DistContext(0, 1, dist.group.WORLD, torch.device("cpu"))
+    dist.destroy_process_group()
+
 
 # The torture tests add their figures here; the summary is printed at the end of the run.
 _TORTURE = TortureReport()

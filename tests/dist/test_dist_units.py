@@ -101,15 +101,6 @@ def test_shards_agree_on_the_newest_step_all_of_them_serve():
         plan_sharded([a, b], 13)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
-
-
 def _ddp_objects():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))

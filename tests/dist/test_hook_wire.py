@@ -88,15 +88,6 @@ def test_wire_stats_roll_over_per_step():
     assert d["wire_bytes_per_step"] == 55.0 and d["wire_index_dtypes"] == "uint16"
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.multiprocess
 def test_index_bytes_survive_a_gloo_all_gather(one_rank_group):
     # gloo refuses int16/uint16 tensors; as bytes they pass and view back exactly

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -430,15 +429,6 @@ def test_set_plan_checks_its_values(tmp_path):
     with pytest.raises(ValueError, match="b must be >= 1"):
         ck._set_plan(2, 0)
     ck.close()
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("knob", ["full_every", "batch_size"])

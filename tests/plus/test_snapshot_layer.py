@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -436,15 +435,6 @@ def test_same_bytes_compares_bits_not_values():
 
 
 # ----------------------------------------------------------------------------- DDP
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield DistContext(0, 1, dist.group.WORLD, torch.device("cpu"))
-    dist.destroy_process_group()
 
 
 def ddp_rig(rigs, ctx: DistContext, **ddp_kw) -> Rig:

@@ -427,33 +427,32 @@ _STAGE_NAMES = {
 
 
 def trainer_tables(rows: list[dict[str, Any]], experiment: str) -> list[str]:
-    """The trainer-side tables of :mod:`lowdiff.bench.hotpaths` (per stage, per part)."""
+    """The trainer-side tables of :mod:`lowdiff.bench.hotpaths` (per stage, per part),
+    one block per workload."""
     pre = "trainer-" if experiment == "breakdown" else ""
-    summary = [
-        r
-        for r in _of(rows, experiment, table=f"{pre}summary")
-        if r.get("name") == "trainer_overhead"
-    ]
     stages = _of(rows, experiment, table=f"{pre}stage")
-    parts = _of(rows, experiment, table=f"{pre}part")
-    if not stages:
-        return []
-    out = []
-    for s0 in summary:
+    out: list[str] = []
+    for wl in dict.fromkeys(r["workload"] for r in stages):
+        s0 = next(
+            (
+                r
+                for r in _of(rows, experiment, table=f"{pre}summary", workload=wl)
+                if r.get("name") == "trainer_overhead"
+            ),
+            None,
+        )
+        if s0 is not None:
+            out += [
+                f"LowDiff's own work on the training process (`{wl}`, "
+                f"{s0['n_params'] / 1e6:.2f}M parameters, a record every step, "
+                f"f={s0['full_every']}): **{fmt_s(s0['trainer_s_per_step'])} per step, "
+                f"{s0['value'] * 100:.2f}% of a {fmt_s(s0['none_s_per_step'])} step** of the "
+                f"same compressed training without checkpoints (target at most "
+                f"{s0['target'] * 100:.0f}%). Per stage of the step pipeline, per step, "
+                "medians of the blocks:",
+                "",
+            ]
         out += [
-            f"LowDiff's own work on the training process ({s0['workload']}, "
-            f"{s0['n_params'] / 1e6:.2f}M parameters, a record every step, f={s0['full_every']}): "
-            f"**{fmt_s(s0['trainer_s_per_step'])} per step, {s0['value'] * 100:.2f}% of a "
-            f"{fmt_s(s0['none_s_per_step'])} step** of the same compressed training without "
-            f"checkpoints (target at most {s0['target'] * 100:.0f}%). Per stage of the step "
-            "pipeline, seconds per step, medians of the blocks:",
-            "",
-        ]
-    for wl in sorted({r["workload"] for r in stages}):
-        mine = [r for r in stages if r["workload"] == wl]
-        out += [
-            f"`{wl}`:",
-            "",
             table(
                 ["stage", "compressed training, no checkpoint", "LowDiff"],
                 [
@@ -462,17 +461,18 @@ def trainer_tables(rows: list[dict[str, Any]], experiment: str) -> list[str]:
                         fmt_s(r["none_s_per_step"]),
                         fmt_s(r["lowdiff_s_per_step"]),
                     ]
-                    for r in mine
+                    for r in stages
+                    if r["workload"] == wl
                 ],
             ),
             "",
         ]
-        mp = [r for r in parts if r["workload"] == wl]
-        if mp:
+        parts = _of(rows, experiment, table=f"{pre}part", workload=wl)
+        if parts:
             out += [
                 table(
                     ["part of LowDiff's hand-over", "per step"],
-                    [[r["what"], fmt_s(r["lowdiff_s_per_step"])] for r in mp],
+                    [[r["what"], fmt_s(r["lowdiff_s_per_step"])] for r in parts],
                 ),
                 "",
             ]

@@ -514,21 +514,6 @@ def detach_from_trainer_group() -> None:
         os.setpgid(0, 0)
 
 
-def yield_to_training() -> None:
-    """Let the training threads keep their cores.
-
-    One intra-op thread, and on Linux the ``SCHED_BATCH`` policy: the kernel does not let
-    a wake-up of this process (a record arriving, a write completing) preempt a running
-    training thread; the process still gets its fair share of CPU time, so it keeps up
-    with the trainer as before, but its work fills the gaps instead of interrupting a
-    step in the middle.
-    """
-    torch.set_num_threads(1)
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-
-
 def worker_main(
     cfg: WorkerConfig,
     slots: torch.Tensor,
@@ -538,7 +523,7 @@ def worker_main(
 ) -> None:
     """Entry point of the checkpointing process."""
     detach_from_trainer_group()
-    yield_to_training()
+    torch.set_num_threads(1)  # leave the cores to training
     w = _Writer(cfg, slots, Counters(counters), results)
     lock_fd = None
     parent = os.getppid()

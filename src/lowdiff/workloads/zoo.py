@@ -11,8 +11,8 @@ models of very different shapes without knowing any of them:
 Families and their objectives:
 
 - ``gpt2``: ``GPT2LMHeadModel``, next-byte prediction on the standard-library byte
-  corpus of :mod:`lowdiff.workloads.text`. ``gpt2-demo`` and ``gpt2-tiny`` are the
-  models of :mod:`lowdiff.workloads.models`, built by its ``build_model`` and scored by
+  corpus of :mod:`lowdiff.workloads.text`. ``gpt2-demo``, ``gpt2-tiny`` and ``gpt2-3m``
+  are the models of :mod:`lowdiff.workloads.models`, built by its ``build_model`` and scored by
   its ``lm_loss``, so they match the demo's training job bit for bit.
 - ``bert``: ``BertForMaskedLM``, masked-LM on the same corpus: exactly
   :data:`MASK_FRACTION` of the positions of every sequence are chosen (a fixed count per
@@ -309,8 +309,8 @@ def workload_names(*, tiny: bool | None = None) -> list[str]:
     """Names of the registered workloads, in registry order.
 
     Args:
-        tiny: ``True`` for the CPU-sized ones only (the ``-tiny`` variants, ``gpt2-demo``
-            and ``gpt2-tiny``), ``False`` for the full-size ones only, ``None`` for all.
+        tiny: ``True`` for the CPU-sized ones only (the ``-tiny`` variants, ``gpt2-demo``,
+            ``gpt2-tiny`` and ``gpt2-3m``), ``False`` for the full-size ones only, ``None`` for all.
 
     Example:
         >>> workload_names(tiny=False)[:3]
