@@ -701,7 +701,7 @@ class AutoTuner:
         if seconds > 0:
             self._tau.add(seconds)
 
-    def observe_record_file(self, n_records: int, nbytes: float, seconds: float) -> None:
+    def observe_record_file(self, n_records: float, nbytes: float, seconds: float) -> None:
         self._rec_bytes.add(nbytes)
         self._rec_s.add(seconds)
         self._rec_extra.add(max(0.0, nbytes - n_records * self.record_bytes))

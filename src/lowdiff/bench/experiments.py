@@ -777,18 +777,19 @@ def replica(ctx: Context) -> list[dict[str, Any]]:
     return [{"experiment": "replica", **r} for r in _replica_rows(ctx)]
 
 
-def _lowdiff_steps(ctx: Context, workload: str) -> list[dict[str, Any]]:
+def _lowdiff_steps(ctx: Context, workload: str, batch_size: int | None = 1) -> list[dict[str, Any]]:
     """LowDiff against compressed training on ``workload`` (:mod:`lowdiff.bench.hotpaths`),
     run once per bench run and shared by ``breakdown`` and ``hotpaths``."""
     from lowdiff.bench.hotpaths import lowdiff_step_bench
 
-    key = f"lowdiff-steps:{workload}"
+    key = f"lowdiff-steps:{workload}:{batch_size}"
     if key not in ctx.cache:
         ctx.cache[key] = lowdiff_step_bench(
             workload=workload,
             steps=ctx.profile.hot_steps,
             repeats=max(3, ctx.settings.repeats),
             ratio=ctx.profile.ratio,
+            batch_size=batch_size,
             workdir=ctx.settings.workdir,
             progress=ctx.progress,
         )
@@ -842,6 +843,15 @@ def hotpaths(ctx: Context) -> list[dict[str, Any]]:
         unit="overhead", detail=f"{e2e['lowdiff_s_per_step'] * 1e3:.1f} ms vs "
         f"{e2e['none_s_per_step'] * 1e3:.1f} ms per step (medians of {e2e['repeats']} blocks)",
     )  # fmt: skip
+    # the library's default b: records handed over every step, durable every b steps
+    dflt = _lowdiff_steps(ctx, p.hot_e2e_workload, None)
+    e2 = next(r for r in dflt if r.get("name") == "end_to_end_overhead")
+    target(
+        2, f"the same with the default b={e2['batch_size']} (a record handed over every "
+        f"step, durable every {e2['batch_size']} steps)", e2["value"], None, True,
+        compare="", unit="overhead", detail=f"{e2['lowdiff_s_per_step'] * 1e3:.1f} ms vs "
+        f"{e2['none_s_per_step'] * 1e3:.1f} ms per step; for information, the target is b=1",
+    )  # fmt: skip
     tr_rows = _lowdiff_steps(ctx, p.hot_trainer_workload)
     tr = next(r for r in tr_rows if r.get("name") == "trainer_overhead")
     target(
@@ -875,6 +885,7 @@ def hotpaths(ctx: Context) -> list[dict[str, Any]]:
         f"values {w0['value_dtype']}",
     )  # fmt: skip
     rows += e2e_rows + (tr_rows if tr_rows is not e2e_rows else [])
+    rows += [{**r, "table": f"default-b-{r['table']}"} for r in dflt]
     rows += [{**r, "experiment": "hotpaths", "table": "snapshot"} for r in snap]
     rows += [{**r, "experiment": "hotpaths", "table": "wire"} for r in wire]
     return rows

@@ -3,7 +3,8 @@
 :func:`lowdiff_step_bench` trains one zoo workload with top-k compression twice, in
 alternating blocks in this process: with ``strategy="none"`` (compressed training, no
 checkpoint: the compression and the update are the same) and with ``strategy="lowdiff"``
-writing a record file every step (``batch_size=1``) and a full checkpoint every
+handing a record over every step and writing them in files of ``batch_size`` records
+(1 by default: every step durable on its own) with a full checkpoint every
 ``full_every`` steps. A block is ``steps`` training steps (zero the gradients, forward and
 backward, ``ck.step()``) timed from its first step until ``ck.flush()`` has returned,
 so every record and full checkpoint of the block is durable (fsynced) when its clock
@@ -66,13 +67,14 @@ def _block(
     warmup: int,
     ratio: float,
     full_every: int | None,
+    batch_size: int | None,
     workdir: Path,
 ) -> dict[str, Any]:
     w = build_workload(workload, seed=0)
     model = w.model
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     directory = Path(tempfile.mkdtemp(prefix=f"hot-{strategy}-", dir=workdir))
-    options: dict[str, Any] = {"batch_size": 1}
+    options: dict[str, Any] = {} if batch_size is None else {"batch_size": batch_size}
     if full_every is not None:
         options["full_every"] = full_every
     ck = lowdiff.Checkpointer(
@@ -111,6 +113,7 @@ def _block(
             "parts": parts,
             "n_params": w.n_params,
             "full_every": int(stats1.get("full_every", 0) or 0),
+            "batch_size": int(stats1.get("batch_size", 0) or 0),
         }
     finally:
         ck.close()
@@ -125,6 +128,7 @@ def lowdiff_step_bench(
     warmup: int = 3,
     ratio: float = 0.01,
     full_every: int | None = None,
+    batch_size: int | None = 1,
     threads: int | None = 2,
     workdir: str | Path | None = None,
     progress: Callable[[str], None] | None = None,
@@ -138,6 +142,7 @@ def lowdiff_step_bench(
         warmup: Untimed steps at the start of each block.
         ratio: Top-k ratio of the compression.
         full_every: LowDiff's f (None: the library's default).
+        batch_size: LowDiff's b, records per file (None: the library's default).
         threads: ``torch.set_num_threads`` during the bench (None: leave it).
         workdir: Where the checkpoint directories go (a temporary directory by default).
         progress: Called with a line per block.
@@ -147,6 +152,8 @@ def lowdiff_step_bench(
         ``"stage"`` (seconds per step of each pipeline stage, both arms) and ``"part"``
         (the parts of LowDiff's record and full-checkpoint hand-over).
     """
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if steps < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
             f"need steps >= 1, repeats >= 1, warmup >= 0; got {steps}, {repeats}, {warmup}"
@@ -162,7 +169,7 @@ def lowdiff_step_bench(
         for r in range(repeats):
             order = ("none", "lowdiff") if r % 2 == 0 else ("lowdiff", "none")
             for strategy in order:
-                res = _block(strategy, workload, steps, warmup, ratio, full_every, base)
+                res = _block(strategy, workload, steps, warmup, ratio, full_every, batch_size, base)
                 runs[strategy].append(res)
                 say(
                     f"hotpaths {workload}: {strategy} block {r + 1}/{repeats}: "
@@ -191,6 +198,7 @@ def lowdiff_step_bench(
         "ratio": ratio,
         "threads": threads if threads is not None else old_threads,
         "full_every": runs["lowdiff"][0]["full_every"],
+        "batch_size": runs["lowdiff"][0]["batch_size"],
     }
     e2e = ld_s / none_s - 1.0
     rows: list[dict[str, Any]] = [

@@ -16,6 +16,12 @@ Counters (indices into the shared tensor):
 - :data:`BEAT`: bumped whenever the process makes progress (a message handled, a chunk
   of a file written). A waiting trainer tells a slow process (large checkpoint, slow
   disk) from a stuck one by it.
+- :data:`DURABLE`: one more than the newest step the process has made durable and
+  announced (0: none yet). The trainer reads it whenever it polls, so a record file
+  written needs no message of its own.
+- :data:`RECORD_FILES`, :data:`RECORDS`, :data:`RECORD_BYTES`, :data:`RECORD_WRITE_NS`:
+  record files written, the records in them, their bytes, and the nanoseconds spent
+  writing them (``ck.stats`` and the ``"auto"`` planner read them).
 
 Every wait of the trainer (:func:`wait_until`) also watches the process's liveness through
 its sentinel and the results pipe: a dead process is an error at once, a live one is
@@ -33,8 +39,9 @@ from typing import Any
 
 import torch
 
-SLOTS_DONE, STAGING_DONE, BEAT = 0, 1, 2
-N_COUNTERS = 4
+SLOTS_DONE, STAGING_DONE, BEAT, DURABLE = 0, 1, 2, 3
+RECORD_FILES, RECORDS, RECORD_BYTES, RECORD_WRITE_NS = 4, 5, 6, 7
+N_COUNTERS = 8
 
 
 def new_counters() -> torch.Tensor:
@@ -53,6 +60,12 @@ class Counters:
     def add(self, i: int, n: int = 1) -> None:
         self._v[i] += n
         self._view[i] = self._v[i]
+
+    def raise_to(self, i: int, v: int) -> None:
+        """Set counter ``i`` to ``v`` if that is more (counters only grow)."""
+        if v > self._v[i]:
+            self._v[i] = v
+            self._view[i] = v
 
 
 def view(t: torch.Tensor) -> Any:

@@ -699,6 +699,7 @@ class LowDiffStrategy(Strategy):
         self._replies = {}
         self._ctr = channel.new_counters()
         self._ctr_view = channel.view(self._ctr)
+        self._records_seen = (0, 0, 0, 0)
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
         target: Any
@@ -761,6 +762,32 @@ class LowDiffStrategy(Strategy):
                 self._handle(self._res.recv())
         except (EOFError, OSError):
             pass
+        self._read_counters()
+
+    def _read_counters(self) -> None:
+        """What the checkpointing process reports through the shared counters: the
+        durable step, and the record files written since the last read."""
+        c = self._ctr_view
+        durable = int(c[channel.DURABLE]) - 1
+        if durable > self._durable:
+            self._durable = durable
+        files = int(c[channel.RECORD_FILES])
+        seen = self._records_seen
+        if files == seen[0]:
+            return
+        now = (files, int(c[channel.RECORDS]), int(c[channel.RECORD_BYTES]),
+               int(c[channel.RECORD_WRITE_NS]))  # fmt: skip
+        n_files, n_records, n_bytes, ns = (a - b for a, b in zip(now, seen, strict=True))
+        self._records_seen = now
+        self._stats["record_files_written"] += n_files
+        self._stats["records_written"] += n_records
+        self._stats["record_bytes"] += n_bytes
+        self._stats["record_write_s"] += ns / 1e9
+        if self._tuner is not None:
+            for _ in range(n_files):  # the files since the last read, as their average
+                self._tuner.observe_record_file(
+                    n_records / n_files, n_bytes / n_files, ns / 1e9 / n_files
+                )
 
     def _handle(self, msg: tuple[Any, ...]) -> str:
         kind = msg[0]
@@ -772,14 +799,6 @@ class LowDiffStrategy(Strategy):
             if len(msg) > 2:  # a step merged into the replica, and the CPU time it took
                 self._stats["replica_merges"] += 1
                 self._stats["replica_merge_s"] += msg[2]
-        elif kind == "records_done":
-            self._stats["record_files_written"] += 1
-            self._stats["records_written"] += msg[1]
-            self._stats["record_bytes"] += max(0, msg[2])
-            self._stats["record_write_s"] += msg[3]
-            self._durable = max(self._durable, int(msg[4]))
-            if self._tuner is not None:
-                self._tuner.observe_record_file(msg[1], msg[2], msg[3])
         elif kind == "full_done":
             self._stats["fulls_written"] += 1
             self._stats["full_bytes"] += msg[2]
