@@ -525,23 +525,6 @@ def detach_from_trainer_group() -> None:
         os.setpgid(0, 0)
 
 
-def yield_to_training() -> None:
-    """One intra-op thread, and on Linux the ``SCHED_BATCH`` scheduling policy.
-
-    Without it, a record handed over in ``ck.step()`` wakes this process, which then
-    preempts the training thread in the middle of ``ck.step()``. Under ``SCHED_BATCH`` a
-    wake-up preempts nothing: the process runs at the next scheduling point, with its
-    usual share of CPU time. Measured on 2 cores with PyTorch's default OpenMP waiting:
-    ``ck.step()``'s own work on ``gpt2-demo`` 1.11-1.15 ms per step against 1.19-1.91 ms;
-    the end-to-end time is unchanged, since on a machine whose cores training fills the
-    process's CPU time comes out of training either way.
-    """
-    torch.set_num_threads(1)
-    if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-
-
 def worker_main(
     cfg: WorkerConfig,
     slots: torch.Tensor,
@@ -551,7 +534,12 @@ def worker_main(
 ) -> None:
     """Entry point of the checkpointing process."""
     detach_from_trainer_group()
-    yield_to_training()
+    # One intra-op thread, and the default scheduling policy. SCHED_BATCH (no wake-up
+    # preemption) was measured: ck.step()'s own work on gpt2-demo fell from 1.2-1.9 to
+    # 1.1-1.2 ms per step, but end to end on gpt2-3m (2 cores) LowDiff went from +1.7% to
+    # +3.7%: woken at the hand-over, this process takes a core while the trainer runs
+    # serial Python; deferred, it takes one in the middle of a parallel region.
+    torch.set_num_threads(1)
     w = _Writer(cfg, slots, Counters(counters), results)
     lock_fd = None
     parent = os.getppid()
