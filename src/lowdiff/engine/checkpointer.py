@@ -32,6 +32,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import select
 import time
 import uuid
 import warnings
@@ -315,6 +316,11 @@ class LowDiffStrategy(Strategy):
         self._proc: Any = None
         self._req: Connection | None = None
         self._res: Connection | None = None
+        self._poller: Any = None
+        """``select.poll`` on the results pipe and the process's sentinel (see _io_ready)."""
+        self._sentinel_fd = -1
+        self._maybe_gone = True
+        """Whether the process may have exited (its sentinel fired, or no poller yet)."""
         self._worker_error: CheckpointWorkerError | None = None
         self._replies: dict[str, int] = {}
         self._filled = 0
@@ -739,6 +745,11 @@ class LowDiffStrategy(Strategy):
         req_r.close()
         res_w.close()
         self._req, self._res = req_w, res_r
+        self._poller = select.poll()
+        self._poller.register(res_r.fileno(), select.POLLIN)
+        self._sentinel_fd = self._proc.sentinel
+        self._poller.register(self._sentinel_fd, select.POLLIN)
+        self._maybe_gone = False
         self._wait_reply("ready", timeout=self.start_timeout)
         if self.strategy == "lowdiff+":
             if self._snap is not None:
@@ -757,12 +768,28 @@ class LowDiffStrategy(Strategy):
     def _poll(self) -> None:
         if self._res is None:
             return
-        try:
-            while self._res.poll():
-                self._handle(self._res.recv())
-        except (EOFError, OSError):
-            pass
+        if self._io_ready():
+            try:
+                while self._res.poll():
+                    self._handle(self._res.recv())
+            except (EOFError, OSError):
+                pass
         self._read_counters()
+
+    def _io_ready(self) -> bool:
+        """One ``poll(2)`` on the results pipe and the process's sentinel: whether a
+        message (or the end of the pipe) is waiting, or the process has exited. The
+        steady state of a step is one system call, without ``multiprocessing``'s
+        per-call selector."""
+        poller = self._poller
+        if poller is None:
+            return True
+        events = poller.poll(0)
+        if not events:
+            return False
+        if any(fd == self._sentinel_fd for fd, _ in events):
+            self._maybe_gone = True
+        return True
 
     def _read_counters(self) -> None:
         """What the checkpointing process reports through the shared counters: the
@@ -856,7 +883,7 @@ class LowDiffStrategy(Strategy):
             if self.on_storage_error == "warn" and err.storage:
                 self._suspend_checkpointing(err)
             raise err
-        if self._proc is not None and not self._proc.is_alive():
+        if self._proc is not None and self._maybe_gone and not self._proc.is_alive():
             self._poll()  # an error it sent just before exiting
             if self._worker_error is not None:
                 self._raise_worker_error()
