@@ -137,10 +137,13 @@ def test_records_still_replay_exactly_with_changing_hparams_and_buffers(tmp_path
         opt.zero_grad()
     live = st.state_tensors(net, opt, sched)
     ck.close()
+    # the changes happened, and only the records carry them (the one full checkpoint is step 0)
+    assert int(net.count) == 10 and opt.param_groups[0]["weight_decay"] == 0.5
     net2 = _Net()
     opt2 = torch.optim.AdamW(net2.parameters(), lr=0.01)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
-    lowdiff.restore(tmp_path / "ck", net2, opt2, scheduler=sched2)
+    assert lowdiff.restore(tmp_path / "ck", net2, opt2, scheduler=sched2) == 7
+    assert int(net2.count) == 10 and opt2.param_groups[0]["weight_decay"] == 0.5
     got = st.state_tensors(net2, opt2, sched2)
     assert got.keys() == live.keys()
     for k in live:

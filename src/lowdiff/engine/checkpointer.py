@@ -1736,11 +1736,8 @@ class _SlotDsts:
 
     @staticmethod
     def of(layout: RecordLayout, views: dict[str, torch.Tensor]) -> _SlotDsts:
-        payload = {
-            info.index: {f.name: views[f"g{info.index}.{f.name}"] for f in fields}
-            for info, fields in zip(layout.params, layout.fields, strict=True)
-        }
-        return _SlotDsts(payload, [views[f"buf.{n}"] for n, _, _ in layout.buffers])
+        payload = {info.index: layout.payload(views, k) for k, info in enumerate(layout.params)}
+        return _SlotDsts(payload, list(layout.buffer_values(views).values()))
 
 
 def _json(tree: Any) -> str:
