@@ -355,3 +355,30 @@ def test_restore_rejects_bad_arguments(ckpt_dir: Path, which: str) -> None:
     name = which.split("-")[0]
     with pytest.raises(TypeError, match=name):
         lowdiff.restore(ckpt_dir, **args)
+
+
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_checkpointing_process_that_cannot_start_leaves_close_clean(
+    tmp_path, monkeypatch, strategy
+):
+    """A spawn that fails (as from a script without a ``__main__`` guard) raises its own
+    error from resume(); close() then returns without an error of its own, and the
+    directory is free for the next Checkpointer."""
+    import multiprocessing.context as mpc
+
+    def refuse(self):
+        raise RuntimeError("An attempt has been made to start a new process before ...")
+
+    model, opt, _ = _build()
+    monkeypatch.setattr(mpc.SpawnProcess, "start", refuse)
+    kw: dict[str, Any] = {"compressor": lowdiff.TopK(ratio=RATIO)} if strategy == "lowdiff" else {}
+    ck = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy=strategy, **kw)
+    with pytest.raises(RuntimeError, match="start a new process"):
+        ck.resume()
+    ck.close()  # no AssertionError, no hang
+    monkeypatch.undo()
+    ck2 = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy=strategy, **kw)
+    try:
+        assert ck2.resume() == 0
+    finally:
+        ck2.close()

@@ -185,7 +185,7 @@ def _check_every_step(directory: Path, case: Case, snaps: dict[int, dict[str, to
         assert not bad, f"{case.id}: step {step} differs from the trainer in {bad[:8]}"
 
 
-def _run_case(tmp_path: Path, case: Case) -> None:
+def _run_case(tmp_path: Path, case: Case, copy_mode: str | None = None) -> None:
     random.seed(11)
     np.random.seed(11)
     model, opt, sched = _build(case)
@@ -196,6 +196,8 @@ def _run_case(tmp_path: Path, case: Case) -> None:
     snaps: dict[int, dict[str, torch.Tensor]] = {}
     try:
         assert ck.resume() == 0
+        if copy_mode is not None:
+            assert ck.strategy_impl._snap.copy_mode == copy_mode
         snaps[0] = _snap(model, opt, sched)
         for step in range(N_STEPS):
             _train_step(case, ck, model, opt, step)
@@ -209,9 +211,16 @@ def _run_case(tmp_path: Path, case: Case) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("copy_mode", ["inline", "thread"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_every_persisted_step_equals_the_trainer(tmp_path, case):
-    _run_case(tmp_path, case)
+def test_every_persisted_step_equals_the_trainer(tmp_path, monkeypatch, case, copy_mode):
+    """Under both places the CPU snapshot copies can run (``copy_mode="auto"`` picks one
+    by the machine's cores)."""
+    import lowdiff.engine.snapshot as snapshot
+
+    real = snapshot.cpu_copy_mode
+    monkeypatch.setattr(snapshot, "cpu_copy_mode", lambda _mode="auto": real(copy_mode))
+    _run_case(tmp_path, case, copy_mode)
 
 
 @pytest.mark.multiprocess

@@ -160,12 +160,16 @@ def make_rig(
     return Rig(model, params, slots, views, snap, acquired)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def rigs():
+@pytest.fixture(params=["inline", "thread"])
+def rigs(request):
+    """Rigs whose CPU copies run in the hook (inline) or on the copy thread: every test
+    below runs under both."""
     made: list[Rig] = []
 
     def factory(*a, **kw) -> Rig:
+        kw.setdefault("copy_mode", request.param)
         r = make_rig(*a, **kw)
+        assert r.snap.copy_mode == request.param
         made.append(r)
         return r
 
@@ -202,8 +206,11 @@ def test_backward_fills_slot_with_exact_gradients(rigs, kw):
         assert any(len(b.members) > 1 for b in rig.snap.blocks)
         assert any(b.chunked for b in rig.snap.blocks)
     _backward(rig.model)
-    # copies were started during backward, one per block
-    assert len(rig.snap.futures) == len(rig.snap.blocks)
+    # copies were started during backward, one per block (inline: already done)
+    if rig.snap.copy_mode == "thread":
+        assert len(rig.snap.futures) == len(rig.snap.blocks)
+    else:
+        assert rig.snap.stats.copy_bytes == sum(b.end - b.start for b in rig.snap.blocks)
     slot, nograd = rig.snap.finish()
     assert (slot, nograd) == (0, [])
     assert rig.snap.stats.recopied == 0 and rig.snap.stats.late == 0
@@ -412,9 +419,12 @@ def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
     k = next(k for k, (i, _) in enumerate(rig.params) if i.name == "l2.weight")
     bi = rig.snap.block_of[k]
     cuts = rig.snap.pieces[bi]
-    assert cuts is not None
-    want = 10_000 if kw else _SERIAL_ELEMS  # the smaller of a chunk and a piece
-    assert cuts[rig.snap.blocks[bi].members.index(k)] == want
+    if rig.snap.copy_mode == "inline":
+        assert cuts is None  # whole, by the intra-op threads
+    else:
+        assert cuts is not None
+        want = 10_000 if kw else _SERIAL_ELEMS  # the smaller of a chunk and a piece
+        assert cuts[rig.snap.blocks[bi].members.index(k)] == want
     for step in range(2):
         rig.model.zero_grad()
         _backward(rig.model, seed=step)
@@ -423,6 +433,37 @@ def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
         assert rig.snap.stats.recopied == 0
         rig.assert_slot_holds_grads(slot)
     assert rig.snap.stats.copy_bytes == 2 * sum(b.end - b.start for b in rig.snap.blocks)
+
+
+def test_auto_copy_mode_takes_the_thread_only_with_a_spare_core(monkeypatch):
+    import lowdiff.engine.snapshot as snapshot
+
+    monkeypatch.setattr(snapshot.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(snapshot.torch, "get_num_threads", lambda: 4)
+    assert snapshot.cpu_copy_mode() == "inline"
+    monkeypatch.setattr(snapshot.torch, "get_num_threads", lambda: 2)
+    assert snapshot.cpu_copy_mode("auto") == "thread"
+    assert snapshot.cpu_copy_mode("inline") == "inline"
+    assert snapshot.cpu_copy_mode("thread") == "thread"
+    with pytest.raises(ValueError, match="copy_mode"):
+        snapshot.cpu_copy_mode("async")
+
+
+def test_inline_copies_need_no_thread_and_count_their_bytes():
+    rig = make_rig(copy_mode="inline")
+    try:
+        assert rig.snap.pool is None
+        rig.model.zero_grad()
+        _backward(rig.model)
+        # copied during backward, before finish(): the slot already holds the gradients
+        assert rig.snap.slot is not None
+        rig.assert_slot_holds_grads(rig.snap.slot)
+        slot, _ = rig.snap.finish()
+        rig.assert_slot_holds_grads(slot)
+        assert rig.snap.stats.copy_bytes == sum(b.end - b.start for b in rig.snap.blocks)
+        assert rig.snap.stats.copy_s > 0
+    finally:
+        rig.snap.close()
 
 
 def test_same_bytes_compares_bits_not_values():

@@ -16,17 +16,19 @@ thread count:
   for reference, the contiguous copy by one thread (``memcpy_one_thread_gbps``: pieces of
   at most ATen's grain size, which no OpenMP team shares), the way the snapshotter's
   copy thread moves large gradients;
-- **snapshot**: gradient bytes the snapshotter's copy tasks wrote during a training step,
-  divided by the busy time of its background copy thread in those tasks
-  (``SnapshotStats.copy_bytes / SnapshotStats.copy_s``, the time from the start to the end
-  of each task, summed over the step's tasks). The tasks run concurrently with backward,
-  which is the point of the snapshotter, so that time includes whatever backward's
-  compute takes from the copies. It counts neither ``finish()``'s wait nor the hook calls
-  on the trainer's thread.
+- **snapshot**: gradient bytes the snapshotter's block copies wrote during a training
+  step, divided by the time spent in those copies (``SnapshotStats.copy_bytes /
+  SnapshotStats.copy_s``, summed over the step's blocks). Under ``copy_mode="inline"``
+  (the default on a machine whose cores PyTorch's intra-op threads all use) a block is
+  copied in its hook, on the thread running backward, with the intra-op threads; under
+  ``"thread"`` it is the background copy thread's busy time in its tasks, which run
+  concurrently with backward, so that time includes whatever backward's compute takes
+  from the copies. It counts neither ``finish()``'s wait nor the hooks' bookkeeping.
 
-On a machine with few cores, backward keeps every core busy, and the copy thread is one
-thread among them: ``snapshot_over_one_thread`` shows how close it comes to what one
-thread can copy at all.
+The gradients are separate tensors and the snapshot makes one copy per tensor, so
+``snapshot_over_split`` (against a ``copy_`` per tensor of the same sizes) shows how
+much of the gap to one contiguous copy is the number of tensors: a model with many small
+tensors cannot reach the contiguous figure by any copy that keeps them apart.
 
 Every step ends with a check that the slot holds the step's gradients bit for bit.
 
@@ -55,13 +57,13 @@ SNAPSHOT_TARGET = 0.70
 """Issue target: snapshot copies at 70% or more of this machine's memcpy bandwidth."""
 
 DEFINITION = (
-    "snapshot_gbps: gradient bytes written by the snapshotter's background copy tasks "
-    "during backward, over that thread's busy time in those tasks (SnapshotStats.copy_bytes "
-    "/ copy_s, per step, median over steps); memcpy_gbps: the same number of bytes as one "
-    "contiguous dst.copy_(src) into shared memory (median); memcpy_split_gbps: the same "
-    "bytes as one copy_ per parameter tensor; memcpy_one_thread_gbps: the contiguous copy "
-    "in pieces of at most 32768 elements (one thread); same process, same torch thread "
-    "count, alternating with the training steps"
+    "snapshot_gbps: gradient bytes written by the snapshotter's block copies during "
+    "backward, over the time spent in those copies (SnapshotStats.copy_bytes / copy_s, per "
+    "step, median over steps; copy_mode says where they ran); memcpy_gbps: the same number "
+    "of bytes as one contiguous dst.copy_(src) into shared memory (median); "
+    "memcpy_split_gbps: the same bytes as one copy_ per parameter tensor; "
+    "memcpy_one_thread_gbps: the contiguous copy in pieces of at most 32768 elements (one "
+    "thread); same process, same torch thread count, alternating with the training steps"
 )
 """What the row's figures measure (stored in every row)."""
 
@@ -92,6 +94,7 @@ def snapshot_bandwidth_bench(
     workload: str = "gpt2-demo",
     repeats: int = 5,
     steps: int = 5,
+    copy_mode: str = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure the snapshotter's copy bandwidth against a plain memcpy, side by side.
@@ -102,12 +105,15 @@ def snapshot_bandwidth_bench(
         repeats: Rounds; each round runs ``steps`` training steps, each followed by one
             contiguous and one per-tensor memcpy of the gradients' size.
         steps: Training steps per round (after one untimed step).
+        copy_mode: The snapshotter's ``copy_mode`` (``"auto"``: what ``strategy="lowdiff+"``
+            uses on this machine).
         progress: Called with a short status text per round.
 
     Returns:
         One row: ``memcpy_gbps``, ``memcpy_split_gbps``, ``memcpy_one_thread_gbps`` and
         ``snapshot_gbps`` (medians), ``snapshot_over_memcpy`` (the target's ratio),
         ``snapshot_over_split``, ``snapshot_over_one_thread``, ``target`` (:data:`SNAPSHOT_TARGET`), ``met``,
+        ``copy_mode`` (where the copies ran: ``"inline"`` or ``"thread"``),
         ``identical`` (every slot held its step's gradients bit for bit),
         ``definition`` (:data:`DEFINITION`) and the case (workload, bytes, tensors,
         blocks, threads).
@@ -138,7 +144,10 @@ def snapshot_bandwidth_bench(
         taken.append(len(taken) % N_SLOTS)
         return taken[-1]
 
-    snap = GradSnapshotter(params, [slots[s] for s in range(N_SLOTS)], views, acquire)
+    snap = GradSnapshotter(
+        params, [slots[s] for s in range(N_SLOTS)], views, acquire, copy_mode=copy_mode
+    )
+    mode = snap.copy_mode
     identical = True
     snap_gbps: list[float] = []
     copy_bytes: list[int] = []
@@ -224,6 +233,7 @@ def snapshot_bandwidth_bench(
             "target": SNAPSHOT_TARGET,
             "met": ratio >= SNAPSHOT_TARGET,
             "identical": identical,
+            "copy_mode": mode,
             "snapshot_gbps_per_step": snap_gbps,
             "repeats": repeats,
             "steps": steps,
@@ -237,13 +247,13 @@ def snapshot_bandwidth_bench(
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a Markdown table."""
     out = [
-        "| workload | gradients | tensors | memcpy | memcpy per tensor | memcpy, one thread "
+        "| workload | copies | gradients | tensors | memcpy | memcpy per tensor | memcpy, one thread "
         "| snapshot copies | snapshot / memcpy | target | same bits |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         out.append(
-            f"| {r['workload']} | {r['grad_bytes'] / 1e6:.1f} MB | {r['tensors']} "
+            f"| {r['workload']} | {r['copy_mode']} | {r['grad_bytes'] / 1e6:.1f} MB | {r['tensors']} "
             f"| {r['memcpy_gbps']:.2f} GB/s | {r['memcpy_split_gbps']:.2f} GB/s "
             f"| {r['memcpy_one_thread_gbps']:.2f} GB/s "
             f"| {r['snapshot_gbps']:.2f} GB/s | {r['snapshot_over_memcpy']:.2f} "

@@ -569,7 +569,7 @@ class LowDiffStrategy(Strategy):
         try:
             if self._started:
                 self._finish_handover()  # steps driven by the optimizer's hooks
-            if self._proc is not None and self._suspended is None:
+            if self._proc is not None and self._req is not None and self._suspended is None:
                 self._send(("close",))
                 self._wait_reply("closed")
         except _CheckpointingSuspended:
@@ -735,13 +735,21 @@ class LowDiffStrategy(Strategy):
                 # lineage: the first record file follows the recovered state's run
                 follows=None if self.recovery_stats is None else self.recovery_stats.state_run_id,
             )
-        self._proc = ctx.Process(
+        proc = ctx.Process(
             target=target,
             args=(cfg, slots, self._ctr, req_r, res_w),
             name="lowdiff-checkpointing",
             daemon=False,
         )
-        self._proc.start()
+        try:
+            proc.start()
+        except BaseException:
+            # e.g. spawn refusing to start from a script without a __main__ guard: nothing
+            # runs, so close() must not wait for or talk to it
+            for c in (req_r, req_w, res_r, res_w):
+                c.close()
+            raise
+        self._proc = proc
         req_r.close()
         res_w.close()
         self._req, self._res = req_w, res_r

@@ -510,7 +510,8 @@ class _Persister(FullWriter):
         rep.sync()
         size = rep.entries[-1].end if rep.entries else 0
         if self.buf is None or self.buf.numel() < size:
-            self.buf = torch.empty(size + size // 8, dtype=torch.uint8)
+            # page-aligned, so the write bypasses the page cache (sfile.write's direct)
+            self.buf = sfile.aligned_empty(size + size // 8)
         # merging continues while the copy is written, so the file holds exactly this step
         self.buf[:size].copy_(rp.segment_tensor(rep.arena, size))
         self.start(rep.step, list(rep.entries), self.buf[:size], rep.metadata())

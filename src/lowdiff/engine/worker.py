@@ -272,7 +272,12 @@ class FullWriter:
         try:
             t0 = time.perf_counter()
             nbytes = sfile.write(
-                layout.full_path(self.root, step), entries, blob, meta, progress=self.progress
+                layout.full_path(self.root, step),
+                entries,
+                blob,
+                meta,
+                progress=self.progress,
+                direct=True,  # from the shared staging buffer, bypassing the page cache
             )
             released = True
             if self.on_released is not None:

@@ -18,7 +18,10 @@ memory and written with one write, without building the file in memory twice.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -96,7 +99,11 @@ def pack(tensors: Mapping[str, torch.Tensor]) -> tuple[list[TensorEntry], torch.
     return entries, blob
 
 
-def _header_bytes(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -> bytes:
+def _header_bytes(
+    entries: Sequence[TensorEntry], metadata: Mapping[str, str], align: int = 8
+) -> bytes:
+    """The header, padded with spaces so that the data section starts at a multiple of
+    ``align`` bytes into the file (after the 8-byte length prefix)."""
     meta = {str(k): str(v) for k, v in metadata.items()}
     meta["format"] = FORMAT_NAME
     meta["format_version"] = str(FORMAT_VERSION)
@@ -109,7 +116,7 @@ def _header_bytes(entries: Sequence[TensorEntry], metadata: Mapping[str, str]) -
             "data_offsets": [e.start, e.end],
         }
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    return raw + b" " * (-len(raw) % 8)
+    return raw + b" " * (-(8 + len(raw)) % align)
 
 
 def _checksum_field(hexdigest: str) -> bytes:
@@ -131,11 +138,22 @@ def write(
     metadata: Mapping[str, str],
     *,
     progress: Callable[[int], None] | None = None,
+    direct: bool = False,
 ) -> int:
     """Publish a file atomically from a prepared data section; returns its size in bytes.
 
     ``progress``, when given, is called with the bytes written so far after every chunk of
     :data:`WRITE_CHUNK` bytes (a waiting trainer tells a slow write from a stuck one).
+
+    ``direct=True`` writes a data section of at least :data:`DIRECT_MIN_BYTES` held in
+    page-aligned memory (a shared-memory staging buffer) with ``O_DIRECT``: the bytes go
+    from that memory to the device without being copied into the page cache, which
+    costs the writing process a fraction of the CPU time of a buffered write and leaves
+    training's page cache alone. The header is then padded with spaces so that the data
+    section starts on a :data:`DIRECT_ALIGN` boundary (still a valid safetensors file).
+    Where the file system refuses ``O_DIRECT`` (tmpfs, some network file systems) or the
+    memory is not aligned, the file is written the buffered way. The file is the same
+    either way but for that padding, and it is fsynced before it is published.
 
     Example:
         >>> entries, blob = pack({"w": torch.zeros(3)})  # doctest: +SKIP
@@ -145,20 +163,95 @@ def write(
     size = entries[-1].end if entries else 0
     if data.nbytes != size:
         raise ValueError(f"data blob has {data.nbytes} bytes, layout needs {size}")
-    header = _header_bytes(entries, metadata)
+    direct = direct and _direct_source(blob, data)
+    header = _header_bytes(entries, metadata, DIRECT_ALIGN if direct else 8)
     prefix = struct.pack("<Q", len(header))
     h = xxhash.xxh3_64()
     h.update(prefix)
     h.update(header)
     h.update(data)
     final_header = header.replace(_checksum_field(_PLACEHOLDER), _checksum_field(h.hexdigest()), 1)
+    parts = [memoryview(prefix), memoryview(final_header), data.cast("B") if data.nbytes else data]
     with atomic_open(path) as f:
-        _writev_all(
-            f.fileno(),
-            [memoryview(prefix), memoryview(final_header), data.cast("B") if data.nbytes else data],
-            progress,
-        )
+        if not (direct and _write_direct(f.name, prefix + final_header, data, progress)):
+            _writev_all(f.fileno(), parts, progress)
     return len(prefix) + len(final_header) + data.nbytes
+
+
+DIRECT_ALIGN = 4096
+"""File offset, length and memory alignment of ``O_DIRECT`` writes (a page: enough for
+every logical block size in use)."""
+DIRECT_MIN_BYTES = 1 << 20
+"""Smallest data section :func:`write` writes with ``O_DIRECT``."""
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised 1-D ``uint8`` tensor in page-aligned memory of its own (anonymous
+    ``mmap``), which :func:`write` can write with ``O_DIRECT``."""
+    buf = mmap.mmap(-1, max(1, nbytes))
+    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes]  # the tensor keeps buf alive
+
+
+def _direct_source(blob: object, data: memoryview) -> bool:
+    """Whether ``blob`` can be written with ``O_DIRECT`` (see :func:`write`)."""
+    return (
+        hasattr(os, "O_DIRECT")
+        and isinstance(blob, torch.Tensor)
+        and data.nbytes >= DIRECT_MIN_BYTES
+        and blob.data_ptr() % DIRECT_ALIGN == 0
+    )
+
+
+def _write_direct(
+    tmp: str, head: bytes, data: memoryview, progress: Callable[[int], None] | None
+) -> bool:
+    """Write ``head`` (a multiple of DIRECT_ALIGN bytes) and ``data`` into the empty file
+    ``tmp`` with O_DIRECT; False, with the file empty again, where the file system or the
+    memory does not allow it (the caller then writes it buffered)."""
+    a = DIRECT_ALIGN
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    total = len(head) + data.nbytes
+    body = data.nbytes - data.nbytes % a
+    try:
+        # the header and the data's last partial block go through one page-aligned
+        # bounce buffer; the body straight from the caller's memory
+        bounce = mmap.mmap(-1, max(len(head), a if body < data.nbytes else 0, a))
+        try:
+            bounce[: len(head)] = head
+            _write_all(fd, memoryview(bounce)[: len(head)])
+            chunk = WRITE_CHUNK if progress is not None else body
+            for off in range(0, body, max(chunk, a)):
+                _write_all(fd, data[off : min(body, off + max(chunk, a))])
+                if progress is not None:
+                    progress(min(body, off + max(chunk, a)))
+            if body < data.nbytes:
+                bounce[:a] = bytes(a)
+                bounce[: data.nbytes - body] = data[body:]
+                _write_all(fd, memoryview(bounce)[:a])
+                if progress is not None:
+                    progress(data.nbytes)
+        finally:
+            # after an error, a traceback may still hold a view of it: then GC closes it
+            with contextlib.suppress(BufferError):
+                bounce.close()
+        os.ftruncate(fd, total)  # drop the last block's padding
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        os.ftruncate(fd, 0)  # refused after all: start over buffered
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    while buf.nbytes:
+        n = os.write(fd, buf)
+        buf = buf[n:]
 
 
 WRITE_CHUNK = 64 << 20
