@@ -192,3 +192,27 @@ def test_attach_times_the_same_stages(tmp_path):
     times = dict(ck.strategy_impl.pipeline_s)
     ck.close()
     assert times["steps"] == 3 and times["compress"] > 0
+
+
+def test_checkpointing_process_runs_at_a_lower_priority(tmp_path):
+    """A hand-over must not make the LowDiff checkpointing process preempt the trainer:
+    it runs WORKER_NICE below the trainer's priority (the trainer's own is untouched)."""
+    import os
+
+    from lowdiff.engine.worker import WORKER_NICE
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    ck = lowdiff.Checkpointer(model, opt, tmp_path, compressor=lowdiff.TopK(ratio=0.5))
+    try:
+        ck.resume()
+        pid = ck.strategy_impl._proc.pid
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + WORKER_NICE)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+        model(torch.randn(3, 4)).sum().backward()
+        ck.step()
+        assert ck.flush() == 1
+    finally:
+        ck.close()
