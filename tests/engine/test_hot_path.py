@@ -216,3 +216,59 @@ def test_checkpointing_process_runs_at_a_lower_priority(tmp_path):
         assert ck.flush() == 1
     finally:
         ck.close()
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [lowdiff.TopK(ratio=0.3), lowdiff.RandomK(ratio=0.3, seed=1), lowdiff.QSGD(bucket_size=8)],
+    ids=["topk", "randomk", "qsgd"],
+)
+def test_payload_runs_write_what_a_copy_per_field_writes(compressor):
+    """Record payloads are written run by run (fields end to end with one dtype, one
+    concatenation each); the row must hold exactly what a copy per field writes, also
+    when a parameter has no payload this step, and a wrong-sized payload is an error."""
+    from lowdiff.engine.checkpointer import _SlotDsts
+    from lowdiff.engine.record import RecordLayout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = st.optimizer_params(model, opt)
+    layout = RecordLayout.build([i for i, _ in params], compressor, [], st.RngLayout())
+    rows = torch.zeros((2, layout.row_bytes), dtype=torch.uint8)
+    dsts = [_SlotDsts.of(layout, layout.views(rows[i])) for i in range(2)]
+    assert dsts[0].runs and all(len(r.keys) >= 2 for r in dsts[0].runs)
+    payloads = {}
+    for k, (info, _) in enumerate(params):
+        fields = layout.payload(layout.views(rows[0]), k)
+        payloads[info.index] = {
+            n: (torch.randn(v.shape) * 100).to(v.dtype) if v.is_floating_point()
+            else torch.randint(0, 100, v.shape).to(v.dtype)
+            for n, v in fields.items()
+        }  # fmt: skip
+
+    class Host:  # the two attributes _copy_payloads reads
+        _slot_dsts = dsts
+
+    from lowdiff.engine.checkpointer import LowDiffStrategy
+
+    def by_runs(slot, pl):
+        LowDiffStrategy._copy_payloads(Host, slot, pl)  # type: ignore[arg-type]
+
+    def per_field(row, pl):
+        for index, fields in pl.items():
+            k = next(k for k, (i, _) in enumerate(params) if i.index == index)
+            for n, t in fields.items():
+                layout.payload(layout.views(row), k)[n].copy_(t)
+
+    for missing in (None, params[1][0].index):
+        pl = {i: f for i, f in payloads.items() if i != missing}
+        rows.zero_()
+        by_runs(0, pl)
+        per_field(rows[1], pl)
+        assert torch.equal(rows[0], rows[1]), missing
+    bad = {i: dict(f) for i, f in payloads.items()}
+    name = next(iter(bad[params[0][0].index]))
+    bad[params[0][0].index][name] = torch.cat([bad[params[0][0].index][name]] * 2)
+    with pytest.raises(RuntimeError):
+        by_runs(0, bad)

@@ -966,19 +966,40 @@ class LowDiffStrategy(Strategy):
         payloads: dict[int, dict[str, torch.Tensor]],
         non_blocking: bool = False,
     ) -> None:
-        """Copy the step's compressed payloads into record slot ``slot`` (one batched copy)."""
-        where = self._slot_dsts[slot].payload
+        """Copy the step's compressed payloads into record slot ``slot``.
+
+        Without ``non_blocking``, each run of fields that lie end to end in the row with
+        one dtype (the layout groups fields by element size) is filled from one
+        ``torch.cat``: two kernels for all its small tensors instead of a copy each. What
+        no complete run covers (a parameter without gradient this step) goes through one
+        batched copy.
+        """
+        dst = self._slot_dsts[slot]
+        where = dst.payload
+        done: set[tuple[int, str]] = set()
+        if not non_blocking:
+            missed = False
+            for run in dst.runs:
+                srcs = run.gather(payloads)
+                if srcs is None:
+                    missed = True
+                else:
+                    run.fill(srcs)
+                    done.update(run.keys)
+            if not missed and dst.runs_cover_all:
+                return  # every field of the row was in a run
         dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
+        rest: list[torch.Tensor] = []
         for index, payload in payloads.items():
             fields = where.get(index)
             if fields is None:
                 continue  # under DDP: another rank's shard
             for name, tensor in payload.items():
-                dsts.append(fields[name])
-                srcs.append(tensor)
+                if (index, name) not in done:
+                    dsts.append(fields[name])
+                    rest.append(tensor)
         if dsts:
-            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+            torch._foreach_copy_(dsts, rest, non_blocking=non_blocking)
 
     def _emit_full(self, step: int, kind: str = "full") -> None:
         self._finish_handover()  # a deferred full checkpoint still holds the staging buffer
@@ -1741,11 +1762,80 @@ class _SlotDsts:
     """Parameter index -> compressed field -> its view in the row."""
     buffers: list[torch.Tensor]
     """The buffers' views, in the layout's order."""
+    runs: list[_Run]
+    """The payload fields grouped into runs that lie end to end with one dtype."""
+    runs_cover_all: bool
+    """Whether every payload field is in a run."""
 
     @staticmethod
     def of(layout: RecordLayout, views: dict[str, torch.Tensor]) -> _SlotDsts:
         payload = {info.index: layout.payload(views, k) for k, info in enumerate(layout.params)}
-        return _SlotDsts(payload, list(layout.buffer_values(views).values()))
+        runs = _Run.plan(payload)
+        n_fields = sum(len(f) for f in payload.values())
+        covered = sum(len(r.keys) for r in runs) == n_fields
+        return _SlotDsts(payload, list(layout.buffer_values(views).values()), runs, covered)
+
+
+@dataclasses.dataclass
+class _Run:
+    """Payload fields that lie end to end in a record row with one dtype: one view."""
+
+    view: torch.Tensor
+    """1-D, over all the fields' bytes."""
+    keys: list[tuple[int, str]]
+    """(parameter index, field name), in row order."""
+    flatten: bool
+    """Whether some field has more than one dimension (sources are flattened first)."""
+
+    def gather(self, payloads: dict[int, dict[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+        """The run's sources in row order, or None if one is missing."""
+        out: list[torch.Tensor] = []
+        for index, name in self.keys:
+            p = payloads.get(index)
+            t = None if p is None else p.get(name)
+            if t is None:
+                return None
+            out.append(t)
+        if self.flatten:
+            out = [t.reshape(-1) for t in out]
+        return out
+
+    def fill(self, srcs: list[torch.Tensor]) -> None:
+        """Write the sources into the run. The concatenation is copied in (not written
+        with ``out=``, which would resize the view if a source had another size): the
+        copy checks the size, as a copy per field does."""
+        self.view.copy_(torch.cat(srcs))
+
+    @staticmethod
+    def plan(payload: dict[int, dict[str, torch.Tensor]]) -> list[_Run]:
+        """Runs of two or more fields (a lone field gains nothing from a cat)."""
+        fields = sorted(
+            (
+                (t.data_ptr(), index, name, t)
+                for index, f in payload.items()
+                for name, t in f.items()
+            ),
+            key=lambda x: x[0],
+        )
+        groups: list[list[tuple[int, str, torch.Tensor]]] = []
+        end = -1
+        for ptr, index, name, t in fields:
+            g = groups[-1] if groups else None
+            if g is not None and ptr == end and t.dtype == g[-1][2].dtype and t.is_contiguous():
+                g.append((index, name, t))
+            else:
+                groups.append([(index, name, t)])
+            end = ptr + t.numel() * t.element_size()
+        runs = []
+        for g in groups:
+            first = g[0][2]
+            if len(g) < 2 or not first.is_contiguous():
+                continue
+            total = sum(t.numel() for _, _, t in g)
+            view = first.as_strided((total,), (1,), first.storage_offset())
+            flat = any(t.dim() != 1 for _, _, t in g)
+            runs.append(_Run(view, [(i, n) for i, n, _ in g], flat))
+        return runs
 
 
 def _json(tree: Any) -> str:
