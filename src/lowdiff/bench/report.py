@@ -525,9 +525,12 @@ def section_hotpaths(rows: list[dict[str, Any]]) -> str:
     e2e = [r for r in _of(rows, "hotpaths", table="summary") if r["name"] == "end_to_end_overhead"]
     for r in e2e:
         out += [
-            f"End to end, `{r['workload']}`: per-block seconds per step, LowDiff "
+            f"End to end, `{r['workload']}`: time per step of each block, LowDiff "
             f"{', '.join(f'{x * 1e3:.1f}' for x in r['blocks_lowdiff_s'])} ms; compressed "
-            f"training without checkpoints {', '.join(f'{x * 1e3:.1f}' for x in r['blocks_none_s'])} ms.",
+            f"training without checkpoints {', '.join(f'{x * 1e3:.1f}' for x in r['blocks_none_s'])} ms; "
+            "each repeat's pair, back to back: "
+            f"{', '.join(f'{x * 100:+.1f}%' for x in r.get('paired_overheads', []))} "
+            f"(median {r['value'] * 100:+.1f}%; ratio of the medians {r.get('ratio_of_medians', r['value']) * 100:+.1f}%).",
             "",
         ]
     out += trainer_tables(rows, "hotpaths")

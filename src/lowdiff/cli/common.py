@@ -60,8 +60,11 @@ def child_env(threads: int) -> dict[str, str]:
         env[var] = str(threads)
     # On a shared machine, OpenMP threads that spin at barriers while a sibling thread is
     # descheduled make steps 5-10x slower in bursts (measured: ~1 s instead of ~160 ms);
-    # passive waiting costs a few percent when idle and keeps timings usable. It does not
-    # change how work is split, so results stay bit-identical.
+    # passive waiting keeps timings usable, but it is not free: on a quiet 2-core machine
+    # a compressed gpt2-demo step took 104 ms instead of 66-73 ms with spinning threads.
+    # Every arm of a run is measured under the same policy, and one set in the
+    # environment wins (setdefault). It does not change how work is split, so results
+    # stay bit-identical.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONUNBUFFERED"] = "1"
     # Nothing may be downloaded at run time.
