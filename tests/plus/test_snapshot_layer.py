@@ -435,6 +435,24 @@ def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
     assert rig.snap.stats.copy_bytes == 2 * sum(b.end - b.start for b in rig.snap.blocks)
 
 
+def test_backward_with_create_graph_snapshots_values_without_history(rigs):
+    """Under ``create_graph=True`` the gradients themselves require grad: the snapshot
+    copies their values and records no autograd history on the slots."""
+    rig = rigs()
+    rig.model.zero_grad()
+    out = rig.model(_batch(1)).pow(2).sum()
+    out.backward(create_graph=True)
+    assert any(p.grad.requires_grad for _, p in rig.params)
+    slot, _ = rig.snap.finish()
+    assert not rig.slots.requires_grad and rig.slots.grad_fn is None
+    for info, p in rig.params:
+        got = rig.slot_grad(slot, info)
+        assert not got.requires_grad and got.grad_fn is None
+        assert torch.equal(got, p.grad.detach().reshape(-1)), info.name
+    for _, p in rig.params:
+        p.grad = None  # break the graph's reference cycle
+
+
 def test_auto_copy_mode_takes_the_thread_only_with_a_spare_core(monkeypatch):
     import lowdiff.engine.snapshot as snapshot
 

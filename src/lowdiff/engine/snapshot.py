@@ -340,7 +340,8 @@ class GradSnapshotter:
             return
         args = (self.block_dsts[slot][bi], grads, self.pieces[bi], b.end - b.start)
         if self.pool is None:
-            self._copy_cpu(*args)
+            with torch.no_grad():  # under create_graph=True the gradients require grad
+                self._copy_cpu(*args)
         else:
             self.futures.append(self.pool.submit(self._copy_cpu, *args))
 
