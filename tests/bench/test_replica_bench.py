@@ -45,3 +45,7 @@ def test_replica_experiment_reports_ratio_target_and_bits(tmp_path: Path) -> Non
     report = (out / "report.md").read_text()
     assert "## LowDiff+ replica update" in report
     assert format_rows(rows).splitlines()[0] in report
+    # the settings' workload is not what this experiment trains: the header says so
+    assert lines[0]["n_params"] is None
+    assert "gpt2-s-tiny" not in report.split("\n## ")[0]
+    assert "each measurement names its own" in report

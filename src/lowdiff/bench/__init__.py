@@ -19,6 +19,7 @@ from lowdiff.bench.core import BenchSettings, build_workload, machine_info
 from lowdiff.bench.experiments import (
     DEFAULT_EXPERIMENTS,
     EXPERIMENTS,
+    OWN_WORKLOADS,
     QUICK_PROFILE,
     RUNNERS,
     Context,
@@ -75,7 +76,9 @@ def run_bench(
     # (``lowdiff bench`` on the command line sets it for the trainer as well)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = Context(settings, profile, say, methods=None if methods is None else frozenset(methods))
-    n_params = build_workload(settings).n_params
+    # (the settings' workload is built only where an experiment trains it)
+    own = all(e in OWN_WORKLOADS for e in experiments)
+    n_params = None if own else build_workload(settings).n_params
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     ordered = [e for e in EXPERIMENTS if e in experiments]

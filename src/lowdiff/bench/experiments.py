@@ -80,6 +80,8 @@ EXPERIMENTS = (
     "hotpaths",
 )
 """Every experiment, in the order they run."""
+OWN_WORKLOADS = frozenset({"replica", "hotpaths"})
+"""Experiments that build their own workloads (from the profile), not the settings' one."""
 DEFAULT_EXPERIMENTS = EXPERIMENTS[:-2]
 """What ``lowdiff bench`` runs when no experiment is named (``fidelity`` and ``hotpaths``
 run when named)."""

@@ -587,9 +587,14 @@ def markdown(run: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f"- Machine: {where}; {m['platform']}",
         f"- torch {m['torch']}, lowdiff {m['lowdiff']}, git {m['git_revision']}, "
         f"{m['torch_threads']} torch threads",
-        f"- Workload: {s['workload']} ({run['n_params']:,} parameters), device {s['device']}, "
-        f"at least {s['iters']} iterations per block (a multiple of every interval of the experiment), "
-        f"{s['repeats']} timed blocks per method after a warm-up block, amp {s['amp']}, gradient accumulation {s['grad_accum']}",
+        (
+            f"- Workload: {s['workload']} ({run['n_params']:,} parameters), device {s['device']}, "
+            f"at least {s['iters']} iterations per block (a multiple of every interval of the experiment), "
+            f"{s['repeats']} timed blocks per method after a warm-up block, amp {s['amp']}, gradient accumulation {s['grad_accum']}"
+            if run.get("n_params") is not None
+            else f"- Workloads: each measurement names its own (the profile's); {s['repeats']} "
+            f"repeats, device {s['device']}"
+        ),
         f"- Profile: {'quick' if run['quick'] else 'full'}; experiments: {', '.join(run['experiments'])}; "
         f"took {run['wall_s']:.0f} s",
     ]
