@@ -418,13 +418,12 @@ def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
     rig = rigs(wrap=widen, **kw)
     k = next(k for k, (i, _) in enumerate(rig.params) if i.name == "l2.weight")
     bi = rig.snap.block_of[k]
+    # cut for any thread but the trainer's (inline copies on the trainer's thread take
+    # each gradient whole, with the intra-op threads)
     cuts = rig.snap.pieces[bi]
-    if rig.snap.copy_mode == "inline":
-        assert cuts is None  # whole, by the intra-op threads
-    else:
-        assert cuts is not None
-        want = 10_000 if kw else _SERIAL_ELEMS  # the smaller of a chunk and a piece
-        assert cuts[rig.snap.blocks[bi].members.index(k)] == want
+    assert cuts is not None
+    want = 10_000 if kw else _SERIAL_ELEMS  # the smaller of a chunk and a piece
+    assert cuts[rig.snap.blocks[bi].members.index(k)] == want
     for step in range(2):
         rig.model.zero_grad()
         _backward(rig.model, seed=step)
@@ -451,6 +450,39 @@ def test_backward_with_create_graph_snapshots_values_without_history(rigs):
         assert torch.equal(got, p.grad.detach().reshape(-1)), info.name
     for _, p in rig.params:
         p.grad = None  # break the graph's reference cycle
+
+
+def test_inline_copies_off_the_trainer_thread_are_cut_into_pieces(monkeypatch):
+    """A DDP communication hook may hand a gradient over on the process group's thread:
+    an inline copy there is cut into pieces that thread copies alone (no OpenMP team of
+    its own beside backward's); on the trainer's thread it is one whole copy."""
+
+    def widen(net: Net) -> Net:
+        net.l2 = nn.Linear(10, 7000)  # 70,000 weights: more than one piece
+        net.l3 = nn.Linear(7000, 3)
+        return net
+
+    rig = make_rig(wrap=widen, copy_mode="inline")
+    seen: list[int] = []
+    real = rig.snap._copy_cpu
+
+    def spy(dsts, grads, cuts, nbytes):
+        seen.append(len(dsts) - len(grads))  # extra destinations: pieces
+        real(dsts, grads, cuts, nbytes)
+
+    monkeypatch.setattr(rig.snap, "_copy_cpu", spy)
+    try:
+        for step, off_thread in enumerate([False, True]):
+            seen.clear()
+            rig.model.zero_grad()
+            if off_thread:
+                rig.snap.owner = -1  # as if backward ran elsewhere
+            _backward(rig.model, seed=step)
+            slot, _ = rig.snap.finish()
+            rig.assert_slot_holds_grads(slot)
+            assert (max(seen) > 0) == off_thread, seen
+    finally:
+        rig.snap.close()
 
 
 def test_auto_copy_mode_takes_the_thread_only_with_a_spare_core(monkeypatch):

@@ -216,14 +216,17 @@ class GradSnapshotter:
         ]
         self.copy_mode = "cuda" if self.cuda else cpu_copy_mode(copy_mode)
         """``"cuda"``, or on CPU ``"inline"`` / ``"thread"`` (module docstring)."""
+        # Per block, how a copy by a thread other than the trainer's cuts each member
+        # (0: whole), and per slot the destinations of the block's foreach copy: cut that
+        # way (block_dsts), and whole (whole_dsts, inline copies on the trainer's thread).
         self.pieces: list[list[int] | None] = []
         self.block_dsts: list[list[list[torch.Tensor]]] = []
+        self.whole_dsts: list[list[list[torch.Tensor]]] = []
+        self.owner = threading.get_ident()
+        """The thread that runs backward (CPU autograd runs it on the calling thread)."""
         if not self.cuda:
             for b in self.blocks:
-                cuts = [
-                    self._piece_elems(b, self.dsts[0][k]) if self.copy_mode == "thread" else 0
-                    for k in b.members
-                ]
+                cuts = [self._piece_elems(b, self.dsts[0][k]) for k in b.members]
                 self.pieces.append(cuts if any(cuts) else None)
             self.block_dsts = [
                 [
@@ -232,6 +235,7 @@ class GradSnapshotter:
                 ]
                 for d in self.dsts
             ]
+            self.whole_dsts = [[[d[k] for k in b.members] for b in self.blocks] for d in self.dsts]
         self.stream = torch.cuda.Stream(device=dev) if self.cuda else None
         self.pool = (
             None
@@ -338,12 +342,19 @@ class GradSnapshotter:
         if self.cuda:
             self._copy_block_cuda(b, slot, grads)
             return
-        args = (self.block_dsts[slot][bi], grads, self.pieces[bi], b.end - b.start)
-        if self.pool is None:
-            with torch.no_grad():  # under create_graph=True the gradients require grad
-                self._copy_cpu(*args)
-        else:
+        nbytes = b.end - b.start
+        if self.pool is not None:
+            args = (self.block_dsts[slot][bi], grads, self.pieces[bi], nbytes)
             self.futures.append(self.pool.submit(self._copy_cpu, *args))
+            return
+        with torch.no_grad():  # under create_graph=True the gradients require grad
+            if threading.get_ident() == self.owner:
+                self._copy_cpu(self.whole_dsts[slot][bi], grads, None, nbytes)
+            else:
+                # a DDP communication hook's callback, on the process group's thread while
+                # backward goes on: pieces its thread copies alone, no OpenMP team of its
+                # own beside backward's
+                self._copy_cpu(self.block_dsts[slot][bi], grads, self.pieces[bi], nbytes)
 
     def _copy_cpu(
         self,
@@ -352,9 +363,9 @@ class GradSnapshotter:
         cuts: list[int] | None,
         nbytes: int,
     ) -> None:
-        """One block in one foreach copy. Inline: every gradient whole. On the copy thread:
-        the small gradients whole, the others in pieces small enough to run on that thread
-        alone (see _SERIAL_ELEMS)."""
+        """One block in one foreach copy. Inline on the trainer's thread: every gradient
+        whole. On any other thread: the small gradients whole, the others in pieces small
+        enough to run on that thread alone (see _SERIAL_ELEMS)."""
         t0 = time.perf_counter()
         if cuts is None:
             srcs: list[torch.Tensor] = grads
