@@ -485,6 +485,33 @@ def test_inline_copies_off_the_trainer_thread_are_cut_into_pieces(monkeypatch):
         rig.snap.close()
 
 
+def test_clipping_every_step_defers_the_copies_to_finish(rigs):
+    """Once every gradient changed after its hook (clipping scales them all), the next
+    step copies them at finish() only, not during backward too; a step without the change
+    goes back to copying during backward. The slot is exact at every step."""
+    rig = rigs()
+    plan = [True, True, True, False, False, True]  # clip at this step?
+    for step, clip in enumerate(plan):
+        rig.model.zero_grad()
+        before = rig.snap.stats.copy_bytes
+        deferred = rig.snap.deferred
+        _backward(rig.model, seed=step)
+        if deferred:
+            assert not rig.snap.futures  # nothing copied during backward
+            assert rig.snap.stats.copy_bytes == before
+        if clip:
+            norm = torch.nn.utils.clip_grad_norm_(rig.model.parameters(), max_norm=1e-3)
+            assert norm > 1e-3  # the clip fired
+        slot, _ = rig.snap.finish()
+        rig.assert_slot_holds_grads(slot)
+        if not deferred:
+            assert rig.snap.stats.copy_bytes > before
+    # step 0 eager; 1, 2 deferred (clipped before); 3 deferred (2 was clipped), 4 eager
+    # (3 was not), 5 eager (4 was not)
+    assert rig.snap.stats.deferred == 3
+    assert rig.snap.deferred  # step 5 was clipped
+
+
 def test_auto_copy_mode_takes_the_thread_only_with_a_spare_core(monkeypatch):
     import lowdiff.engine.snapshot as snapshot
 

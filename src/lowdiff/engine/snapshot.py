@@ -88,6 +88,10 @@ class SnapshotStats:
     """Gradients that had no hook call (set outside backward)."""
     compared: int = 0
     """DDP: gradients the version counters could not settle, compared by value at step()."""
+    deferred: int = 0
+    """CPU: steps whose gradients were all copied at step() instead of during backward,
+    because every one of them had changed after its hook the step before (gradient
+    clipping scales them all): copying them during backward too would be wasted."""
     copy_s: float = 0.0
     """CPU: time spent in the block copies made during backward (inline: on the thread
     running backward; ``"thread"``: the copy thread's busy time in its tasks)."""
@@ -245,6 +249,9 @@ class GradSnapshotter:
             )
         )
         self.lock = threading.Lock()
+        self.can_defer = not self.cuda and autograd_hooks
+        self.deferred = False
+        """This step's copies wait for finish() (see SnapshotStats.deferred)."""
         self._reset()
         # Under DDP the communication hook feeds on_reduced_grad() instead: the gradient an
         # autograd hook sees is not yet averaged over the ranks. A bare hook still notes
@@ -330,6 +337,8 @@ class GradSnapshotter:
                 return
         elif b.ready < len(b.members):
             return  # accumulation over micro-batches: the block is copied once complete
+        if self.deferred:
+            return  # finish() copies every gradient
         self._copy_block(bi, b, slot)
 
     def _dst(self, slot: int, k: int) -> torch.Tensor:
@@ -442,8 +451,9 @@ class GradSnapshotter:
         self.stats.finish_wait_s += time.perf_counter() - t0
         slot = self._take_slot()
         dsts = self.dsts[slot]
+        deferred = self.deferred
         for b in self.blocks:
-            if 0 < b.ready < len(b.members):
+            if not deferred and 0 < b.ready < len(b.members):
                 # some members had no gradient this step, so the block never became
                 # complete: copy the members that did get one
                 for k in b.members:
@@ -452,6 +462,9 @@ class GradSnapshotter:
                         dsts[k].copy_(seen[0].detach())
         nograd: list[int] = []
         unsure: list[int] = []
+        again_dst: list[torch.Tensor] = []
+        again_src: list[torch.Tensor] = []
+        hooked = changed = 0
         for k, (info, p) in enumerate(self.params):
             g = p.grad
             if g is None:
@@ -461,16 +474,27 @@ class GradSnapshotter:
             if seen is None:
                 self.stats.late += 1  # set outside backward
             else:
+                hooked += 1
                 verdict = self._verdict(k, g, seen)
-                if verdict == _SAME:
-                    continue
-                if verdict == _UNSURE:
-                    unsure.append(k)
-                    continue
-                self.stats.recopied += 1  # changed after its hook (e.g. clipping)
-            dsts[k].copy_(g.detach())
+                changed += verdict == _CHANGED
+                if not deferred:
+                    if verdict == _SAME:
+                        continue
+                    if verdict == _UNSURE:
+                        unsure.append(k)
+                        continue
+                    self.stats.recopied += 1  # changed after its hook (e.g. clipping)
+            again_dst.append(dsts[k])
+            again_src.append(g.detach())
+        if again_dst:
+            # one batched copy: gradient clipping scales every gradient after backward
+            torch._foreach_copy_(again_dst, again_src)
         if unsure:
             self._settle(unsure, dsts)
+        if self.can_defer:
+            self.stats.deferred += deferred
+            # every gradient changed after its hook: next step, copy them here only
+            self.deferred = hooked > 0 and changed == hooked
         self.stats.steps += 1
         self._reset()
         return slot, nograd
