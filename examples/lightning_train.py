@@ -6,12 +6,15 @@ torchdata's ``StatefulDataLoader``, so a resumed run goes on with the next batch
     python examples/lightning_train.py --dir runs/pl        # kill it at any moment (kill -9) ...
     python examples/lightning_train.py --dir runs/pl        # ... and run it again: it resumes
 
+    python examples/lightning_train.py --dir runs/pl-ddp --devices 2   # DDP, 2 CPU ranks
+
 Needs ``pip install lightning torchdata``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 from typing import Any
@@ -49,23 +52,33 @@ class Regressor(pl.LightningModule):
 
 
 class Progress(pl.Callback):
-    """Prints one line per step (the tests compare them with an uninterrupted run)."""
+    """Prints one line per step on rank 0 (the tests compare them with an uninterrupted
+    run); with ``exit_after``, every rank exits at once after that step is durable."""
 
-    def __init__(self, lowdiff_cb: LowDiffCallback, sleep: float) -> None:
-        self.lowdiff_cb, self.sleep = lowdiff_cb, sleep
+    def __init__(self, lowdiff_cb: LowDiffCallback, sleep: float, exit_after: int = 0) -> None:
+        self.lowdiff_cb, self.sleep, self.exit_after = lowdiff_cb, sleep, exit_after
 
     def on_train_start(self, trainer, pl_module):
-        print(f"resumed {self.lowdiff_cb.resumed_step}", flush=True)
+        if trainer.global_rank == 0:
+            print(f"resumed {self.lowdiff_cb.resumed_step}", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         x, _ = batch
         loss = outputs["loss"].item()
-        print(
-            f"step {trainer.global_step} {loss.hex()} {x.sum().item().hex()} {trainer.current_epoch}",
-            flush=True,
-        )
+        if trainer.global_rank == 0:
+            print(
+                f"step {trainer.global_step} {loss.hex()} {x.sum().item().hex()} "
+                f"{trainer.current_epoch}",
+                flush=True,
+            )
         if self.sleep:
             time.sleep(self.sleep)
+        if self.exit_after and trainer.global_step >= self.exit_after:
+            # a crash that loses nothing, on every rank at the same step (under DDP a
+            # SIGKILL of one process would leave the others waiting in a collective)
+            assert self.lowdiff_cb.ck is not None
+            self.lowdiff_cb.ck.flush()
+            os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,6 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps (max_steps)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to kill it)")
     parser.add_argument("--dump", help="write the final state here (safetensors; for the tests)")
+    parser.add_argument("--devices", type=int, default=1, help="CPU ranks (more than 1: DDP)")
+    parser.add_argument(
+        "--exit-after", type=int, default=0, help="exit on every rank once this step is durable"
+    )
     args = parser.parse_args(argv)
 
     random.seed(0)
@@ -84,13 +101,18 @@ def main(argv: list[str] | None = None) -> None:
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(200, 16, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
-    # the sampler and the loader carry their own generators: data loading leaves the
-    # global RNG (dropout) alone, and the order of every epoch survives a resume
+    # One process: torchdata's RandomSampler with its own generator, so data loading
+    # leaves the global RNG (dropout) alone and the order of every epoch survives a
+    # resume. DDP: torch's RandomSampler, which Lightning replaces with a DistributedSampler
+    # whose order is fixed by its seed and the epoch (a torchdata sampler would be wrapped
+    # instead, and the wrapper's order depends on how often it was iterated).
+    sampler = (
+        torch.utils.data.RandomSampler(data)
+        if args.devices > 1
+        else RandomSampler(data, generator=torch.Generator().manual_seed(7))
+    )
     loader = StatefulDataLoader(
-        data,
-        batch_size=16,
-        sampler=RandomSampler(data, generator=torch.Generator().manual_seed(7)),
-        generator=torch.Generator().manual_seed(8),
+        data, batch_size=16, sampler=sampler, generator=torch.Generator().manual_seed(8)
     )
 
     # error_feedback=False: training after a resume is then bit-identical to a run that
@@ -104,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
-        devices=1,
-        callbacks=[cb, Progress(cb, args.sleep)],
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        callbacks=[cb, Progress(cb, args.sleep, args.exit_after)],
         enable_checkpointing=False,  # lowdiff checkpoints every step
         logger=False,
         enable_progress_bar=False,
@@ -116,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(module, train_dataloaders=loader)
 
     assert cb.ck is not None
+    if trainer.global_rank != 0:
+        return
     print(f"stats {cb.ck.stats['records_written']:.0f} records", flush=True)
     if args.dump:
         import safetensors.torch

@@ -31,7 +31,13 @@ How it fits Lightning:
 Single optimizer, automatic optimization. Under DDP (``strategy="ddp"``) every rank runs
 the callback: lowdiff is given Lightning's ``DistributedDataParallel`` model and installs
 its own communication hook on it before the first backward (Lightning's
-``DDPStrategy(ddp_comm_hook=...)`` must stay unset: a DDP model takes one hook).
+``DDPStrategy(ddp_comm_hook=...)`` must stay unset: a DDP model takes one hook). For an
+exact mid-epoch resume under DDP, give the loader torch's ``RandomSampler`` (or
+``SequentialSampler``): Lightning replaces it with a ``DistributedSampler``, whose order
+follows from its seed and the epoch, and the callback sets the restored epoch before the
+loader fast-forwards (Lightning would set it only afterwards). Other samplers are
+wrapped in Lightning's ``DistributedSamplerWrapper``, whose order depends on how often it
+was iterated.
 """
 
 from __future__ import annotations
@@ -76,7 +82,36 @@ class _FitLoopState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # what Lightning's checkpoint connector does with checkpoint["loops"]["fit_loop"]
-        self.trainer.fit_loop.load_state_dict(sd)
+        loop = self.trainer.fit_loop
+        loop.load_state_dict(sd)
+        _epoch_before_loader_states(loop)
+
+
+def _epoch_before_loader_states(loop: Any) -> None:
+    """Give the train samplers the restored epoch before the loaders' states are loaded.
+
+    Lightning's fit loop loads the saved data loader states and creates the iterator
+    (``setup_data``: a ``StatefulDataLoader`` then fast-forwards its sampler to the saved
+    position) before it calls ``set_epoch`` on the samplers (``on_advance_start``). A
+    sampler whose order depends on the epoch, such as the ``DistributedSampler`` that
+    Lightning puts in under DDP, would then be fast-forwarded through epoch 0's order, and
+    a run resumed mid-epoch would see other batches than an uninterrupted one. This sets
+    the epoch first, once, for the loop's next ``_load_combined_loader_states``.
+    """
+    original = getattr(loop, "_load_combined_loader_states", None)
+    if original is None:  # not the fit loop this was written against: leave it alone
+        return
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    def set_epoch_then_load() -> None:
+        del loop._load_combined_loader_states  # back to the class's method
+        combined = getattr(loop, "_combined_loader", None)
+        if combined is not None:
+            for dl in combined.flattened:
+                _set_sampler_epoch(dl, loop.epoch_progress.current.processed)
+        original()
+
+    loop._load_combined_loader_states = set_epoch_then_load
 
 
 class LowDiffCallback(pl.Callback):
