@@ -434,6 +434,7 @@ def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
     assert rig.snap.stats.copy_bytes == 2 * sum(b.end - b.start for b in rig.snap.blocks)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_backward_with_create_graph_snapshots_values_without_history(rigs):
     """Under ``create_graph=True`` the gradients themselves require grad: the snapshot
     copies their values and records no autograd history on the slots."""

@@ -486,9 +486,12 @@ class GradSnapshotter:
                     self.stats.recopied += 1  # changed after its hook (e.g. clipping)
             again_dst.append(dsts[k])
             again_src.append(g.detach())
-        if again_dst:
+        if again_dst and not self.cuda:
             # one batched copy: gradient clipping scales every gradient after backward
             torch._foreach_copy_(again_dst, again_src)
+        else:  # device to pinned host memory: a copy each, as the CUDA path always did
+            for d, g in zip(again_dst, again_src, strict=True):
+                d.copy_(g)
         if unsure:
             self._settle(unsure, dsts)
         if self.can_defer:
