@@ -263,6 +263,8 @@ def test_payload_runs_write_what_a_copy_per_field_writes(compressor):
 
     for missing in (None, params[1][0].index):
         pl = {i: f for i, f in payloads.items() if i != missing}
+        # without the parameter, the runs holding its fields fall back to a copy per field
+        assert any(r.gather(pl) is None for r in dsts[0].runs) == (missing is not None)
         rows.zero_()
         by_runs(0, pl)
         per_field(rows[1], pl)

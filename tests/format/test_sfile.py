@@ -229,7 +229,7 @@ def test_direct_write_falls_back_where_not_possible(tmp_path, monkeypatch):
     # the file system refuses O_DIRECT at open, or at the first write: buffered, same bytes
     data = blob[:nbytes]
     e = [sfile.TensorEntry("x", torch.uint8, (nbytes,), 0, nbytes)]
-    real_open, real_write = os.open, os.write
+    real_open, real_writev = os.open, os.writev
 
     def refuse_open(p, flags, *a):
         if flags & getattr(os, "O_DIRECT", 0):
@@ -241,12 +241,18 @@ def test_direct_write_falls_back_where_not_possible(tmp_path, monkeypatch):
     monkeypatch.setattr(sfile.os, "open", real_open)
     assert sfile.read(tmp_path / "c.safetensors").tensors["x"].equal(data)
 
-    def refuse_write(fd, buf):
-        raise OSError(errno.EINVAL, "unaligned")
+    refused: list[int] = []
 
-    monkeypatch.setattr(sfile.os, "write", refuse_write)
+    def refuse_first_write(fd, bufs):
+        if not refused:  # the O_DIRECT header write; the buffered retry goes through
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "unaligned")
+        return real_writev(fd, bufs)
+
+    monkeypatch.setattr(sfile.os, "writev", refuse_first_write)
     sfile.write(tmp_path / "d.safetensors", e, data, {"kind": "full"}, direct=True)
-    monkeypatch.setattr(sfile.os, "write", real_write)
+    monkeypatch.setattr(sfile.os, "writev", real_writev)
+    assert len(refused) == 1
     assert sfile.read(tmp_path / "d.safetensors").tensors["x"].equal(data)
     assert len(calls) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -263,10 +269,10 @@ def test_direct_write_error_other_than_einval_is_raised_and_leaves_nothing(tmp_p
     blob = _aligned_blob(nbytes)
     e = [sfile.TensorEntry("x", torch.uint8, (nbytes,), 0, nbytes)]
 
-    def full_disk(fd, buf):
+    def full_disk(fd, bufs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(sfile.os, "write", full_disk)
+    monkeypatch.setattr(sfile.os, "writev", full_disk)
     with pytest.raises(OSError, match="No space") as info:
         sfile.write(tmp_path / "x.safetensors", e, blob, {"kind": "full"}, direct=True)
     assert info.value.errno == errno.ENOSPC

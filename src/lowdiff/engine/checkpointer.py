@@ -569,7 +569,7 @@ class LowDiffStrategy(Strategy):
         try:
             if self._started:
                 self._finish_handover()  # steps driven by the optimizer's hooks
-            if self._proc is not None and self._req is not None and self._suspended is None:
+            if self._proc is not None and self._suspended is None:
                 self._send(("close",))
                 self._wait_reply("closed")
         except _CheckpointingSuspended:
@@ -976,18 +976,16 @@ class LowDiffStrategy(Strategy):
         """
         dst = self._slot_dsts[slot]
         where = dst.payload
-        done: set[tuple[int, str]] = set()
+        filled: list[_Run] = []
         if not non_blocking:
-            missed = False
             for run in dst.runs:
                 srcs = run.gather(payloads)
-                if srcs is None:
-                    missed = True
-                else:
+                if srcs is not None:
                     run.fill(srcs)
-                    done.update(run.keys)
-            if not missed and dst.runs_cover_all:
+                    filled.append(run)
+            if len(filled) == len(dst.runs) and dst.runs_cover_all:
                 return  # every field of the row was in a run
+        done = {key for run in filled for key in run.keys}
         dsts: list[torch.Tensor] = []
         rest: list[torch.Tensor] = []
         for index, payload in payloads.items():

@@ -218,19 +218,16 @@ def _write_direct(
     try:
         # the header and the data's last partial block go through one page-aligned
         # bounce buffer; the body straight from the caller's memory
-        bounce = mmap.mmap(-1, max(len(head), a if body < data.nbytes else 0, a))
+        bounce = mmap.mmap(-1, max(len(head), a))
         try:
             bounce[: len(head)] = head
-            _write_all(fd, memoryview(bounce)[: len(head)])
-            chunk = WRITE_CHUNK if progress is not None else body
-            for off in range(0, body, max(chunk, a)):
-                _write_all(fd, data[off : min(body, off + max(chunk, a))])
-                if progress is not None:
-                    progress(min(body, off + max(chunk, a)))
+            _writev_all(fd, [memoryview(bounce)[: len(head)]])
+            # chunks of WRITE_CHUNK (a multiple of the alignment) with a progress callback
+            _writev_all(fd, [data[:body]], progress)
             if body < data.nbytes:
                 bounce[:a] = bytes(a)
                 bounce[: data.nbytes - body] = data[body:]
-                _write_all(fd, memoryview(bounce)[:a])
+                _writev_all(fd, [memoryview(bounce)[:a]])
                 if progress is not None:
                     progress(data.nbytes)
         finally:
@@ -246,12 +243,6 @@ def _write_direct(
     finally:
         os.close(fd)
     return True
-
-
-def _write_all(fd: int, buf: memoryview) -> None:
-    while buf.nbytes:
-        n = os.write(fd, buf)
-        buf = buf[n:]
 
 
 WRITE_CHUNK = 64 << 20
