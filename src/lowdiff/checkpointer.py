@@ -16,6 +16,7 @@ import torch
 
 from lowdiff.baselines import BASELINES
 from lowdiff.engine import state as st
+from lowdiff.engine.spawn import refuse_in_bootstrap
 from lowdiff.strategy import Strategy
 
 _OWN: dict[str, str] = {
@@ -125,6 +126,7 @@ class Checkpointer:
         strategy: str = "lowdiff",
         **options: Any,
     ) -> None:
+        refuse_in_bootstrap("lowdiff.Checkpointer")
         if not isinstance(strategy, str):
             raise TypeError(f"strategy must be a str, got {type(strategy).__name__}")
         cls = strategy_class(strategy)

@@ -68,12 +68,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as tmp
 
 from lowdiff.baselines.base import BaselineCheckpointer, commit_path, published, save_state
 from lowdiff.baselines.torch_save import PREFIX, SUFFIX
 from lowdiff.compressors.base import Compressor
 from lowdiff.engine import replica as rp
+from lowdiff.engine.spawn import exited_before_ready, spawn_context
 from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
@@ -476,6 +476,7 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
     def _init_state(self) -> None:
         # persist process and pipes
         self._proc: Any = None
+        self._ready = False  # the persist process reported ready
         self._req: Connection | None = None
         self._res: Connection | None = None
         self._send_lock = threading.Lock()
@@ -600,9 +601,10 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
 
     def _after_resume(self) -> None:
         (self.root / layout.FULL_DIR).mkdir(exist_ok=True)
-        ctx = tmp.get_context("spawn")
+        ctx = spawn_context()
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
+        self._ready = False
         self._proc = ctx.Process(
             target=persist_main,
             args=(PersistConfig(str(self.root), self.keep_full), req_r, res_w),
@@ -620,6 +622,7 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
                 raise CheckpointWorkerError(
                     f"the persist process did not start within {self.start_timeout:.0f} s"
                 )
+        self._ready = True
 
     def _before_update(self, t: int) -> None:
         t0 = time.perf_counter()
@@ -819,6 +822,10 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
             if self._error is None:
                 self._error = CheckpointWorkerError(
                     f"the checkfreq persist process exited unexpectedly (exit code {proc.exitcode})"
+                    if self._ready
+                    else exited_before_ready(
+                        "the checkfreq persist process", proc.pid, proc.exitcode
+                    )
                 )
         if self._error is not None:
             raise self._error

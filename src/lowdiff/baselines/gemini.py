@@ -103,7 +103,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 import xxhash
 
 from lowdiff.baselines.base import (
@@ -120,6 +119,7 @@ from lowdiff.dist.context import DistContext, rank_dir
 from lowdiff.dist.context import detect as detect_dist
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
+from lowdiff.engine.spawn import exited_before_ready, spawn_context
 from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
@@ -863,7 +863,7 @@ class GeminiCheckpointer(BaselineCheckpointer):
 
     def _spawn_holder(self) -> None:
         _stop_stale_holder(self.root, self.start_timeout)
-        ctx = tmp.get_context("spawn")
+        ctx = spawn_context()
         mine, theirs = ctx.Pipe(duplex=True)
         run_id = uuid.uuid4().hex
         cfg = _HolderConfig(
@@ -879,6 +879,7 @@ class GeminiCheckpointer(BaselineCheckpointer):
             self._disk_step,
             os.getpid(),
         )
+        self._holder_pid = -1  # until it reports ready
         self._proc = ctx.Process(
             target=_holder_main, args=(cfg, theirs), name="lowdiff-gemini-holder", daemon=False
         )
@@ -1118,6 +1119,12 @@ class GeminiCheckpointer(BaselineCheckpointer):
         self._poll()
         if self._holder_error is not None:
             raise self._holder_error
+        if self._holder_pid < 0 and self._proc is not None:  # it never reported ready
+            proc = self._proc
+            proc.join(1.0)
+            raise CheckpointWorkerError(
+                exited_before_ready("the holder process", proc.pid, proc.exitcode)
+            )
         raise CheckpointWorkerError(
             f"the holder process of {self.root} (pid {self._holder_pid}) exited unexpectedly"
         )

@@ -80,7 +80,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as tmp
 
 from lowdiff.baselines.base import (
     BaselineCheckpointer,
@@ -95,6 +94,7 @@ from lowdiff.compressors.base import Compressor, check_payload, compressor_from_
 from lowdiff.compressors.sparse import TopK
 from lowdiff.engine import state as st
 from lowdiff.engine.replica import ensure_shm_space
+from lowdiff.engine.spawn import exited_before_ready, spawn_context
 from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
@@ -514,7 +514,7 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
     def _start_worker(self) -> None:
         if self._proc is not None:
             return
-        ctx = tmp.get_context("spawn")
+        ctx = spawn_context()
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
@@ -624,8 +624,11 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
             self._poll()
             if self._worker_error is not None:
                 raise self._worker_error
+            proc = self._proc
             raise CheckpointWorkerError(
-                f"the checkpointing process exited unexpectedly (exit code {self._proc.exitcode})"
+                f"the checkpointing process exited unexpectedly (exit code {proc.exitcode})"
+                if self._ready
+                else exited_before_ready("the checkpointing process", proc.pid, proc.exitcode)
             )
 
     def _request(self, kind: str, reply: str) -> None:

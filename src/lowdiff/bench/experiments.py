@@ -43,7 +43,6 @@ hand every step to a process that outlives a crash of the trainer; every row say
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -66,6 +65,7 @@ from lowdiff.bench.core import (
     newest_full_bytes,
 )
 from lowdiff.bench.core import make_optimizer as _make_optimizer
+from lowdiff.engine.spawn import spawn_context
 
 EXPERIMENTS = (
     "overhead",
@@ -596,7 +596,7 @@ def _killed_case(ctx: Context, arm: Arm, f: int, target: int) -> dict[str, Any]:
     d = Path(s.workdir) / f"lowdiff-bench-recovery-{os.getpid()}-{arm.strategy}-killed-{f}"
     _rmtree(d)
     try:
-        proc = mp.get_context("spawn").Process(
+        proc = spawn_context().Process(
             target=_killed_child,
             args=({**asdict(s), "workdir": str(s.workdir)}, str(d), arm, target),
         )

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import multiprocessing as mp
 import os
 import random
 import shutil
@@ -66,6 +65,7 @@ import torch.nn.functional as F
 import lowdiff
 from lowdiff.bench.core import Arm, BenchSettings, build_workload, make_optimizer, torch_threads
 from lowdiff.bench.experiments import QUICK_PROFILE, Context, Profile, baseline_arms
+from lowdiff.engine.spawn import spawn_context
 from lowdiff.workloads import text, zoo
 
 TOP_K = 10
@@ -622,7 +622,7 @@ def _group(ctx: Context, sizes: Sizes, cases: list[Case]) -> list[dict[str, Any]
     k, total = sizes.failure_step, sizes.final_step
     keys = ", ".join(dict.fromkeys(c.setting.key for c in cases))
     ctx.progress(f"{keys}: training {len(cases)} runs to step {k} in one process, then SIGKILL")
-    proc = mp.get_context("spawn").Process(
+    proc = spawn_context().Process(
         target=_failing_child,
         args=(_settings_dict(s), cases, k, torch.get_num_threads()),
         name="lowdiff-fidelity-child",

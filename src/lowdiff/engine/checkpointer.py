@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.multiprocessing as tmp
 from torch.profiler import record_function
 
 from lowdiff.compressors.base import Compressor, NoCompression
@@ -65,6 +64,7 @@ from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
 from lowdiff.engine.replica_worker import ReplicaConfig, optimizer_class, replica_worker_main
 from lowdiff.engine.snapshot import GradSnapshotter
+from lowdiff.engine.spawn import exited_before_ready, spawn_context
 from lowdiff.engine.worker import (
     WorkerConfig,
     acquire_flock,
@@ -685,7 +685,7 @@ class LowDiffStrategy(Strategy):
     # ------------------------------------------------------------------ checkpointing process
     def _launch_worker(self) -> None:
         assert self.root is not None
-        ctx = tmp.get_context("spawn")
+        ctx = spawn_context()
         n_slots = self.max_lag if self.strategy == "lowdiff+" else self._max_inflight()
         rp.ensure_shm_space(n_slots * self.layout.row_bytes, "the record slots")
         slots = torch.zeros((n_slots, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
@@ -895,6 +895,12 @@ class LowDiffStrategy(Strategy):
             self._poll()  # an error it sent just before exiting
             if self._worker_error is not None:
                 self._raise_worker_error()
+            if not self._replies.get("ready", 0):
+                raise CheckpointWorkerError(
+                    exited_before_ready(
+                        "the checkpointing process", self._proc.pid, self._proc.exitcode
+                    )
+                )
             raise CheckpointWorkerError(
                 f"the checkpointing process (pid {self._proc.pid}) exited unexpectedly "
                 f"(exit code {self._proc.exitcode}) without reporting an error"
