@@ -39,7 +39,13 @@ def _main_script() -> str | None:
     if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
         return None  # python -m: the new process imports the module by name
     path = getattr(main, "__file__", None)
-    return None if path is None else str(path)
+    if path is None:
+        return None  # python -c, a notebook: nothing to run again
+    path = str(path)
+    origin = getattr(mp.process, "ORIGINAL_DIR", None)  # where spawn resolves a relative path
+    if not os.path.isabs(path) and origin is not None:
+        path = os.path.join(origin, path)
+    return path
 
 
 def guard_hint() -> str:
