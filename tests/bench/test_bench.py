@@ -18,7 +18,6 @@ from lowdiff.bench.core import (
 )
 from lowdiff.bench.experiments import Profile, compressed_arms, uncompressed_arms
 from lowdiff.bench.report import markdown, plots
-from lowdiff.cli.bench import add_parser, child_argv
 from lowdiff.cli.main import main
 
 pytestmark = pytest.mark.multiprocess
@@ -121,18 +120,6 @@ def test_newest_full_bytes_skips_the_step_zero_checkpoint(tmp_path: Path) -> Non
     assert newest_full_bytes(None) is None
 
 
-def test_cli_child_gets_the_same_arguments() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
-    argv = ["bench", "overhead", "recovery", "--quick", "--out", "r", "--iters", "7"]
-    argv += ["--methods", "lowdiff,gemini", "--quiet", "--grad-accum", "2"]
-    args = parser.parse_args(argv)
-    again = parser.parse_args(["bench", *child_argv(args)])
-    assert vars(again) == vars(args)
-
-
 def test_summarize() -> None:
     assert summarize([3.0, 1.0, 2.0]) == {"median_s": 2.0, "min_s": 1.0, "max_s": 3.0, "n": 3}
     assert summarize([])["median_s"] is None
@@ -170,8 +157,8 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
     lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     run, rows = lines[0], lines[1:]
     assert run["kind"] == "run" and run["machine"]["torch"] and "git_revision" in run["machine"]
-    assert "OMP_WAIT_POLICY" in run["machine"]["env"]
-    assert run["background_env"]["OMP_WAIT_POLICY"] is not None
+    assert "OMP_WAIT_POLICY" in run["machine"]["env"]  # reported, set or not
+    assert "OMP_WAIT_POLICY" in run["background_env"]
     by_exp = {e: [r for r in rows if r["experiment"] == e] for e in DEFAULT_EXPERIMENTS}
     assert all(by_exp[e] for e in DEFAULT_EXPERIMENTS), {e: len(v) for e, v in by_exp.items()}
     baselines = {

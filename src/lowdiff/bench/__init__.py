@@ -72,9 +72,6 @@ def run_bench(
             raise ValueError(f"unknown method(s) {bad}; known: {list(METHODS)}")
     say = progress or (lambda _m: None)
     machine = machine_info(settings.device)  # the environment this process started with
-    # every background process gets passive OpenMP waiting, as the demo's processes do
-    # (``lowdiff bench`` on the command line sets it for the trainer as well)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = Context(settings, profile, say, methods=None if methods is None else frozenset(methods))
     # (the settings' workload is built only where an experiment trains it)
     own = all(e in OWN_WORKLOADS for e in experiments)

@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from lowdiff.cli.common import child_env, end_progress, progress_printer
-
-CHILD_FLAG = "LOWDIFF_BENCH_CHILD"
-"""Set in the environment of the process that runs the bench for the command line."""
+from lowdiff.cli.common import end_progress, progress_printer
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -80,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
     bad = [e for e in experiments if e not in EXPERIMENTS]
     if bad:
         raise ValueError(f"unknown experiment(s) {', '.join(bad)}; known: {', '.join(EXPERIMENTS)}")
-    if os.environ.get("OMP_WAIT_POLICY") is None and not os.environ.get(CHILD_FLAG):
-        return _in_child(args)
     settings = BenchSettings(
         args.workload or (QUICK_WORKLOAD if args.quick else FULL_WORKLOAD),
         device=args.device,
@@ -110,41 +102,3 @@ def run(args: argparse.Namespace) -> int:
     for name, path in files.items():
         print(f"  {name}: {path}")
     return 0
-
-
-def child_argv(args: argparse.Namespace) -> list[str]:
-    """The ``lowdiff bench`` arguments that give ``args`` again."""
-    out = list(args.experiments)
-    for flag, value in (
-        ("--out", args.out),
-        ("--workload", args.workload),
-        ("--device", args.device),
-        ("--iters", args.iters),
-        ("--repeats", args.repeats),
-        ("--batch-size", args.batch_size),
-        ("--amp", args.amp),
-        ("--grad-accum", args.grad_accum),
-        ("--workdir", args.workdir),
-        ("--methods", args.methods),
-    ):
-        if value is not None:
-            out += [flag, str(value)]
-    out += [f for f, on in (("--quick", args.quick), ("--quiet", args.quiet)) if on]
-    return out
-
-
-def _in_child(args: argparse.Namespace) -> int:
-    """Run the bench in a process whose environment is the demo's (:func:`child_env`).
-
-    OpenMP reads ``OMP_WAIT_POLICY`` once, when torch is loaded, so it cannot be changed
-    in a running process. Without it, the trainer's threads spin at every barrier and
-    take the CPU from every background process (the checkpointing process, CheckFreq's
-    persist process, Gemini's holder, DCP's daemon), so every method that works in the
-    background would be measured slower than its users see it.
-    """
-    import torch
-
-    env = child_env(torch.get_num_threads())
-    env[CHILD_FLAG] = "1"
-    cmd = [sys.executable, "-m", "lowdiff", "bench", *child_argv(args)]
-    return subprocess.run(cmd, env=env, check=False).returncode

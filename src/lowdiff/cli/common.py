@@ -58,14 +58,14 @@ def child_env(threads: int) -> dict[str, str]:
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = str(threads)
-    # On a shared machine, OpenMP threads that spin at barriers while a sibling thread is
-    # descheduled make steps 5-10x slower in bursts (measured: ~1 s instead of ~160 ms);
-    # passive waiting keeps timings usable, but it is not free: on a quiet 2-core machine
-    # a compressed gpt2-demo step took 104 ms instead of 66-73 ms with spinning threads.
-    # Every arm of a run is measured under the same policy, and one set in the
-    # environment wins (setdefault). It does not change how work is split, so results
-    # stay bit-identical.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP's wait policy is left as the caller's environment has it: unset, idle threads
+    # spin for a while at barriers, as in a user's own training, and every figure is
+    # measured against that training. OMP_WAIT_POLICY=PASSIVE can steady the timings on
+    # a shared machine, where a spinning thread whose sibling was descheduled makes steps
+    # 5-10x slower in bursts (measured: ~1 s instead of ~160 ms), but it slows training
+    # itself (on a quiet 2-core machine a compressed gpt2-demo step took 108 ms instead of
+    # 67-69 ms), which makes every overhead look smaller. Neither changes how work is
+    # split, so results stay bit-identical.
     env["PYTHONUNBUFFERED"] = "1"
     # Nothing may be downloaded at run time.
     env.setdefault("HF_HUB_OFFLINE", "1")
