@@ -286,3 +286,16 @@ def test_report_renders_missing_values(tmp_path: Path) -> None:
     text = markdown(run, rows)
     assert "| A | > 1 | 1: +50.0% |" in text
     assert [p.name for p in plots(tmp_path, rows, ["frequency"])] == ["frequency.png"]
+
+
+def test_training_processes_keep_the_callers_openmp_policy(monkeypatch) -> None:
+    """The demo's, the bench's and chaos's training processes run as the user's training
+    would: no wait policy is forced on them, and one the caller set is kept."""
+    from lowdiff.cli.common import child_env
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = child_env(3)
+    assert "OMP_WAIT_POLICY" not in env
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert child_env(1)["OMP_WAIT_POLICY"] == "PASSIVE"
