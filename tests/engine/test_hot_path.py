@@ -4,6 +4,7 @@ every change; the pipeline's stage timings add up."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -194,9 +195,11 @@ def test_attach_times_the_same_stages(tmp_path):
     assert times["steps"] == 3 and times["compress"] > 0
 
 
-def test_checkpointing_process_runs_at_a_lower_priority(tmp_path):
-    """A hand-over must not make the LowDiff checkpointing process preempt the trainer:
-    it runs WORKER_NICE below the trainer's priority (the trainer's own is untouched)."""
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_checkpointing_process_runs_at_a_lower_priority(tmp_path, strategy):
+    """A hand-over must not make the checkpointing process (LowDiff's writer, LowDiff+'s
+    replica) preempt the trainer: it runs WORKER_NICE below the trainer's priority (the
+    trainer's own is untouched)."""
     import os
 
     from lowdiff.engine.worker import WORKER_NICE
@@ -205,7 +208,8 @@ def test_checkpointing_process_runs_at_a_lower_priority(tmp_path):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mine = os.getpriority(os.PRIO_PROCESS, 0)
-    ck = lowdiff.Checkpointer(model, opt, tmp_path, compressor=lowdiff.TopK(ratio=0.5))
+    kw: dict[str, Any] = {"compressor": lowdiff.TopK(ratio=0.5)} if strategy == "lowdiff" else {}
+    ck = lowdiff.Checkpointer(model, opt, tmp_path, strategy=strategy, **kw)
     try:
         ck.resume()
         pid = ck.strategy_impl._proc.pid

@@ -64,8 +64,8 @@ from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
 
 WORKER_NICE = 10
-"""How much lower than the trainer's the LowDiff checkpointing process's priority is
-(``os.nice``; see :func:`worker_main`)."""
+"""How much lower than the trainer's the priority of the checkpointing process is, LowDiff's
+and LowDiff+'s (``os.nice``; see :func:`worker_main` and ``replica_worker_main``)."""
 
 
 @dataclass(frozen=True)
