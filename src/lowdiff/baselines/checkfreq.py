@@ -73,7 +73,7 @@ from lowdiff.baselines.base import BaselineCheckpointer, commit_path, published,
 from lowdiff.baselines.torch_save import PREFIX, SUFFIX
 from lowdiff.compressors.base import Compressor
 from lowdiff.engine import replica as rp
-from lowdiff.engine.spawn import exited_before_ready, spawn_context
+from lowdiff.engine.spawn import exit_message, spawn_context
 from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
@@ -821,11 +821,7 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
             self._poll()  # its last words may have arrived meanwhile
             if self._error is None:
                 self._error = CheckpointWorkerError(
-                    f"the checkfreq persist process exited unexpectedly (exit code {proc.exitcode})"
-                    if self._ready
-                    else exited_before_ready(
-                        "the checkfreq persist process", proc.pid, proc.exitcode
-                    )
+                    exit_message("the checkfreq persist process", proc, ready=self._ready)
                 )
         if self._error is not None:
             raise self._error

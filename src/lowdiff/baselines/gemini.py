@@ -119,7 +119,7 @@ from lowdiff.dist.context import DistContext, rank_dir
 from lowdiff.dist.context import detect as detect_dist
 from lowdiff.engine import replica as rp
 from lowdiff.engine import state as st
-from lowdiff.engine.spawn import exited_before_ready, spawn_context
+from lowdiff.engine.spawn import exit_message, spawn_context
 from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
@@ -1122,9 +1122,7 @@ class GeminiCheckpointer(BaselineCheckpointer):
         if self._holder_pid < 0 and self._proc is not None:  # it never reported ready
             proc = self._proc
             proc.join(1.0)
-            raise CheckpointWorkerError(
-                exited_before_ready("the holder process", proc.pid, proc.exitcode)
-            )
+            raise CheckpointWorkerError(exit_message("the holder process", proc, ready=False))
         raise CheckpointWorkerError(
             f"the holder process of {self.root} (pid {self._holder_pid}) exited unexpectedly"
         )

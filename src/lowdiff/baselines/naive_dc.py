@@ -94,7 +94,7 @@ from lowdiff.compressors.base import Compressor, check_payload, compressor_from_
 from lowdiff.compressors.sparse import TopK
 from lowdiff.engine import state as st
 from lowdiff.engine.replica import ensure_shm_space
-from lowdiff.engine.spawn import exited_before_ready, spawn_context
+from lowdiff.engine.spawn import exit_message, spawn_context
 from lowdiff.engine.worker import (
     acquire_flock,
     detach_from_trainer_group,
@@ -624,11 +624,8 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
             self._poll()
             if self._worker_error is not None:
                 raise self._worker_error
-            proc = self._proc
             raise CheckpointWorkerError(
-                f"the checkpointing process exited unexpectedly (exit code {proc.exitcode})"
-                if self._ready
-                else exited_before_ready("the checkpointing process", proc.pid, proc.exitcode)
+                exit_message("the checkpointing process", self._proc, ready=self._ready)
             )
 
     def _request(self, kind: str, reply: str) -> None:

@@ -64,7 +64,7 @@ from lowdiff.engine import state as st
 from lowdiff.engine.record import RecordLayout
 from lowdiff.engine.replica_worker import ReplicaConfig, optimizer_class, replica_worker_main
 from lowdiff.engine.snapshot import GradSnapshotter
-from lowdiff.engine.spawn import exited_before_ready, spawn_context
+from lowdiff.engine.spawn import exit_message, spawn_context
 from lowdiff.engine.worker import (
     WorkerConfig,
     acquire_flock,
@@ -895,15 +895,12 @@ class LowDiffStrategy(Strategy):
             self._poll()  # an error it sent just before exiting
             if self._worker_error is not None:
                 self._raise_worker_error()
-            if not self._replies.get("ready", 0):
-                raise CheckpointWorkerError(
-                    exited_before_ready(
-                        "the checkpointing process", self._proc.pid, self._proc.exitcode
-                    )
-                )
             raise CheckpointWorkerError(
-                f"the checkpointing process (pid {self._proc.pid}) exited unexpectedly "
-                f"(exit code {self._proc.exitcode}) without reporting an error"
+                exit_message(
+                    "the checkpointing process",
+                    self._proc,
+                    ready=self._replies.get("ready", 0) > 0,
+                )
             )
         if force:
             raise CheckpointWorkerError("the checkpointing process closed its connection")

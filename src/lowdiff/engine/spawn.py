@@ -9,7 +9,7 @@ or locks taken by other threads. ``spawn`` runs the main script again in the new
 - the script must keep its training under ``if __name__ == "__main__":``. Without the
   guard the new process would start training too; :func:`refuse_in_bootstrap` stops that
   at the first ``Checkpointer`` with an error that says so, and the trainer's error for a
-  process that exited before it was ready says the same (:func:`exited_before_ready`);
+  process that exited before it was ready says the same (:func:`exit_message`);
 - the main script must be a file the new process can read. A script piped into
   ``python -`` is not: :func:`spawn_context` refuses it before anything starts.
   ``python -c``, ``python -m`` and notebooks are fine (no file is run again).
@@ -85,10 +85,16 @@ def refuse_in_bootstrap(what: str) -> None:
         )
 
 
-def exited_before_ready(what: str, pid: int | None, exitcode: int | None) -> str:
-    """The message for a background process that exited before it reported ready."""
+def exit_message(what: str, proc: Any, *, ready: bool) -> str:
+    """The message for a background process ``proc`` that exited without reporting an
+    error: before it reported ready (with the usual cause), or later."""
+    if ready:
+        return (
+            f"{what} (pid {proc.pid}) exited unexpectedly (exit code {proc.exitcode}) "
+            "without reporting an error"
+        )
     return (
-        f"{what} (pid {pid}) exited with code {exitcode} while starting, before it was "
-        f"ready; its own error, if any, is on standard error. The usual cause: "
+        f"{what} (pid {proc.pid}) exited with code {proc.exitcode} while starting, before "
+        f"it was ready; its own error, if any, is on standard error. The usual cause: "
         f"{guard_hint()}"
     )
