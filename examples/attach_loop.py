@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         import safetensors.torch
 
-        from lowdiff.engine.state import state_tensors
+        from lowdiff.state.capture import state_tensors
 
         state = state_tensors(model, optimizer, scheduler)
         state["data.position"] = torch.tensor(loader.state_dict()["_num_yielded"])

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         import safetensors.torch
 
-        from lowdiff.engine.state import state_tensors
+        from lowdiff.state.capture import state_tensors
         from lowdiff.integrations._common import unwrap_optimizer
 
         state = state_tensors(

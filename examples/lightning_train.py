@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         import safetensors.torch
 
-        from lowdiff.engine.state import state_tensors
+        from lowdiff.state.capture import state_tensors
         from lowdiff.integrations._common import unwrap_optimizer
 
         sched = trainer.lr_scheduler_configs[0].scheduler

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lowdiff.dist.context import DistContext
+from lowdiff.ddp.context import DistContext
 from lowdiff.torture.report import TortureReport
 
 # Tests run on 2 shared cores; more threads only add contention and noise.

@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-from lowdiff.attach import attach
+from lowdiff.attach import attach, own_strategy
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.compressors import QSGD, ApproxTopK, Compressor, NoCompression, RandomK, TopK
 from lowdiff.errors import (
@@ -24,7 +24,8 @@ from lowdiff.errors import (
 )
 from lowdiff.exporting import export
 from lowdiff.inspect import DirectoryInfo, inspect_dir, verify_dir
-from lowdiff.recovery.replay import RecoveryStats, restore
+from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.restore import restore
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "RecoveryWarning",
     "TopK",
     "attach",
+    "own_strategy",
     "export",
     "inspect_dir",
     "restore",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lowdiff.checkpointer import Checkpointer
-from lowdiff.engine.checkpointer import LowDiffStrategy
+from lowdiff.engine.base import EngineStrategy
 
 _ATTACHED = "_lowdiff_attached"
 
@@ -115,7 +115,7 @@ def attach(
         )
     ck = Checkpointer(model, optimizer, directory, **options)
     impl = ck.strategy_impl
-    if not isinstance(impl, LowDiffStrategy):
+    if not isinstance(impl, EngineStrategy):
         ck.close()
         raise ValueError(
             f"attach() drives lowdiff's own strategies ('lowdiff', 'lowdiff+', 'none'), not "
@@ -129,6 +129,21 @@ def attach(
     setattr(optimizer, _ATTACHED, str(directory))
     impl.on_close(lambda: _detach(optimizer))
     return ck
+
+
+def own_strategy(ck: Checkpointer) -> EngineStrategy:
+    """The strategy object of ``ck`` when it is one of lowdiff's own (``"lowdiff"``,
+    ``"lowdiff+"``, ``"none"``), typed as such: its documented internals (``root``,
+    ``params``, ``compressor``, ``worker_process``, ``ddp_hook_state``, ...) are reached
+    through it.
+
+    Raises:
+        TypeError: ``ck`` runs a baseline.
+    """
+    impl = ck.strategy_impl
+    if not isinstance(impl, EngineStrategy):
+        raise TypeError(f"not a lowdiff strategy: {ck.strategy!r}")
+    return impl
 
 
 def _detach(optimizer: torch.optim.Optimizer) -> None:

@@ -15,14 +15,14 @@ from typing import Any
 import torch
 
 from lowdiff.baselines import BASELINES
-from lowdiff.engine import state as st
-from lowdiff.engine.spawn import refuse_in_bootstrap
+from lowdiff.proc.spawn import refuse_in_bootstrap
+from lowdiff.state import capture as st
 from lowdiff.strategy import Strategy
 
 _OWN: dict[str, str] = {
-    "lowdiff": "lowdiff.engine.checkpointer:LowDiffStrategy",
-    "lowdiff+": "lowdiff.engine.checkpointer:LowDiffPlusStrategy",
-    "none": "lowdiff.engine.checkpointer:LowDiffStrategy",
+    "lowdiff": "lowdiff.engine.lowdiff:LowDiffStrategy",
+    "lowdiff+": "lowdiff.engine.lowdiff_plus:LowDiffPlusStrategy",
+    "none": "lowdiff.engine.none:NoCheckpointStrategy",
 }
 _STRATEGIES: dict[str, str] = {**_OWN, **BASELINES}
 """Strategy name -> ``module:class`` (imported on first use)."""
@@ -117,6 +117,10 @@ class Checkpointer:
         >>> ck.close()  # doctest: +SKIP
     """
 
+    __slots__ = ("_impl",)
+    # The facade holds the strategy and nothing else: its attributes are the typed
+    # properties below; a strategy's own state is reached through ``strategy_impl``.
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -131,14 +135,12 @@ class Checkpointer:
             raise TypeError(f"strategy must be a str, got {type(strategy).__name__}")
         cls = strategy_class(strategy)
         st.check_training_objects(model, optimizer, options.get("scheduler"))
-        if strategy in _OWN:
-            options["strategy"] = strategy
-        elif options.get("extra_state"):
-            raise ValueError(
-                f"extra_state is supported by lowdiff's own strategies ({', '.join(map(repr, _OWN))}), "
-                f"not by the baseline {strategy!r}"
-            )
-        else:
+        if strategy not in _OWN:
+            if options.get("extra_state"):
+                raise ValueError(
+                    f"extra_state is supported by lowdiff's own strategies ({', '.join(map(repr, _OWN))}), "
+                    f"not by the baseline {strategy!r}"
+                )
             options.pop("extra_state", None)
         self._impl: Strategy = cls(model, optimizer, directory, **options)
 
@@ -223,7 +225,7 @@ class Checkpointer:
     @property
     def plan_history(self) -> list[dict[str, Any]]:
         """With ``"auto"``: every (f, b) this session used, oldest first (see
-        :attr:`lowdiff.engine.checkpointer.LowDiffStrategy.plan_history`)."""
+        :attr:`lowdiff.engine.base.EngineStrategy.plan_history`)."""
         return self._impl.plan_history
 
     @property
@@ -231,18 +233,21 @@ class Checkpointer:
         """:class:`lowdiff.RecoveryStats` of :meth:`resume`, or None."""
         return self._impl.recovery_stats
 
-    def __getattr__(self, name: str) -> Any:
-        # the strategy's own attributes (root, full_every, batch_size, compressor, ...)
-        if name == "_impl":
-            raise AttributeError(name)
-        return getattr(self._impl, name)
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained (as passed in)."""
+        return self._impl.model
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # the facade holds nothing but the strategy: attributes are the strategy's
-        if name == "_impl":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._impl, name, value)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose updates are checkpointed (a framework's wrapper unwrapped
+        by :func:`lowdiff.attach`)."""
+        return self._impl.optimizer
+
+    @property
+    def scheduler(self) -> Any | None:
+        """The LR scheduler, or None."""
+        return self._impl.scheduler
 
     def __enter__(self) -> Checkpointer:
         return self

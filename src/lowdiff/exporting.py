@@ -26,7 +26,6 @@ import importlib
 import json
 import os
 import shutil
-import sys
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -35,40 +34,39 @@ from typing import Any
 
 import torch
 
-from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.state import unwrap_model
-from lowdiff.errors import CheckpointMismatchError, CorruptCheckpointError, RecoveryError
+from lowdiff.ddp.shard import merge_state_dicts
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    NotACheckpointDirectoryError,
+    RecoveryError,
+)
 from lowdiff.format import codec, layout, sfile
-from lowdiff.recovery.replay import RecoveryStats, recover
+from lowdiff.recovery.job import (
+    generations,
+    is_job_dir,
+    plan_sharded,
+    scan_dirs,
+    serving_generation,
+    shard_files,
+)
+from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.restore import recover
+from lowdiff.recovery.scan import make_plan, scan
+from lowdiff.state.model_config import MODEL_CONFIG_KEY, model_config_entry
+from lowdiff.state.record import RecordLayout
+
+__all__ = [
+    "FORMATS",
+    "MODEL_CONFIG_KEY",
+    "export",
+    "fqn_optimizer_state_dict",
+    "model_config_entry",
+    "rebuild",
+]
 
 FORMATS = ("safetensors", "torch", "dcp", "hf")
 """What :func:`export` writes (``format=``)."""
-
-MODEL_CONFIG_KEY = "model_config"
-"""Manifest entry with a ``transformers`` model's class and config (for ``format="hf"``)."""
-
-
-def model_config_entry(model: torch.nn.Module) -> dict[str, Any]:
-    """``{"model_config": ...}`` for a ``transformers`` model, else ``{}`` (a manifest entry).
-
-    The entry holds the model's class name and its config as plain JSON (``to_dict()``),
-    enough to rebuild the architecture for an ``hf`` export; nothing is pickled. Only a
-    model of a class ``transformers`` itself exports is recorded, and ``transformers`` is
-    never imported here (a model of it means it is loaded already).
-    """
-    tf = sys.modules.get("transformers")
-    m = unwrap_model(model)
-    if tf is None or not isinstance(m, getattr(tf, "PreTrainedModel", ())):
-        return {}
-    cls = type(m).__name__
-    if getattr(tf, cls, None) is not type(m):
-        return {}
-    try:
-        config = json.loads(getattr(m, "config").to_json_string(use_diff=False))  # noqa: B009
-        json.dumps(config, allow_nan=False)  # the manifest is strict JSON
-    except (TypeError, ValueError, AttributeError):
-        return {}
-    return {MODEL_CONFIG_KEY: {"library": "transformers", "class": cls, "config": config}}
 
 
 class _SchedulerState:
@@ -120,20 +118,11 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 def _full_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], list[RecordLayout]]:
     """Headers of the full checkpoints recovery to ``step`` starts from (one per shard),
     and the shards' record layouts. Raises :class:`RecoveryError` for a step not served."""
-    from lowdiff.dist.recovery import (
-        _files_for,
-        is_job_dir,
-        plan_sharded,
-        scan_dirs,
-        serving_generation,
-    )
-    from lowdiff.recovery.scan import make_plan, scan
-
     g = serving_generation(root, step) if is_job_dir(root) else None
     if g is not None and not g.single:
         scans = scan_dirs(g.root, g.shard_dirs())
         target, full = plan_sharded(scans, step)
-        fulls = [_files_for(sc, full, target, frozenset())[0] for sc in scans]
+        fulls = [shard_files(sc, full, target, frozenset())[0] for sc in scans]
     else:  # a single process's directory (or generation 0 of a job that resumed one)
         sc = scan(root)
         scans, fulls = [sc], [make_plan(sc, step).full]
@@ -149,8 +138,6 @@ def rebuild(
     Works on a single-process directory and on a distributed job's (every shard, rank 0's
     per-rank state). ``scheduler``, when given, receives the scheduler state.
     """
-    from lowdiff.dist.shard import merge_state_dicts
-
     root = Path(path)
     headers, rls = _full_headers(root, step)
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -208,8 +195,6 @@ def _index(p: Any) -> int:
 def _first_manifest(root: Path) -> dict[str, Any]:
     """The manifest with the training settings: rank 0's of the newest generation for a
     distributed job."""
-    from lowdiff.dist.recovery import generations, is_job_dir
-
     return layout.read_manifest(generations(root)[-1].shard_dirs()[0] if is_job_dir(root) else root)
 
 
@@ -250,8 +235,6 @@ def export(
         raise ValueError(f"step must be a non-negative int or None, got {step!r}")
     root, dest = Path(path), Path(out)
     if not root.is_dir():
-        from lowdiff.errors import NotACheckpointDirectoryError
-
         raise NotACheckpointDirectoryError(f"{root} does not exist or is not a directory")
     if dest.resolve().is_relative_to(root.resolve()):
         raise ValueError(f"out must lie outside the checkpoint directory {root}, got {dest}")

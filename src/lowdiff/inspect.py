@@ -12,16 +12,23 @@ from typing import Any
 
 import torch
 
+from lowdiff.baselines.base import is_baseline_dir, verify_baseline_dir
 from lowdiff.errors import CorruptCheckpointError, RecoveryError
+from lowdiff.exporting import export as _export
+from lowdiff.exporting import rebuild as _rebuild
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
+from lowdiff.proc.holder import replica_status
+from lowdiff.recovery.job import generations, is_job_dir, scan_dirs
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import (
     FileInfo,
+    chain_from,
     make_plan,
     recoverable_intervals,
     recoverable_range,
     scan,
+    usable,
 )
 
 
@@ -82,8 +89,6 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
         >>> info.recoverable  # doctest: +SKIP
         (0, 240)
     """
-    from lowdiff.engine.replica import replica_status
-
     sc = scan(path)
     try:
         foreign = [(x.file.path, x.describe()) for x in make_plan(sc, None).foreign]
@@ -126,13 +131,10 @@ def inspect_job(path: str | Path) -> JobInfo:
     """Summarise a distributed job's directory: every shard, and the steps all of them serve.
 
     A job resumed at other world sizes has several generations (see
-    :func:`lowdiff.dist.recovery.generations`): the shards of every generation are listed,
+    :func:`lowdiff.recovery.job.generations`): the shards of every generation are listed,
     oldest first, the steps are those some generation serves, and the manifest is the
     newest generation's.
     """
-    from lowdiff.dist.recovery import generations, scan_dirs
-    from lowdiff.recovery.scan import chain_from, usable
-
     root = Path(path)
     gens = generations(root)
     shards: list[DirectoryInfo] = []
@@ -161,8 +163,6 @@ def inspect_job(path: str | Path) -> JobInfo:
 
 def is_job(path: str | Path) -> bool:
     """True when ``path`` is the root of a distributed job's checkpoint directory."""
-    from lowdiff.dist.recovery import is_job_dir
-
     return is_job_dir(Path(path))
 
 
@@ -173,13 +173,9 @@ def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
         (number of files checked, [(path, reason) for every bad file]).
     """
     root = Path(path)
-    from lowdiff.baselines.base import is_baseline_dir, verify_baseline_dir
-
     if is_baseline_dir(root):  # a baseline strategy's directory: commit files, not sfiles
         return verify_baseline_dir(root)
     if is_job(root):
-        from lowdiff.dist.recovery import generations
-
         n_checked, bad_shards = 1, []
         for g in generations(root):
             if g.single:  # a single process's directory that a job resumed
@@ -238,8 +234,6 @@ def rebuild(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, RecoveryStats]:
     """Rebuild a stand-in model and optimizer from the checkpoint alone and restore ``step``
     (see :func:`lowdiff.exporting.rebuild`)."""
-    from lowdiff.exporting import rebuild as _rebuild
-
     return _rebuild(path, step)
 
 
@@ -255,6 +249,4 @@ def export(
     Returns:
         The exported step.
     """
-    from lowdiff.exporting import export as _export
-
     return _export(path, step, out, format=format)

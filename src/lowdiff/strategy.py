@@ -1,8 +1,9 @@
 """The contract of a checkpointing strategy, and the one step pipeline they all run.
 
 A strategy decides what a checkpoint is and how it gets to disk: lowdiff's own
-(:class:`lowdiff.engine.checkpointer.LowDiffStrategy` for ``"lowdiff"`` and ``"none"``,
-:class:`~lowdiff.engine.checkpointer.LowDiffPlusStrategy` for ``"lowdiff+"``) and the
+(:class:`lowdiff.engine.lowdiff.LowDiffStrategy` for ``"lowdiff"``,
+:class:`~lowdiff.engine.lowdiff_plus.LowDiffPlusStrategy` for ``"lowdiff+"`` and
+:class:`~lowdiff.engine.none.NoCheckpointStrategy` for ``"none"``) and the
 baselines of :mod:`lowdiff.baselines` are peers under this contract. Users reach every one
 through :class:`lowdiff.Checkpointer`, which validates the arguments, picks the strategy
 by name and hands every call to it.
@@ -60,7 +61,7 @@ import torch
 from torch.profiler import record_function
 
 from lowdiff.compressors.base import Compressor
-from lowdiff.engine import state as st
+from lowdiff.state import capture as st
 
 STORAGE_ERRORS = frozenset(
     c.__name__
@@ -273,7 +274,7 @@ class Strategy(abc.ABC):
     def hparams(self) -> Any:
         """The update's hyperparameters, taken before ``optimizer.step()`` (called only
         when :attr:`records_hparams`); passed to :meth:`after_update` as ``hp``. By
-        default :func:`lowdiff.engine.state.capture_hparams`; a strategy may return them
+        default :func:`lowdiff.state.capture.capture_hparams`; a strategy may return them
         in the form it stores them."""
         return st.capture_hparams(self.optimizer)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine.state import diff_states, snapshot_state
+from lowdiff.state.capture import diff_states, snapshot_state
 
 
 def build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:

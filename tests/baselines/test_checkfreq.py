@@ -19,6 +19,7 @@ from tests.baselines import harness
 import lowdiff
 from lowdiff.baselines import base
 from lowdiff.baselines import checkfreq as cf
+from lowdiff.baselines import checkfreq_layout as cfl
 from lowdiff.format import layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ def test_constructor_and_bad_options(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "ok", strategy="checkfreq", full_every=4)
     assert (
-        isinstance(ck.strategy_impl, cf.CheckFreqCheckpointer) and ck.interval == 4 == ck.full_every
+        isinstance(ck.strategy_impl, cf.CheckFreqCheckpointer) and ck.strategy_impl.interval == 4 == ck.strategy_impl.full_every
     )
     ck.close()
     bad: list[tuple[type[Exception], str, dict]] = [
@@ -275,13 +276,13 @@ def test_auto_profiles_then_picks_an_interval(
         keep_full=None,
     )
     ck.resume()
-    assert ck.interval is None and "full_every='auto'" in repr(ck)
+    assert ck.strategy_impl.interval is None and "full_every='auto'" in repr(ck)
     t = 0
-    while ck.interval is None:
+    while ck.strategy_impl.interval is None:
         assert t < 1000, "no interval chosen"
         _train(ck, objects, t, t + 1)
         t += 1
-    k = ck.interval
+    k = ck.strategy_impl.interval
     chosen_at = t
     _train(ck, objects, t, t + 2 * k + 1)
     t += 2 * k + 1
@@ -363,14 +364,14 @@ def test_flattener_keeps_one_leaf_per_tied_tensor() -> None:
     model = _Tied()
     sd = model.state_dict()
     assert sd["emb.weight"].data_ptr() == sd["head.weight"].data_ptr()
-    fl = cf._Flattener({p.data_ptr() for p in model.parameters()})
+    fl = cfl.Flattener({p.data_ptr() for p in model.parameters()})
     skeleton = fl.flatten({"model": sd, "buffers": {"other": torch.zeros(3)}})
     assert len(fl.leaves) == 2 and fl.deferrable == [True, False]
     assert skeleton["model"]["emb.weight"] == skeleton["model"]["head.weight"]
-    rebuilt = cf._rebuild(skeleton, [t.clone() for t in fl.leaves])
+    rebuilt = cfl.rebuild(skeleton, [t.clone() for t in fl.leaves])
     assert rebuilt["model"]["emb.weight"] is rebuilt["model"]["head.weight"]
     # a view of the same memory with another shape is its own leaf
-    fl2 = cf._Flattener(set())
+    fl2 = cfl.Flattener(set())
     w = model.emb.weight.detach()
     fl2.flatten({"a": w, "b": w.view(-1)})
     assert len(fl2.leaves) == 2

@@ -75,7 +75,7 @@ def test_process_saver_resume_is_exact_and_leaves_no_process(tmp_path: Path) -> 
     ck, _, _ = harness.run(d, 0, 7, strategy="dcp-async", full_every=3, async_mode="process")
     assert isinstance(ck, lowdiff.Checkpointer) and ck.strategy == "dcp-async"
     assert isinstance(ck.strategy_impl, BaselineCheckpointer)
-    assert ck.async_mode == "process" and ck.stats["process_saver"] == 1.0
+    assert ck.strategy_impl.async_mode == "process" and ck.stats["process_saver"] == 1.0
     assert ck.stats["durable_step"] == 6 and ck.stats["bytes_written"] > 0
     assert layout.read_manifest(d)["dcp"]["async_mode"] == "process"
     # close() stopped DCP's daemon and destroyed the private one-rank group
@@ -107,8 +107,8 @@ def test_default_is_dcps_own_default_the_thread_saver_without_a_group(tmp_path: 
     # what async_save does when not told otherwise (and torchtitan's "async" mode)
     before = _children()
     ck, _, _ = harness.run(tmp_path / "ckpt", 0, 4, strategy="dcp-async", full_every=2)
-    assert ck.async_mode == "thread" and ck.requested_async_mode == "thread"
-    assert ck.stats["process_saver"] == 0.0 and ck.staging["use_shared_memory"] is False
+    assert ck.strategy_impl.async_mode == "thread" and ck.strategy_impl.requested_async_mode == "thread"
+    assert ck.stats["process_saver"] == 0.0 and ck.strategy_impl.staging["use_shared_memory"] is False
     assert ck.durable_step == 4 and _children() == before and not dist.is_initialized()
     assert layout.read_manifest(tmp_path / "ckpt")["dcp"]["async_mode"] == "thread"
 
@@ -117,7 +117,7 @@ def test_thread_saver_resume_from_step_zero_is_exact(tmp_path: Path) -> None:
     # only the step-0 checkpoint exists: the optimizer state was empty when it was taken
     d = tmp_path / "ckpt"
     ck, _, _ = harness.run(d, 0, 2, strategy="dcp-async", full_every=5, async_mode="thread")
-    assert ck.async_mode == "thread" and ck.stats["process_saver"] == 0.0
+    assert ck.strategy_impl.async_mode == "thread" and ck.stats["process_saver"] == 0.0
     ck, objects, resumed = harness.run(
         d, 0, 0, strategy="dcp-async", full_every=5, async_mode="thread", close=False
     )
@@ -139,7 +139,7 @@ import sys
 import torch
 from tests.baselines import harness
 import lowdiff
-from lowdiff.baselines.dcp_async import saver_pid
+from lowdiff.baselines.dcp_saver import saver_pid
 
 def main():
     torch.set_num_threads(1)  # as the tests' conftest: the reference is computed so

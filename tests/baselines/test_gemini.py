@@ -29,8 +29,8 @@ from tests.baselines import harness
 import lowdiff
 from lowdiff.baselines.base import load_state, restore_state
 from lowdiff.baselines.gemini import GeminiCheckpointer
-from lowdiff.engine import replica as rp
 from lowdiff.format import layout
+from lowdiff.proc import holder as rp
 
 REPO = Path(__file__).resolve().parents[2]
 OPTS: dict[str, Any] = {"full_every": 1, "persist_every": 3, "keep_full": None}
@@ -41,7 +41,7 @@ def _ckpt_steps(d: Path) -> list[int]:
 
 
 def _writer_free(d: Path, timeout: float = 30.0) -> None:
-    from lowdiff.baselines.gemini import _writer_busy
+    from lowdiff.baselines.gemini_link import writer_busy as _writer_busy
 
     deadline = time.monotonic() + timeout
     while _writer_busy(d):
@@ -70,6 +70,7 @@ def test_bad_options(tmp_path: Path) -> None:
 def _abandon(ck: Any) -> None:
     """What a trainer's death does to its holder, without ending this process: the
     connection closes and the directory lock is released."""
+    ck = ck.strategy_impl
     ck._join_copy()
     ck._conn.close()
     ck._conn = None
@@ -101,7 +102,7 @@ for t in range(cfg["steps"]):
 # the holder has taken the newest checkpoint, and the disk has what persist_every asks for
 while ck.stats["memory_step"] < cfg["steps"] or ck.durable_step < cfg["durable"]:
     time.sleep(0.01)
-print("ready", ck.holder_pid, flush=True)
+print("ready", ck.strategy_impl.holder_pid, flush=True)
 time.sleep(600)
 """
 
@@ -169,7 +170,7 @@ def test_killed_trainer_recovers_from_memory(trainers: dict[str, _Trainer]) -> N
     assert stats.source == "memory" and stats.files_read == 0
     harness.assert_exact(harness.reference(7), objects)
     # the holder of the killed trainer serves the new one
-    assert ck.holder_pid == holder and ck.durable_step == 6
+    assert ck.strategy_impl.holder_pid == holder and ck.durable_step == 6
     model, opt, _ = objects
     for t in range(7, 10):
         harness.train_step(model, t)
@@ -206,7 +207,7 @@ def test_killed_trainer_and_holder_recover_from_disk(trainers: dict[str, _Traine
     assert ck.recovery_stats.source == "disk"
     harness.assert_exact(harness.reference(6), objects)
     # the dead holder's shared memory was found stale and removed, never attached
-    assert ck.holder_pid != holder
+    assert ck.strategy_impl.holder_pid != holder
     assert not any(n.startswith(f"lowdiff-{desc.run_id[:16]}") for n in os.listdir("/dev/shm"))
     assert ck.durable_step == 6 and ck.stats["memory_step"] == 6
     model, opt, _ = objects
@@ -252,8 +253,8 @@ def _ddp_rank(rank: int, d: str, init: str, out: str) -> None:
     """One rank: train 5 steps, lose the trainer (and, on rank 1, the holder), resume."""
     import torch.distributed as dist
 
-    from lowdiff.dist.context import rank_dir
-    from lowdiff.engine.state import diff_states, snapshot_state
+    from lowdiff.ddp.context import rank_dir
+    from lowdiff.state.capture import diff_states, snapshot_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)

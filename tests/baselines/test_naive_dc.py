@@ -49,7 +49,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         d, 0, STEPS, strategy=STRATEGY, full_every=FULL_EVERY, keep_full=2, close=False
     )
     assert isinstance(ck.strategy_impl, NaiveDCCheckpointer)
-    base = {k: v.clone() for k, v in ck._base_params.items()}
+    base = {k: v.clone() for k, v in ck.strategy_impl._base_params.items()}
     ck.close()
     return {"dir": d, "base": base, "stats": ck.stats, "live": harness.state_of(objects)}
 
@@ -154,7 +154,7 @@ def test_ratio_one_is_exact_up_to_rounding_and_sessions_chain(tmp_path: Path) ->
         ck.step()
         opt.zero_grad()
     assert isinstance(ck.strategy_impl, NaiveDCCheckpointer)
-    base = {k: v.clone() for k, v in ck._base_params.items()}
+    base = {k: v.clone() for k, v in ck.strategy_impl._base_params.items()}
     live = harness.state_of(objects)
     ck.close()
     ck, objects, resumed = _resume(d, **opts)

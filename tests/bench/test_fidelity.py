@@ -12,20 +12,10 @@ import torch.nn.functional as F
 
 from lowdiff.bench.core import Arm, BenchSettings
 from lowdiff.bench.experiments import QUICK_PROFILE, Context
-from lowdiff.bench.fidelity import (
-    Case,
-    Setting,
-    Sizes,
-    _groups,
-    difference,
-    fidelity,
-    kl_divergence,
-    perplexity,
-    plan,
-    plot_fidelity,
-    section_fidelity,
-    top_k_agreement,
-)
+from lowdiff.bench.fidelity import _groups, fidelity
+from lowdiff.bench.fidelity_metrics import difference, kl_divergence, perplexity, top_k_agreement
+from lowdiff.bench.fidelity_plan import Case, Setting, Sizes, plan
+from lowdiff.bench.report_fidelity import plot_fidelity, section_fidelity
 
 # --------------------------------------------------------------------------- metrics
 

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from lowdiff.chaos.run import (
+from lowdiff.chaos.run import _policy
+from lowdiff.chaos.settings import (
     YOUNG_DALY,
     ChaosSettings,
-    _policy,
     method_config,
     parse_method,
     young_daly_interval,

@@ -18,7 +18,7 @@ from lowdiff.chaos.accounting import account
 from lowdiff.chaos.launch import ForkLauncher, child_env
 from lowdiff.chaos.schedule import FailurePoint, FailureSchedule
 from lowdiff.chaos.supervisor import Job, supervise
-from lowdiff.cli.demo import compare_states
+from lowdiff.demo import compare_states
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.engine.state import state_tensors
+from lowdiff.state.capture import state_tensors
 
 
 class Stream:

@@ -370,7 +370,8 @@ def test_checkpointing_process_that_cannot_start_leaves_close_clean(
         raise RuntimeError("An attempt has been made to start a new process before ...")
 
     model, opt, _ = _build()
-    monkeypatch.setattr(mpc.SpawnProcess, "start", refuse)
+    # background processes start from the fork server (lowdiff.proc.spawn)
+    monkeypatch.setattr(mpc.ForkServerProcess, "start", refuse)
     kw: dict[str, Any] = {"compressor": lowdiff.TopK(ratio=RATIO)} if strategy == "lowdiff" else {}
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy=strategy, **kw)
     with pytest.raises(RuntimeError, match="start a new process"):

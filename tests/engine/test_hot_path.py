@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.engine import state as st
 from lowdiff.format import codec
+from lowdiff.state import capture as st
 from lowdiff.strategy import PIPELINE_STAGES, trainer_overhead_s
 
 
@@ -202,7 +202,7 @@ def test_checkpointing_process_runs_at_a_lower_priority(tmp_path, strategy):
     trainer's own is untouched)."""
     import os
 
-    from lowdiff.engine.worker import WORKER_NICE
+    from lowdiff.proc.spawn import WORKER_NICE
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -212,7 +212,7 @@ def test_checkpointing_process_runs_at_a_lower_priority(tmp_path, strategy):
     ck = lowdiff.Checkpointer(model, opt, tmp_path, strategy=strategy, **kw)
     try:
         ck.resume()
-        pid = ck.strategy_impl._proc.pid
+        pid = ck.strategy_impl.worker_process.pid
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, mine + WORKER_NICE)
         assert os.getpriority(os.PRIO_PROCESS, 0) == mine
         model(torch.randn(3, 4)).sum().backward()
@@ -231,8 +231,8 @@ def test_payload_runs_write_what_a_copy_per_field_writes(compressor):
     """Record payloads are written run by run (fields end to end with one dtype, one
     concatenation each); the row must hold exactly what a copy per field writes, also
     when a parameter has no payload this step, and a wrong-sized payload is an error."""
-    from lowdiff.engine.checkpointer import _SlotDsts
-    from lowdiff.engine.record import RecordLayout
+    from lowdiff.engine.slots import RecordSlots, _SlotDsts
+    from lowdiff.state.record import RecordLayout
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
@@ -251,13 +251,13 @@ def test_payload_runs_write_what_a_copy_per_field_writes(compressor):
             for n, v in fields.items()
         }  # fmt: skip
 
-    class Host:  # the two attributes _copy_payloads reads
-        _slot_dsts = dsts
+    class Host:  # the attribute _copy_payloads reads
+        pass
 
-    from lowdiff.engine.checkpointer import LowDiffStrategy
+    Host.dsts = dsts  # type: ignore[attr-defined]
 
     def by_runs(slot, pl):
-        LowDiffStrategy._copy_payloads(Host, slot, pl)  # type: ignore[arg-type]
+        RecordSlots._copy_payloads(Host, slot, pl)  # type: ignore[arg-type]
 
     def per_field(row, pl):
         for index, fields in pl.items():

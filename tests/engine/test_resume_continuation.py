@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine.state import diff_states as _diff
-from lowdiff.engine.state import snapshot_state as _snap
-from lowdiff.engine.state import state_tensors
+from lowdiff.state.capture import diff_states as _diff
+from lowdiff.state.capture import snapshot_state as _snap
+from lowdiff.state.capture import state_tensors
 
 TOTAL = 20
 FULL_EVERY = 4
@@ -118,7 +118,7 @@ def _interrupted_run(directory: Path, k: int, error_feedback: bool, *, close: bo
         ck.close()
         assert ck.durable_step == k
     else:
-        proc = ck._proc
+        proc = ck.strategy_impl.worker_process
         del ck
         gc.collect()
         # the checkpointing process notices the trainer is gone, writes what it got, exits

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.engine import spawn
 from lowdiff.errors import LowDiffError
+from lowdiff.proc import spawn
 
 SCRIPT = textwrap.dedent(
     """

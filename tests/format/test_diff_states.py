@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from lowdiff.engine.state import diff_states, snapshot_state
+from lowdiff.state.capture import diff_states, snapshot_state
 
 
 def test_diff_states_reports_every_kind_of_difference():

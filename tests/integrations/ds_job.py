@@ -12,7 +12,7 @@ import sys
 import torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states, state_tensors
+from lowdiff.state.capture import diff_states, state_tensors
 
 
 def build():

@@ -12,7 +12,7 @@ from pathlib import Path
 import safetensors.torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states
+from lowdiff.state.capture import diff_states
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states, state_tensors
+from lowdiff.state.capture import diff_states, state_tensors
 
 accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
 

@@ -14,9 +14,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowdiff
-from lowdiff.engine.state import diff_states, snapshot_state, state_tensors
 from lowdiff.format import layout
 from lowdiff.plan import MTBF_ENV, AutoTuner, resolve_mtbf
+from lowdiff.state.capture import diff_states, snapshot_state, state_tensors
 
 # --------------------------------------------------------------------------- the tuner alone
 
@@ -268,9 +268,9 @@ def test_auto_picks_and_applies_a_plan(tmp_path, mtbf, want, caplog):
 def _force_at(plan: dict[int, tuple[int, int]]):
     def hook(ck: Any, step: int) -> None:
         if step == 0:
-            ck._tuner.profile_steps = 10**9  # only the forced switches below
+            ck.strategy_impl.autoplan.tuner.profile_steps = 10**9  # only the forced switches below
         if step in plan:
-            ck._set_plan(*plan[step])
+            ck.strategy_impl.set_plan(*plan[step])
 
     return hook
 
@@ -365,7 +365,7 @@ def test_integer_settings_do_not_plan(tmp_path):
     assert m["full_every"] == 4 and m["batch_size"] == 3
     assert _files(tmp_path) == ([0, 4, 8, 12], [(0, 3), (3, 3), (6, 3), (9, 3), (12, 2)])
     with pytest.raises(RuntimeError, match="'auto'"):
-        ck._set_plan(5, 2)
+        ck.strategy_impl.set_plan(5, 2)
 
 
 # --------------------------------------------------------------------------- refused
@@ -417,7 +417,7 @@ def test_environment_mtbf_reaches_the_tuner(tmp_path, monkeypatch):
     monkeypatch.setenv(MTBF_ENV, "42")
     objs = _build()
     ck = lowdiff.Checkpointer(objs[0], objs[1], tmp_path, batch_size="auto")
-    assert ck._tuner is not None and ck._tuner.mtbf == 42.0 and not ck._tuner.tune_f
+    assert ck.strategy_impl.autoplan.tuner is not None and ck.strategy_impl.autoplan.tuner.mtbf == 42.0 and not ck.strategy_impl.autoplan.tuner.tune_f
     ck.close()
 
 
@@ -425,9 +425,9 @@ def test_set_plan_checks_its_values(tmp_path):
     objs = _build()
     ck = lowdiff.Checkpointer(objs[0], objs[1], tmp_path, full_every="auto")
     with pytest.raises(ValueError, match="need 1 <= b <= f, got f=2, b=3"):
-        ck._set_plan(2, 3)
+        ck.strategy_impl.set_plan(2, 3)
     with pytest.raises(ValueError, match="b must be >= 1"):
-        ck._set_plan(2, 0)
+        ck.strategy_impl.set_plan(2, 0)
     ck.close()
 
 
@@ -453,7 +453,7 @@ def test_trainer_gone_after_a_switch_keeps_every_record(tmp_path):
     )
     ck.resume()
     _train(ck, objs, 0, n, hook=_force_at({5: (50, 4), 9: (50, 7)}))
-    proc = ck._proc
+    proc = ck.strategy_impl.worker_process
     del ck
     gc.collect()
     # the checkpointing process sees the trainer gone, writes what it was sent, exits

@@ -121,7 +121,7 @@ def _golden_min(fn, lo: float, hi: float) -> float:
 @pytest.mark.parametrize("b", [1, 2, 3, 8, 10])
 @pytest.mark.parametrize("make", [hand_model, realistic])
 def test_continuous_f_is_the_minimiser_over_real_f(make, b):
-    from lowdiff.plan import _wasted_real
+    from lowdiff.plan.model import _wasted_real
 
     m = make()
     fc = continuous_f(m, b)

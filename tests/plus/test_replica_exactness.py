@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine.state import diff_states as _diff
-from lowdiff.engine.state import snapshot_state as _snap
+from lowdiff.state.capture import diff_states as _diff
+from lowdiff.state.capture import snapshot_state as _snap
 
 N_STEPS = 8
 
@@ -197,7 +197,7 @@ def _run_case(tmp_path: Path, case: Case, copy_mode: str | None = None) -> None:
     try:
         assert ck.resume() == 0
         if copy_mode is not None:
-            assert ck.strategy_impl._snap.copy_mode == copy_mode
+            assert ck.strategy_impl.snapshotter.copy_mode == copy_mode
         snaps[0] = _snap(model, opt, sched)
         for step in range(N_STEPS):
             _train_step(case, ck, model, opt, step)

@@ -20,11 +20,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lowdiff.compressors.base import NoCompression
-from lowdiff.dist.context import DistContext
-from lowdiff.dist.hooks import PlusHookState, plus_hook
-from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.snapshot import _SERIAL_ELEMS, GradSnapshotter, _same_bytes, plan_blocks
-from lowdiff.engine.state import ParamInfo, RngLayout, optimizer_params
+from lowdiff.ddp.context import DistContext
+from lowdiff.ddp.hooks import PlusHookState, plus_hook
+from lowdiff.engine.snapshot import SERIAL_ELEMS, GradSnapshotter, _same_bytes, plan_blocks
+from lowdiff.state.capture import ParamInfo, RngLayout, optimizer_params
+from lowdiff.state.record import RecordLayout
 
 # ----------------------------------------------------------------------------- plan_blocks
 
@@ -422,7 +422,7 @@ def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
     # each gradient whole, with the intra-op threads)
     cuts = rig.snap.pieces[bi]
     assert cuts is not None
-    want = 10_000 if kw else _SERIAL_ELEMS  # the smaller of a chunk and a piece
+    want = 10_000 if kw else SERIAL_ELEMS  # the smaller of a chunk and a piece
     assert cuts[rig.snap.blocks[bi].members.index(k)] == want
     for step in range(2):
         rig.model.zero_grad()

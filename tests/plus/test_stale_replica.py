@@ -1,6 +1,6 @@
 """LowDiff+: stale or foreign replica shared memory is detected and never attached.
 
-The segments and descriptors here are made by hand with ``lowdiff.engine.replica``; every
+The segments and descriptors here are made by hand with ``lowdiff.proc.holder``; every
 segment a test creates is unlinked at teardown.
 """
 
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine import replica as rp
 from lowdiff.format.sfile import TensorEntry
+from lowdiff.proc import holder as rp
 
 SHM = Path("/dev/shm")
 LAYOUT_ID = "0123456789abcdef"

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.dist.recovery import generations
-from lowdiff.engine.state import diff_states, snapshot_state
+from lowdiff.recovery.job import generations
+from lowdiff.state.capture import diff_states, snapshot_state
 from lowdiff.torture.ddp import JOB_MODULE, _free_port
 from lowdiff.torture.ddp_job import Net
 
@@ -143,8 +143,8 @@ def test_lowdiff_plus_killed_two_ranks_resume_in_one(tmp_path):
 def test_generation_without_a_full_checkpoint_is_passed_over(tmp_path):
     """A job that died before its new generation's first full checkpoint: the next resume
     starts from the old generation again, in a newer generation."""
-    from lowdiff.dist.recovery import generation_dir, job_manifest
     from lowdiff.format import layout
+    from lowdiff.recovery.job import generation_dir, job_manifest
     from lowdiff.recovery.scan import is_empty_dir
 
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
@@ -160,8 +160,8 @@ def test_generation_without_a_full_checkpoint_is_passed_over(tmp_path):
 
 def test_a_plain_process_is_refused_on_a_job_directory(tmp_path):
     """Writing a job's directory from one plain process would fork its chain: refused."""
-    from lowdiff.dist.recovery import job_manifest
     from lowdiff.format import layout
+    from lowdiff.recovery.job import job_manifest
 
     d = tmp_path / "job"
     d.mkdir()

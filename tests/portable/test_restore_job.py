@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states, snapshot_state
+from lowdiff.state.capture import diff_states, snapshot_state
 from lowdiff.torture.ddp_job import Net
 
 from .conftest import SAVED_STEPS

@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 import lowdiff
-from lowdiff.engine.state import state_tensors
+from lowdiff.state.capture import state_tensors
 
 
 def build(seed: int = 0):

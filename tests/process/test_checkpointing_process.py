@@ -71,20 +71,20 @@ def test_storage_error_reaches_the_trainer_with_traceback(tmp_path):
     assert "Error" in str(err.value)
     with pytest.raises(lowdiff.CheckpointWorkerError):
         ck.step()
-    ck._release()
+    ck.strategy_impl._release()
 
 
 def test_dead_checkpointing_process_is_reported(tmp_path):
     model, opt, ck = _setup(tmp_path, full_every=100, batch_size=2)
     ck.resume()
     _train(model, opt, ck, 2)
-    os.kill(ck._proc.pid, signal.SIGKILL)
-    ck._proc.join(10)
+    os.kill(ck.strategy_impl.worker_process.pid, signal.SIGKILL)
+    ck.strategy_impl.worker_process.join(10)
     with pytest.raises(
         lowdiff.CheckpointWorkerError, match="exited unexpectedly|closed its connection"
     ):
         _train(model, opt, ck, 10)
-    ck._release()
+    ck.strategy_impl._release()
 
 
 def test_context_manager_closes(tmp_path):
@@ -96,7 +96,7 @@ def test_context_manager_closes(tmp_path):
     ) as ck:
         ck.resume()
         _train_small(model, opt, ck)
-    assert not ck._proc.is_alive()
+    assert not ck.strategy_impl.worker_process.is_alive()
     assert lowdiff.inspect_dir(tmp_path / "ck").recoverable == (0, 4)
 
 
@@ -167,7 +167,7 @@ def test_checkpointing_process_killed_during_a_full_checkpoint(tmp_path, monkeyp
     monkeypatch.delenv(atomic.FAULT_ENV)
     with pytest.raises(lowdiff.CheckpointWorkerError, match="exit code -9"):
         _train(model, opt, ck, 3)  # the full of step 2 waits for the staging of step 1
-    assert ck._proc is not None and ck._proc.exitcode == -signal.SIGKILL
+    assert ck.strategy_impl.worker_process is not None and ck.strategy_impl.worker_process.exitcode == -signal.SIGKILL
     with pytest.raises(lowdiff.CheckpointWorkerError):
         ck.close()
     assert lowdiff.restore(tmp_path / "ck", *_setup(tmp_path / "r")[:2]) >= 1

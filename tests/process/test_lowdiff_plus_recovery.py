@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import lowdiff
-from lowdiff.engine import replica as rp
+from lowdiff.proc import holder as rp
 
 from .test_sigkill_recovery import _equal_states, _losses, _run
 

@@ -14,7 +14,7 @@ import safetensors.torch
 import torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states
+from lowdiff.state.capture import diff_states
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

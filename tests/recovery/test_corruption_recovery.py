@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine.state import diff_states as _diff
-from lowdiff.engine.state import snapshot_state as _snap
-from lowdiff.engine.state import state_tensors
+from lowdiff.state.capture import diff_states as _diff
+from lowdiff.state.capture import snapshot_state as _snap
+from lowdiff.state.capture import state_tensors
 
 FULL_EVERY = 4
 BATCH_SIZE = 3

@@ -21,11 +21,11 @@ from torch import nn
 
 import lowdiff
 import lowdiff.recovery.quarantine as quarantine
-from lowdiff.engine.state import diff_states, snapshot_state
 from lowdiff.errors import CorruptCheckpointError, RecoveryWarning
 from lowdiff.format import layout, sfile
 from lowdiff.recovery.quarantine import quarantine_beyond, split_records
 from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.state.capture import diff_states, snapshot_state
 
 pytestmark = pytest.mark.multiprocess
 

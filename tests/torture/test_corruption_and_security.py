@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.engine import replica as rp
+from lowdiff.proc import holder as rp
 from lowdiff.torture import workload
 from lowdiff.torture.corrupt import N_STEPS, run_corruption
 from lowdiff.torture.report import TortureReport

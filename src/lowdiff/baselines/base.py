@@ -25,7 +25,7 @@ What a subclass provides (all on the training process):
 
 Directory: ``DIR/lowdiff.json`` (a checksummed manifest naming the strategy, so that a
 directory is never read by a strategy that did not write it) and the strategy's files.
-Files written here (:func:`save_state`) are published atomically and carry an xxh3-128
+Files written with :func:`~lowdiff.baselines.files.save_state` are published atomically and carry an xxh3-128
 digest in a commit file next to them: a torn, truncated or altered checkpoint is named
 and passed over at recovery, never loaded.
 """
@@ -34,22 +34,29 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
 import json
 import os
-import shutil
 import time
 import warnings
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, ClassVar
 
 import torch
-import xxhash
 
+from lowdiff.baselines.files import (
+    COMMIT_SUFFIX,
+    commit_path,
+    load_state,
+    published,
+    quarantine,
+    read_committed,
+    save_state,
+    verify_commit,
+)
+from lowdiff.baselines.training_state import capture_state, restore_state
 from lowdiff.compressors.base import Compressor
-from lowdiff.engine import state as st
-from lowdiff.engine.worker import acquire_flock, lock_holder
 from lowdiff.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
@@ -58,201 +65,66 @@ from lowdiff.errors import (
     RecoveryWarning,
 )
 from lowdiff.format import layout
-from lowdiff.format.atomic import atomic_open, remove_stale_temps, write_bytes_atomic
+from lowdiff.format.atomic import remove_stale_temps
+from lowdiff.proc.locks import acquire_flock, lock_holder
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import check_directory, is_empty_dir
-from lowdiff.strategy import StepGrads, Strategy, compress_grads
-from lowdiff.strategy import check_int as _check_int
+from lowdiff.state import capture as st
+from lowdiff.strategy import StepGrads, Strategy, check_int, compress_grads
+
+__all__ = [
+    "BASELINE_FORMAT",
+    "BaselineCheckpointer",
+    "BaselineOptions",
+    "capture_state",
+    "checkpoint_files",
+    "commit_path",
+    "is_baseline_dir",
+    "load_state",
+    "published",
+    "quarantine",
+    "restore_state",
+    "save_state",
+    "verify_baseline_dir",
+]
+"""What the baselines share: the contract, its options, and (from
+:mod:`lowdiff.baselines.files` and :mod:`lowdiff.baselines.training_state`) the files
+and the state they write."""
 
 BASELINE_FORMAT = "lowdiff-baseline"
 BASELINE_FORMAT_VERSION = 1
-COMMIT_SUFFIX = ".commit"
-"""A checkpoint file ``X`` is published only once ``X.commit`` (its digest) exists."""
 
 
-# --------------------------------------------------------------------------- training state
+# --------------------------------------------------------------------------- the options
 
 
-def capture_state(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    step: int,
-    rng_layout: st.RngLayout,
-) -> dict[str, Any]:
-    """The whole training state after ``step`` updates, as live references (not copies).
-
-    Model and optimizer tensors are the live ones: copy them (:func:`clone_state`) before
-    the next update if the state must outlive it.
-    """
-    rng_t, rng_extra = st.capture_rng(rng_layout)
-    return {
-        "step": step,
-        "model": st.unwrap_model(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "rng": {"tensors": rng_t, "extra": rng_extra},
-    }
-
-
-def clone_state(obj: Any, *, device: str | torch.device = "cpu", pin: bool = False) -> Any:
-    """Deep copy of a state: every tensor copied to ``device`` (pinned if asked)."""
-    if isinstance(obj, torch.Tensor):
-        out = torch.empty(obj.shape, dtype=obj.dtype, device=device, pin_memory=pin)
-        out.copy_(obj.detach(), non_blocking=pin)
-        return out
-    if isinstance(obj, dict):
-        return {k: clone_state(v, device=device, pin=pin) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(clone_state(v, device=device, pin=pin) for v in obj)
-    return obj
-
-
-def state_nbytes(obj: Any) -> int:
-    """Bytes of tensor data in a state (storage shared by two names counted twice)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_nbytes(v) for v in obj)
-    return 0
-
-
-def restore_state(
-    state: dict[str, Any],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    *,
-    where: str,
-) -> None:
-    """Load a state from :func:`capture_state` into the live objects (strictly)."""
-    try:
-        st.unwrap_model(model).load_state_dict(state["model"], strict=True)
-    except RuntimeError as e:
-        raise CheckpointMismatchError(
-            f"{where}: the model does not match the checkpoint: {e}"
-        ) from None
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as e:
-        raise CheckpointMismatchError(
-            f"{where}: the optimizer does not match the checkpoint: {e}"
-        ) from None
-    if (scheduler is None) != (state["scheduler"] is None):
-        raise CheckpointMismatchError(
-            f"{where}: the checkpoint {'has no' if scheduler is not None else 'has a'} scheduler state, "
-            f"the training {'has a' if scheduler is not None else 'has no'} scheduler"
-        )
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    st.restore_rng(state["rng"]["tensors"], state["rng"]["extra"])
-
-
-# --------------------------------------------------------------------------- checkpoint files
-
-
-class _HashingWriter:
-    """A write-only file object that hashes what passes through it."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f, self.h, self.n = f, xxhash.xxh3_128(), 0
-
-    def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        self.h.update(mv)
-        self.n += mv.nbytes
-        return self.f.write(mv)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def save_state(path: Path, state: Any, *, step: int) -> int:
-    """``torch.save`` ``state`` to ``path`` atomically, then publish its commit file.
-
-    Returns:
-        Bytes written.
-    """
-    with atomic_open(path) as f:
-        hw = _HashingWriter(f)
-        torch.save(state, hw)  # type: ignore[arg-type]  # any object with write() and flush()
-    commit = {"file": path.name, "step": step, "bytes": hw.n, "xxh3_128": hw.h.hexdigest()}
-    write_bytes_atomic(commit_path(path), json.dumps(commit, sort_keys=True).encode())
-    return hw.n
-
-
-def commit_path(path: Path) -> Path:
-    return path.with_name(path.name + COMMIT_SUFFIX)
-
-
-def read_committed(path: Path) -> tuple[bytes, dict[str, Any]]:
-    """Read a published checkpoint file and verify it against its commit file.
+@dataclass(frozen=True)
+class BaselineOptions:
+    """The options every baseline takes, checked before the directory is locked.
 
     Raises:
-        CorruptCheckpointError: naming the file, if it or its commit is missing, torn or
-            altered.
+        TypeError, ValueError: naming the option and its value.
     """
-    cpath = commit_path(path)
-    try:
-        commit = json.loads(cpath.read_bytes())
-    except FileNotFoundError:
-        raise CorruptCheckpointError(path, "no commit file: the write never finished") from None
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(cpath, f"unreadable commit file ({e})") from None
-    if not isinstance(commit, dict) or commit.get("file") != path.name:
-        raise CorruptCheckpointError(cpath, "not the commit file of this checkpoint")
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise CorruptCheckpointError(path, f"cannot read: {e.strerror}") from None
-    if len(raw) != commit.get("bytes"):
-        raise CorruptCheckpointError(
-            path, f"truncated or extended: {len(raw)} bytes, {commit.get('bytes')} committed"
-        )
-    if xxhash.xxh3_128_hexdigest(raw) != commit.get("xxh3_128"):
-        raise CorruptCheckpointError(path, "checksum mismatch (the file was altered)")
-    return raw, commit
 
+    compressor: Compressor | None = None
+    """The training's gradient compressor (part of training, not of the checkpoint)."""
+    full_every: int = 30
+    """A checkpoint every this many steps (and at step 0)."""
+    keep_full: int | None = 2
+    """Checkpoints to keep on disk; None keeps everything."""
+    start_timeout: float = 120.0
+    """Seconds to wait for a background process to start or finish."""
 
-def load_state(path: Path, stats: RecoveryStats | None = None) -> Any:
-    """Read, verify and unpickle (``weights_only``) a file written by :func:`save_state`."""
-    t0 = time.perf_counter()
-    raw, _ = read_committed(path)
-    t1 = time.perf_counter()
-    try:
-        obj = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except Exception as e:  # a verified file that does not load is foreign
-        raise CorruptCheckpointError(path, f"not a loadable checkpoint ({e})") from None
-    if stats is not None:
-        stats.read_s += t1 - t0
-        stats.decode_s += time.perf_counter() - t1
-        stats.bytes_read += len(raw)
-        stats.files_read += 1
-    return obj
-
-
-def published(directory: Path, prefix: str, suffix: str) -> list[tuple[int, Path]]:
-    """``(step, path)`` of the files ``{prefix}{step:012d}{suffix}`` in ``directory``, oldest first."""
-    out = []
-    if directory.is_dir():
-        for p in directory.iterdir():
-            name = p.name
-            if name.startswith(prefix) and name.endswith(suffix):
-                digits = name[len(prefix) : len(name) - len(suffix)]
-                if len(digits) == 12 and digits.isdigit():
-                    out.append((int(digits), p))
-    return sorted(out)
-
-
-def quarantine(root: Path, path: Path) -> None:
-    """Move a damaged file (and its commit file) to ``DIR/quarantine/``; never delete it."""
-    q = root / layout.QUARANTINE_DIR
-    q.mkdir(exist_ok=True)
-    for p in (path, commit_path(path)):
-        if p.exists():
-            shutil.move(str(p), q / f"{p.name}.{int(time.time())}")
+    def __post_init__(self) -> None:
+        if self.compressor is not None and not isinstance(self.compressor, Compressor):
+            raise TypeError(
+                "compressor must be a lowdiff.Compressor or None, "
+                f"got {type(self.compressor).__name__}"
+            )
+        check_int("full_every", self.full_every, 1)
+        if self.keep_full is not None:
+            check_int("keep_full", self.keep_full, 1)
+        object.__setattr__(self, "start_timeout", float(self.start_timeout))
 
 
 # --------------------------------------------------------------------------- the contract
@@ -286,19 +158,14 @@ class BaselineCheckpointer(Strategy):
         start_timeout: float = 120.0,
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
-        if compressor is not None and not isinstance(compressor, Compressor):
-            raise TypeError(
-                f"compressor must be a lowdiff.Compressor or None, got {type(compressor).__name__}"
-            )
+        options = BaselineOptions(compressor, full_every, keep_full, start_timeout)
         if directory is None:
             raise ValueError(f"strategy {self.strategy!r} needs a checkpoint directory, got None")
-        self.full_every = _check_int("full_every", full_every, 1)
-        if keep_full is not None:
-            _check_int("keep_full", keep_full, 1)
+        self.full_every = full_every
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.compressor, self.keep_full = compressor, keep_full
         self.name = self.strategy
-        self.start_timeout = float(start_timeout)
+        self.start_timeout = options.start_timeout
         self._params = st.optimizer_params(model, optimizer)
         self._numels = [p.numel() for _, p in self._params]
         self._rng_layout = st.RngLayout()
@@ -603,8 +470,6 @@ def verify_baseline_dir(root: Path) -> tuple[int, list[tuple[Path, str]]]:
         checked += 1
         try:
             if p.is_dir():
-                from lowdiff.baselines.dcp_async import verify_commit
-
                 verify_commit(p, step)
             else:
                 read_committed(p)

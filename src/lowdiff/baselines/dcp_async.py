@@ -67,6 +67,11 @@ blob instead, and its recovery leaves the state empty as it was.
 Note: DCP unpickles ``.metadata`` and non-tensor entries with ``weights_only=False``;
 the commit digests are checked first, but they guard against damage, not against a
 checkpoint written by someone else.
+
+Parts: the commit file is :mod:`lowdiff.baselines.files`; DCP's daemon
+:mod:`~lowdiff.baselines.dcp_saver`; the names on disk and recovery
+:mod:`~lowdiff.baselines.dcp_resume`; what runs in the saver (:class:`CommittingWriter`)
+and the strategy are here.
 """
 
 from __future__ import annotations
@@ -78,11 +83,8 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 import traceback
-import warnings
-from collections.abc import Iterator
 from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
@@ -91,114 +93,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
-from lowdiff.baselines.base import (
-    BaselineCheckpointer,
-    commit_path,
-    published,
-    quarantine,
+from lowdiff.baselines.base import BaselineCheckpointer
+from lowdiff.baselines.dcp_resume import (
+    PREFIX,
+    dir_name,
+    drop_never_committed,
+    recover,
+    writer_lock,
 )
-from lowdiff.engine import state as st
-from lowdiff.engine.worker import acquire_flock, lock_holder
-from lowdiff.errors import (
-    CheckpointMismatchError,
-    CheckpointWorkerError,
-    CorruptCheckpointError,
-    LowDiffError,
-    RecoveryWarning,
+from lowdiff.baselines.dcp_saver import (
+    acquire_process_saver,
+    process_saver_available,
+    release_process_saver,
 )
+from lowdiff.baselines.files import commit_path, publish_commit, published
+from lowdiff.errors import CheckpointWorkerError
 from lowdiff.format import layout
-from lowdiff.format.atomic import fsync_dir, write_bytes_atomic
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.proc.locks import acquire_flock
+from lowdiff.state import capture as st
 
-PREFIX = "dcp-"
-COMMIT_FORMAT = "lowdiff-dcp-commit"
 ASYNC_MODES = ("process", "thread")
-_HASH_CHUNK = 1 << 20
-_NO_DIST_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
 
 
-def dir_name(step: int) -> str:
-    return f"{PREFIX}{step:012d}"
-
-
-# --------------------------------------------------------------------------- the commit file
-# (runs in the saver: DCP's daemon process, or the saver thread)
-
-
-def _digest(path: Path) -> tuple[int, str]:
-    # readinto one reused buffer: several times faster than read() of fresh chunks
-    h, n = xxhash.xxh3_128(), 0
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while k := f.readinto(buf):
-            h.update(view[:k])
-            n += k
-    return n, h.hexdigest()
-
-
-def publish_commit(ckpt: Path, step: int) -> dict[str, Any]:
-    """Digest every file of the finished DCP checkpoint ``ckpt``; publish ``ckpt.commit``."""
-    fsync_dir(ckpt)  # DCP renames .metadata into place without syncing the directory
-    files: list[dict[str, Any]] = []
-    for p in sorted(ckpt.iterdir()):
-        n, digest = _digest(p)
-        files.append({"name": p.name, "bytes": n, "xxh3_128": digest})
-    commit = {
-        "format": COMMIT_FORMAT,
-        "dir": ckpt.name,
-        "step": step,
-        "bytes": sum(f["bytes"] for f in files),
-        "files": files,
-    }
-    write_bytes_atomic(commit_path(ckpt), json.dumps(commit, sort_keys=True).encode())
-    return commit
-
-
-def verify_commit(ckpt: Path, step: int) -> dict[str, Any]:
-    """Check a checkpoint directory against its commit file; returns the commit.
-
-    Raises:
-        CorruptCheckpointError: naming the directory or file that is missing, uncommitted,
-            truncated, altered or foreign.
-    """
-    cpath = commit_path(ckpt)
-    try:
-        commit = json.loads(cpath.read_bytes())
-    except FileNotFoundError:
-        raise CorruptCheckpointError(ckpt, "no commit file: the save never finished") from None
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(cpath, f"unreadable commit file ({e})") from None
-    if (
-        not isinstance(commit, dict)
-        or commit.get("format") != COMMIT_FORMAT
-        or commit.get("dir") != ckpt.name
-        or commit.get("step") != step
-        or not isinstance(commit.get("files"), list)
-    ):
-        raise CorruptCheckpointError(cpath, "not the commit file of this checkpoint")
-    if not ckpt.is_dir():
-        raise CorruptCheckpointError(ckpt, "the committed checkpoint directory is missing")
-    want = {f["name"]: f for f in commit["files"]}
-    have = {p.name for p in ckpt.iterdir()}
-    if have != set(want):
-        extra, missing = sorted(have - set(want)), sorted(set(want) - have)
-        raise CorruptCheckpointError(
-            ckpt, f"files differ from the commit (missing: {missing}, not committed: {extra})"
-        )
-    for name, f in want.items():
-        n, digest = _digest(ckpt / name)
-        if n != f["bytes"]:
-            raise CorruptCheckpointError(
-                ckpt / name, f"truncated or extended: {n} bytes, {f['bytes']} committed"
-            )
-        if digest != f["xxh3_128"]:
-            raise CorruptCheckpointError(ckpt / name, "checksum mismatch (the file was altered)")
-    return commit
-
+# --------------------------------------------------------------------------- in the saver
+# (DCP's daemon process, or the saver thread)
 
 _held_locks: dict[str, int] = {}
 """Writer locks this process holds, by path (the saver is one thread per process)."""
@@ -251,99 +175,6 @@ class CommittingWriter(FileSystemWriter):
             _release_writer_lock(self.lowdiff_lock)
 
 
-# --------------------------------------------------------------------------- DCP's daemon
-
-_saver_mutex = threading.Lock()
-_saver_users = 0
-_own_group = False
-_own_daemon = False
-
-
-def _process_saver_available() -> bool:
-    if not dist.is_available():
-        return False
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as ape
-        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-    except ImportError:
-        return False
-    return hasattr(AsyncCheckpointerType, "PROCESS") and all(
-        hasattr(ape, n)
-        for n in ("_CHECKPOINT_PROCESS", "_AsyncCheckpointProcess", "_ProcessGroupInitInfo")
-    )
-
-
-def _acquire_process_saver() -> None:
-    """Start DCP's daemon now (not inside the first ``step()``), with a group if needed.
-
-    DCP starts it lazily inside the first save and keeps it in a module global for the
-    life of the process; starting it here through the same constructor keeps its 2-5 s
-    start out of the step times, and lets ``close()`` stop it.
-    """
-    global _saver_users, _own_group, _own_daemon
-    from torch.distributed.checkpoint import _async_process_executor as ape
-
-    with _saver_mutex:
-        if _saver_users == 0:
-            if not dist.is_initialized():
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-                _own_group = True
-            try:
-                if ape._CHECKPOINT_PROCESS is None:
-                    info = ape._ProcessGroupInitInfo(None)
-                    if _own_group:
-                        # a one-rank group on this machine: no host name lookup needed
-                        info.tcp_store_master_addr = "127.0.0.1"
-                    ape._CHECKPOINT_PROCESS = ape._AsyncCheckpointProcess(info)
-                    _own_daemon = True
-            except BaseException:
-                if _own_group:
-                    dist.destroy_process_group()
-                    _own_group = False
-                raise
-        _saver_users += 1
-
-
-def _release_process_saver(timeout: float) -> None:
-    """Stop DCP's daemon and destroy the group, once the last user is gone (if ours)."""
-    global _saver_users, _own_group, _own_daemon
-    from torch.distributed.checkpoint import _async_process_executor as ape
-
-    with _saver_mutex:
-        _saver_users -= 1
-        if _saver_users > 0:
-            return
-        if _own_daemon and ape._CHECKPOINT_PROCESS is not None:
-            proc, ape._CHECKPOINT_PROCESS = ape._CHECKPOINT_PROCESS, None
-            sp = proc._save_process
-            with contextlib.suppress(Exception):
-                if sp.is_alive():
-                    proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
-            sp.join(timeout)
-            if sp.is_alive():
-                sp.terminate()
-                sp.join(timeout)
-            if sp.is_alive():
-                sp.kill()
-                sp.join()
-            with contextlib.suppress(Exception):
-                proc._process_pipe.close()
-        _own_daemon = False
-        if _own_group and dist.is_initialized():
-            dist.destroy_process_group()
-        _own_group = False
-
-
-def saver_pid() -> int | None:
-    """Process id of DCP's checkpoint daemon in this process, if one runs."""
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as ape
-    except ImportError:
-        return None
-    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
-    return None if proc is None else proc._save_process.pid
-
-
 # --------------------------------------------------------------------------- the strategy
 
 
@@ -378,7 +209,7 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
         super().__init__(*args, **kwargs)
         self.requested_async_mode = async_mode
         self.async_mode = (
-            "process" if async_mode == "process" and _process_saver_available() else "thread"
+            "process" if async_mode == "process" and process_saver_available() else "thread"
         )
         cuda = torch.cuda.is_available()
         # shared memory lets the staged tensors reach the daemon as handles; pinning
@@ -416,8 +247,8 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
         trainer's daemon is still finishing, and drops partial saves if none was ever
         committed (see the module docstring)."""
         if not self._started:
-            with self._writer_lock():
-                self._drop_never_committed()
+            with writer_lock(self.root, self.start_timeout):
+                drop_never_committed(self.root)
         return super().resume()
 
     def _after_resume(self) -> None:
@@ -433,7 +264,7 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
         )
         user_group = dist.is_available() and dist.is_initialized()
         if self.async_mode == "process":
-            _acquire_process_saver()
+            acquire_process_saver()
             self._saver_held = True
             # one rank (our own group): DCP's ordinary collective path in the daemon's
             # one-rank group; the user's group: each rank saves its own directory
@@ -485,11 +316,6 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
         self._done_at[step] = time.perf_counter()  # on the saver's thread
 
     def _state_dict(self, step: int) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
         rng_t, rng_extra = st.capture_rng(self._rng_layout)
         empty = not self.optimizer.state
         train: dict[str, Any] = {
@@ -562,7 +388,7 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
             self._stager = None
         if self._saver_held:
             self._saver_held = False
-            _release_process_saver(self.start_timeout)
+            release_process_saver(self.start_timeout)
         _release_writer_lock(str(self.root / layout.WRITER_LOCK_FILE))
 
     def _retain_dirs(self) -> None:
@@ -583,143 +409,12 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
                 shutil.rmtree(p, ignore_errors=True)
 
     # ------------------------------------------------------------------ recovery
-    @contextlib.contextmanager
-    def _writer_lock(self) -> Iterator[None]:
-        """Hold the saver's lock: a killed trainer's daemon may still be finishing a save."""
-        path = self.root / layout.WRITER_LOCK_FILE
-        if not self.root.is_dir():
-            yield
-            return
-        deadline = time.monotonic() + self.start_timeout
-        while (fd := acquire_flock(path, blocking=False)) is None:
-            if time.monotonic() > deadline:
-                raise LowDiffError(
-                    f"{self.root}: a checkpoint save is still running ({lock_holder(path)}) "
-                    f"after {self.start_timeout:.0f} s"
-                )
-            time.sleep(0.05)
-        try:
-            yield
-        finally:
-            os.close(fd)
-
-    def _candidates(self) -> list[tuple[int, Path]]:
-        """Checkpoint directories and stray commit files, oldest first."""
-        full = self.root / layout.FULL_DIR
-        steps = dict(published(full, PREFIX, ""))
-        for s, c in published(full, PREFIX, ".commit"):
-            steps.setdefault(s, c.with_name(dir_name(s)))
-        return sorted(steps.items())
-
-    def _drop_never_committed(self) -> None:
-        """No commit was ever published: remove the partial first saves (nothing was durable)."""
-        full = self.root / layout.FULL_DIR
-        if not full.is_dir() or any(commit_path(p).exists() for _, p in self._candidates()):
-            return
-        for _, p in self._candidates():
-            warnings.warn(
-                f"recovery removed {p}: an unfinished save, and no checkpoint was ever committed",
-                RecoveryWarning,
-                stacklevel=4,
-            )
-            shutil.rmtree(p, ignore_errors=True)
-
     def _recover(self) -> int | None:
-        t_start = time.perf_counter()
-        skipped: list[tuple[str, str]] = []
-        with self._writer_lock():
-            for step, path in reversed(self._candidates()):
-                stats = RecoveryStats(full_step=step, step=step, source="disk")
-                try:
-                    self._load(path, step, stats)
-                except CorruptCheckpointError as e:
-                    skipped.append((str(e.path), e.reason))
-                    warnings.warn(
-                        f"recovery passed over {e.path}: {e.reason}", RecoveryWarning, stacklevel=3
-                    )
-                    quarantine(self.root, path)
-                    continue
-                stats.skipped = skipped
-                stats.total_s = time.perf_counter() - t_start
-                self.recovery_stats = stats
-                return step
-        return None
-
-    def _load(self, ckpt: Path, step: int, stats: RecoveryStats) -> None:
-        """Verify ``ckpt`` and load it into the live objects."""
-        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        t0 = time.perf_counter()
-        commit = verify_commit(ckpt, step)
-        try:
-            saved = set(dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata)
-        except Exception as e:  # a verified file that DCP cannot read is foreign
-            raise CorruptCheckpointError(ckpt, f"unreadable DCP metadata ({e})") from None
-        stats.read_s += time.perf_counter() - t0
-        stats.bytes_read += int(commit["bytes"])
-        stats.files_read += len(commit["files"])
-
-        t1 = time.perf_counter()
-        template: dict[str, Any] = {
-            "model": get_model_state_dict(self.model),
-            "step": -1,
-            "train": b"",
-        }
-        if any(k.startswith("optim.") for k in saved):
-            template["optim"] = get_optimizer_state_dict(self.model, self.optimizer)
-        flat, _ = flatten_state_dict(template)
-        if saved != set(flat):
-            extra, missing = sorted(saved - set(flat)), sorted(set(flat) - saved)
-            raise CheckpointMismatchError(
-                f"{ckpt.name}: the model or optimizer does not match the checkpoint "
-                f"(only in the checkpoint: {extra[:5]}, only in the training: {missing[:5]})"
-            )
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-                dcp.load(template, checkpoint_id=ckpt, no_dist=True)
-        except Exception as e:
-            text = str(e)
-            if "Size mismatch" in text or "Missing key" in text:
-                raise CheckpointMismatchError(
-                    f"{ckpt.name}: the model or optimizer does not match the checkpoint: {e}"
-                ) from None
-            raise CorruptCheckpointError(ckpt, f"DCP cannot load it ({e})") from None
-        try:
-            train = torch.load(io.BytesIO(template["train"]), map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise CorruptCheckpointError(ckpt, f"unreadable training state ({e})") from None
-        if template["step"] != step or not isinstance(train, dict) or train.get("step") != step:
-            raise CorruptCheckpointError(ckpt, "its contents do not match its name")
-        t2 = time.perf_counter()
-        stats.decode_s += t2 - t1
-
-        try:
-            set_model_state_dict(self.model, template["model"])
-        except RuntimeError as e:
-            raise CheckpointMismatchError(
-                f"{ckpt.name}: the model does not match the checkpoint: {e}"
-            ) from None
-        if train["optimizer_state_empty"]:
-            self.optimizer.state.clear()
-            self.optimizer.load_state_dict(train["optimizer"])
-        else:
-            set_optimizer_state_dict(self.model, self.optimizer, template["optim"])
-        if (self.scheduler is None) != (train["scheduler"] is None):
-            raise CheckpointMismatchError(
-                f"{ckpt.name}: the checkpoint {'has no' if self.scheduler is not None else 'has a'} "
-                f"scheduler state, the training {'has a' if self.scheduler is not None else 'has no'} scheduler"
-            )
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(train["scheduler"])
-        st.restore_rng(train["rng"]["tensors"], train["rng"]["extra"])
-        stats.replay_s += time.perf_counter() - t2
+        found = recover(self.root, self.start_timeout, self.model, self.optimizer, self.scheduler)
+        if found is None:
+            return None
+        step, self.recovery_stats = found
+        return step
 
 
 def _is_storage_error(exc: BaseException) -> bool:

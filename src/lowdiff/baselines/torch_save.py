@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 
-from lowdiff.baselines.base import BaselineCheckpointer, save_state
+from lowdiff.baselines.base import BaselineCheckpointer
+from lowdiff.baselines.files import save_state
 from lowdiff.format import layout
 
 PREFIX, SUFFIX = "ckpt-", ".pt"

@@ -15,16 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from lowdiff.bench import report
+from lowdiff.bench.context import QUICK_PROFILE, Context, Profile
 from lowdiff.bench.core import BenchSettings, build_workload, machine_info
-from lowdiff.bench.experiments import (
-    DEFAULT_EXPERIMENTS,
-    EXPERIMENTS,
-    OWN_WORKLOADS,
-    QUICK_PROFILE,
-    RUNNERS,
-    Context,
-    Profile,
-)
+from lowdiff.bench.experiments import DEFAULT_EXPERIMENTS, EXPERIMENTS, OWN_WORKLOADS, RUNNERS
 
 QUICK_WORKLOAD = "gpt2-s-tiny"
 METHODS = ("lowdiff", "lowdiff+", "torch-save", "checkfreq", "gemini", "naive-dc", "dcp-async")
@@ -85,7 +78,7 @@ def run_bench(
     run = {
         "machine": machine,
         "background_env": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
-        "settings": {**asdict(settings), "workdir": str(settings.workdir)},
+        "settings": settings.as_dict(),
         "profile": asdict(profile),
         "experiments": ordered,
         "quick": quick,
@@ -98,6 +91,7 @@ def run_bench(
 
 
 def _prefixed(say: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    """``say`` with ``prefix`` before every message (the experiment's place in the run)."""
     return lambda m: say(f"{prefix} {m}")
 
 

@@ -26,18 +26,22 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import lowdiff
+from lowdiff.machine import total_memory_bytes
 from lowdiff.workloads import zoo
 
 
@@ -67,6 +71,7 @@ class Arm:
     memory_every: int | None = None
 
     def describe(self) -> dict[str, Any]:
+        """The arm as flat JSON-able fields (its options among them), for the rows."""
         return {
             "label": self.label,
             "strategy": self.strategy,
@@ -99,6 +104,7 @@ class ArmRun:
     timed_iters: int = 0
 
     def summary(self) -> dict[str, Any]:
+        """The arm's figures: per-iteration medians, drains, phases and the strategy's stats."""
         s = summarize(self.blocks)
         s["iter_median_s"] = statistics.median(self.iter_blocks) if self.iter_blocks else None
         s["drain_s"] = statistics.median(self.drains) if self.drains else 0.0
@@ -119,6 +125,7 @@ def summarize(xs: list[float]) -> dict[str, Any]:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work, so that a clock read after it sees it done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -159,8 +166,19 @@ class BenchSettings:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
 
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as plain JSON-able values (``workdir`` as a string), for the
+        results file and for a spawned child (:meth:`from_dict`)."""
+        return {**asdict(self), "workdir": str(self.workdir)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchSettings:
+        """The settings :meth:`as_dict` gave."""
+        return cls(**{**d, "workdir": Path(d["workdir"])})
+
 
 def build_workload(s: BenchSettings) -> zoo.Workload:
+    """The settings' workload, seeded alike for every arm (same weights, same data)."""
     return zoo.build_workload(
         s.workload,
         seed=0,
@@ -172,6 +190,7 @@ def build_workload(s: BenchSettings) -> zoo.Workload:
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer every experiment trains with: Adam at ``lr``."""
     return torch.optim.Adam(model.parameters(), lr=lr)
 
 
@@ -243,6 +262,7 @@ class Arena:
         self.close()
 
     def build(self, arm: Arm) -> ArmRun:
+        """The arm's own workload, optimizer and Checkpointer, on a directory of its own."""
         wl = build_workload(self.s)
         opt = make_optimizer(wl.model, self.s.lr)
         d = self._root / f"{len(self.runs):02d}-{arm.strategy or 'plain'}"
@@ -250,6 +270,7 @@ class Arena:
         return ArmRun(arm, wl, opt, ck, None if arm.strategy in (None, "none") else d)
 
     def close(self) -> None:
+        """Close every arm's Checkpointer and delete every checkpoint directory."""
         for r in self.runs:
             if r.ck is not None:
                 with contextlib.suppress(Exception):
@@ -257,6 +278,7 @@ class Arena:
         shutil.rmtree(self._root, ignore_errors=True)
 
     def train_block(self, r: ArmRun, n: int, *, timed: bool) -> None:
+        """Train ``r`` for ``n`` iterations and drain it; with ``timed``, record the block."""
         dev = r.workload.device
         phases = self.phases and timed
         sync(dev)
@@ -302,6 +324,7 @@ class Arena:
         r.phases["update_and_checkpoint"] = r.phases.get("update_and_checkpoint", 0.0) + t2 - t1
 
     def run(self) -> None:
+        """A warm-up block per arm, then ``repeats`` rounds of one block each, in rotating order."""
         n = self.s.iters
         for r in self.runs:
             self.progress(f"warm-up {r.arm.label}")
@@ -314,9 +337,11 @@ class Arena:
                 self.train_block(r, n, timed=True)
 
     def results(self) -> dict[str, dict[str, Any]]:
+        """``{label: summary}`` of every arm, its description included."""
         return {r.arm.label: {"arm": r.arm.describe(), **r.summary()} for r in self.runs}
 
     def disk_bytes(self, r: ArmRun) -> int:
+        """Bytes the arm's checkpoint directory holds now."""
         return dir_bytes(r.directory) if r.directory is not None else 0
 
 
@@ -365,6 +390,7 @@ def newest_full_bytes(directory: Path | None) -> int | None:
 
 
 def dir_bytes(path: Path | None) -> int:
+    """Bytes of every file under ``path`` (0 when it is None or gone)."""
     if path is None or not path.exists():
         return 0
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -418,19 +444,33 @@ def machine_info(device: str) -> dict[str, Any]:
             k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
         },
     }
-    try:
-        with open("/proc/meminfo") as f:
-            info["memory_gib"] = round(int(f.readline().split()[1]) / 2**20, 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    info["memory_gib"] = round(total_memory_bytes() / 2**30, 1)
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
     return info
 
 
+def crash_after(work: Callable[[], None], error_exit: int) -> None:
+    """(child process) Run ``work``, then die by SIGKILL as a crashed trainer dies: no
+    ``close()``, shared memory and the checkpointing processes left as a crash leaves them.
+
+    If ``work`` raises, print the error and exit with ``error_exit`` at once: a normal exit
+    would first wait for the checkpointing processes this process started, which wait for
+    it.
+    """
+    try:
+        work()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(error_exit)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 @contextlib.contextmanager
 def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` torch threads (None: unchanged); the old count after."""
     old = torch.get_num_threads()
     if n is not None:
         torch.set_num_threads(n)

@@ -41,6 +41,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,34 +64,40 @@ _STAT_PARTS = (
 )
 
 
-def _block(
-    strategy: str,
-    workload: str,
-    steps: int,
-    warmup: int,
-    ratio: float,
-    full_every: int | None,
-    batch_size: int | None,
-    workdir: Path,
-) -> dict[str, Any]:
-    w = build_workload(workload, seed=0)
+@dataclass(frozen=True)
+class _Blocks:
+    """What every block of one bench trains: the workload, the block's length, the
+    compression and LowDiff's options (None: the library's default)."""
+
+    workload: str
+    steps: int
+    warmup: int
+    ratio: float
+    full_every: int | None
+    batch_size: int | None
+
+
+def _block(strategy: str, spec: _Blocks, workdir: Path) -> dict[str, Any]:
+    """One block of ``strategy`` on a fresh model, optimizer and directory: ``warmup``
+    untimed steps, then ``steps`` steps timed until ``flush()`` has returned."""
+    w = build_workload(spec.workload, seed=0)
     model = w.model
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     directory = Path(tempfile.mkdtemp(prefix=f"hot-{strategy}-", dir=workdir))
-    options: dict[str, Any] = {} if batch_size is None else {"batch_size": batch_size}
-    if full_every is not None:
-        options["full_every"] = full_every
+    options: dict[str, Any] = {} if spec.batch_size is None else {"batch_size": spec.batch_size}
+    if spec.full_every is not None:
+        options["full_every"] = spec.full_every
     ck = lowdiff.Checkpointer(
         model,
         opt,
         directory,
         strategy=strategy,
-        compressor=lowdiff.TopK(ratio=ratio),
+        compressor=lowdiff.TopK(ratio=spec.ratio),
         **options,
     )
     try:
         ck.resume()
-        for i in range(warmup):
+        for i in range(spec.warmup):
             model.zero_grad(set_to_none=True)
             w.forward_backward(step=i)
             ck.step()
@@ -100,7 +107,7 @@ def _block(
         stats0 = dict(ck.stats)
         gc.collect()
         t0 = time.perf_counter()
-        for i in range(warmup, warmup + steps):
+        for i in range(spec.warmup, spec.warmup + spec.steps):
             model.zero_grad(set_to_none=True)
             w.forward_backward(step=i)
             ck.step()
@@ -111,7 +118,7 @@ def _block(
         stats1 = ck.stats
         parts = {k: float(stats1.get(k, 0.0)) - float(stats0.get(k, 0.0)) for k, _ in _STAT_PARTS}
         return {
-            "s_per_step": elapsed / steps,
+            "s_per_step": elapsed / spec.steps,
             "stages": stages,
             "parts": parts,
             "n_params": w.n_params,
@@ -161,37 +168,9 @@ def lowdiff_step_bench(
         raise ValueError(
             f"need steps >= 1, repeats >= 1, warmup >= 0; got {steps}, {repeats}, {warmup}"
         )
-    say = progress or (lambda _m: None)
+    spec = _Blocks(workload, steps, warmup, ratio, full_every, batch_size)
     old_threads = torch.get_num_threads()
-    own_dir = workdir is None
-    base = Path(tempfile.mkdtemp(prefix="lowdiff-hot-")) if own_dir else Path(workdir)  # type: ignore[arg-type]
-    runs: dict[str, list[dict[str, Any]]] = {"none": [], "lowdiff": []}
-    try:
-        if threads is not None:
-            torch.set_num_threads(threads)
-        for r in range(repeats):
-            order = ("none", "lowdiff") if r % 2 == 0 else ("lowdiff", "none")
-            for strategy in order:
-                res = _block(strategy, workload, steps, warmup, ratio, full_every, batch_size, base)
-                runs[strategy].append(res)
-                say(
-                    f"hotpaths {workload}: {strategy} block {r + 1}/{repeats}: "
-                    f"{res['s_per_step'] * 1e3:.2f} ms/step"
-                )
-    finally:
-        torch.set_num_threads(old_threads)
-        if own_dir:
-            shutil.rmtree(base, ignore_errors=True)
-    none_s = statistics.median(x["s_per_step"] for x in runs["none"])
-    ld_s = statistics.median(x["s_per_step"] for x in runs["lowdiff"])
-
-    def per_step(arm: str, key: str, where: str = "stages") -> float:
-        vals = [x[where][key] / max(1.0, x["stages"]["steps"]) for x in runs[arm]]
-        return statistics.median(vals)
-
-    trainer = statistics.median(
-        trainer_overhead_s(x["stages"]) / max(1.0, x["stages"]["steps"]) for x in runs["lowdiff"]
-    )
+    runs = _alternate(spec, repeats, threads, workdir, progress or (lambda _m: None))
     common = {
         "experiment": "hotpaths",
         "workload": workload,
@@ -203,6 +182,58 @@ def lowdiff_step_bench(
         "full_every": runs["lowdiff"][0]["full_every"],
         "batch_size": runs["lowdiff"][0]["batch_size"],
     }
+    return [*_summary_rows(runs, common), *_breakdown_rows(runs, common)]
+
+
+def _alternate(
+    spec: _Blocks,
+    repeats: int,
+    threads: int | None,
+    workdir: str | Path | None,
+    say: Callable[[str], None],
+) -> dict[str, list[dict[str, Any]]]:
+    """``repeats`` blocks of each arm, alternating (and which goes first alternating
+    too), under ``threads`` torch threads; the blocks' results by arm."""
+    old_threads = torch.get_num_threads()
+    own_dir = workdir is None
+    base = Path(tempfile.mkdtemp(prefix="lowdiff-hot-")) if workdir is None else Path(workdir)
+    runs: dict[str, list[dict[str, Any]]] = {"none": [], "lowdiff": []}
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        for r in range(repeats):
+            order = ("none", "lowdiff") if r % 2 == 0 else ("lowdiff", "none")
+            for strategy in order:
+                res = _block(strategy, spec, base)
+                runs[strategy].append(res)
+                say(
+                    f"hotpaths {spec.workload}: {strategy} block {r + 1}/{repeats}: "
+                    f"{res['s_per_step'] * 1e3:.2f} ms/step"
+                )
+    finally:
+        torch.set_num_threads(old_threads)
+        if own_dir:
+            shutil.rmtree(base, ignore_errors=True)
+    return runs
+
+
+def _per_step(
+    runs: dict[str, list[dict[str, Any]]], arm: str, key: str, where: str = "stages"
+) -> float:
+    """Median over ``arm``'s blocks of ``key`` (a stage, or a part) per step."""
+    vals = [x[where][key] / max(1.0, x["stages"]["steps"]) for x in runs[arm]]
+    return statistics.median(vals)
+
+
+def _summary_rows(
+    runs: dict[str, list[dict[str, Any]]], common: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The two figures beside their targets: end to end, and on the training process."""
+    none_s = statistics.median(x["s_per_step"] for x in runs["none"])
+    ld_s = statistics.median(x["s_per_step"] for x in runs["lowdiff"])
+    trainer = statistics.median(
+        trainer_overhead_s(x["stages"]) / max(1.0, x["stages"]["steps"]) for x in runs["lowdiff"]
+    )
     # each repeat runs one block of each arm back to back: the median of those pairs'
     # ratios cancels the machine's drift between repeats, which the ratio of the two
     # medians (also reported) does not
@@ -211,7 +242,7 @@ def lowdiff_step_bench(
         for a, b in zip(runs["lowdiff"], runs["none"], strict=True)
     ]
     e2e = statistics.median(paired)
-    rows: list[dict[str, Any]] = [
+    return [
         {
             **common,
             "table": "summary",
@@ -237,6 +268,14 @@ def lowdiff_step_bench(
             "met": trainer / none_s <= TRAINER_TARGET,
         },
     ]
+
+
+def _breakdown_rows(
+    runs: dict[str, list[dict[str, Any]]], common: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Seconds per step of each pipeline stage (both arms), then of each part of
+    LowDiff's hand-over."""
+    rows: list[dict[str, Any]] = []
     for stage in PIPELINE_STAGES:
         if stage == "steps":
             continue
@@ -245,8 +284,8 @@ def lowdiff_step_bench(
                 **common,
                 "table": "stage",
                 "stage": stage,
-                "none_s_per_step": per_step("none", stage),
-                "lowdiff_s_per_step": per_step("lowdiff", stage),
+                "none_s_per_step": _per_step(runs, "none", stage),
+                "lowdiff_s_per_step": _per_step(runs, "lowdiff", stage),
             }
         )
     for key, what in _STAT_PARTS:
@@ -256,7 +295,7 @@ def lowdiff_step_bench(
                 "table": "part",
                 "part": key,
                 "what": what,
-                "lowdiff_s_per_step": per_step("lowdiff", key, "parts"),
+                "lowdiff_s_per_step": _per_step(runs, "lowdiff", key, "parts"),
             }
         )
     return rows

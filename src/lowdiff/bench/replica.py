@@ -1,7 +1,7 @@
 """The LowDiff+ replica update against a bare ``torch.optim`` step, side by side.
 
 :func:`replica_update_bench` builds the checkpointing process's replica
-(:class:`lowdiff.engine.replica_worker._Replica`) in this process, from the state of a
+(:class:`lowdiff.engine.replica_worker.Replica`) in this process, from the state of a
 trainer-side optimizer, exactly as the process builds it from the ``init`` message, and
 times its per-step work (decoding the step's metadata, binding the gradients of a snapshot
 slot, the sharded optimizer update, the checks and copies around it, publishing the step)
@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from lowdiff.compressors import NoCompression
-from lowdiff.engine import replica as rp
-from lowdiff.engine import state as st
-from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.replica_worker import ReplicaConfig, _Replica, optimizer_class
+from lowdiff.engine.replica_worker import Replica, ReplicaConfig, optimizer_class
 from lowdiff.format import codec
 from lowdiff.format.sfile import plan, view_tensors
+from lowdiff.proc import holder as rp
+from lowdiff.state import capture as st
+from lowdiff.state.record import RecordLayout
 
 REPLICA_TARGET = 1.2
 """Issue target: the replica's per-step update at most 1.2x a bare ``torch.optim`` step."""
@@ -123,7 +123,7 @@ class _Harness:
             threads,
         )
         self.ctl_shm = rp.create_segment(f"lowdiff-{run_id[:16]}-ctl", rp.CTL_BYTES)
-        self.rep = _Replica(cfg, rp.ControlBlock(self.ctl_shm))
+        self.rep = Replica(cfg, rp.ControlBlock(self.ctl_shm))
         meta = {
             "model_aliases": codec.dumps({}),
             "optim": ojson,
@@ -154,6 +154,7 @@ class _Harness:
             torch.set_num_threads(saved)
 
     def bare_step(self) -> float:
+        """One bare ``optimizer.step()`` with ``threads`` torch threads, timed."""
         saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
@@ -182,6 +183,7 @@ class _Harness:
         return True
 
     def close(self) -> None:
+        """Close the replica and remove its shared memory and folder."""
         self.rep.close()
         rp.unlink_segment(self.ctl_shm.name)
         self.ctl_shm.close()

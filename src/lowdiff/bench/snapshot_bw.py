@@ -44,14 +44,16 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lowdiff.compressors import NoCompression
-from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.snapshot import _SERIAL_ELEMS, GradSnapshotter
-from lowdiff.engine.state import RngLayout, optimizer_params
+from lowdiff.engine.snapshot import SERIAL_ELEMS, GradSnapshotter
+from lowdiff.state.capture import RngLayout, optimizer_params
+from lowdiff.state.record import RecordLayout
+from lowdiff.workloads.zoo import build_workload
 
 SNAPSHOT_TARGET = 0.70
 """Issue target: snapshot copies at 70% or more of this machine's memcpy bandwidth."""
@@ -72,6 +74,7 @@ N_SLOTS = 2
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
+    """Gigabytes per second (infinite when the clock saw no time pass)."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
@@ -84,9 +87,107 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` took."""
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+class _Rig:
+    """A workload with the snapshotter attached as ``strategy="lowdiff+"`` attaches it,
+    its slots handed back round-robin (no checkpointing process takes them)."""
+
+    def __init__(self, workload: str, copy_mode: str) -> None:
+        self.workload = build_workload(workload, seed=0)
+        opt = torch.optim.SGD(self.workload.model.parameters(), lr=0.0)
+        self.params = optimizer_params(self.workload.model, opt)
+        layout = RecordLayout.build([i for i, _ in self.params], NoCompression(), [], RngLayout())
+        slots = torch.zeros((N_SLOTS, layout.row_bytes), dtype=torch.uint8).share_memory_()
+        self.views = [layout.views(slots[s]) for s in range(N_SLOTS)]
+        self.handed = 0
+        self.identical = True
+        """Every slot held its step's gradients bit for bit, so far."""
+        self.snap = GradSnapshotter(
+            self.params, [slots[s] for s in range(N_SLOTS)], self.views, self._acquire,
+            copy_mode=copy_mode,
+        )  # fmt: skip
+
+    def _acquire(self) -> int:
+        """The next slot, round-robin (nothing else holds one)."""
+        slot = self.handed % N_SLOTS
+        self.handed += 1
+        return slot
+
+    def train_step(self, step: int) -> tuple[int, float]:
+        """One forward and backward with the snapshot taken, checked against the
+        gradients; the bytes the block copies wrote and the seconds they took."""
+        c0, b0 = self.snap.stats.copy_s, self.snap.stats.copy_bytes
+        self.workload.model.zero_grad(set_to_none=True)
+        self.workload.forward_backward(step)
+        slot, nograd = self.snap.finish()
+        for info, p in self.params:
+            if info.index in nograd or p.grad is None:
+                continue
+            got = self.views[slot][f"g{info.index}.values"]
+            self.identical = self.identical and torch.equal(got, p.grad.reshape(-1))
+        return self.snap.stats.copy_bytes - b0, self.snap.stats.copy_s - c0
+
+    def close(self) -> None:
+        """Stop the snapshotter (its hooks and copy thread)."""
+        self.snap.close()
+
+
+class _Copies:
+    """The gradients' bytes, copied into shared memory three ways: one contiguous
+    ``copy_``, one ``copy_`` per tensor, and by one thread in pieces of at most
+    :data:`~lowdiff.engine.snapshot.SERIAL_ELEMS` elements."""
+
+    def __init__(self, grads: list[torch.Tensor]) -> None:
+        self.grads = grads
+        self.nbytes = sum(g.numel() * g.element_size() for g in grads)
+        self.src = _flat(grads)
+        self.dst = torch.empty_like(self.src).share_memory_()
+        self.split_dst = torch.empty_like(self.src).share_memory_()
+        self.split_views: list[torch.Tensor] = []
+        off = 0
+        for g in grads:
+            n = g.numel() * g.element_size() // self.src.element_size()
+            self.split_views.append(self.split_dst[off : off + n].view(g.dtype).view(g.shape))
+            off += n
+        self.one_dst = list(torch.empty_like(self.src).share_memory_().split(SERIAL_ELEMS))
+        self.one_src = list(self.src.split(SERIAL_ELEMS))
+
+    def contiguous(self) -> None:
+        """The gradients' bytes as one contiguous ``copy_``."""
+        self.dst.copy_(self.src)
+
+    def per_tensor(self) -> None:
+        """The same bytes as one ``copy_`` per gradient tensor."""
+        for d, g in zip(self.split_views, self.grads, strict=True):
+            d.copy_(g)
+
+    def one_thread(self) -> None:
+        """The same bytes in pieces no OpenMP team shares (one thread)."""
+        torch._foreach_copy_(self.one_dst, self.one_src)
+
+    def identical(self) -> bool:
+        """Every copy holds the source's bits."""
+        return (
+            torch.equal(self.dst, self.src)
+            and torch.equal(self.split_dst, self.src)
+            and torch.equal(torch.cat(self.one_dst), self.src)
+        )
+
+
+@dataclass
+class _Samples:
+    """Per training step: the snapshot's bytes and bandwidth, and each memcpy's seconds."""
+
+    copy_bytes: list[int] = field(default_factory=list)
+    snapshot_gbps: list[float] = field(default_factory=list)
+    memcpy_s: list[float] = field(default_factory=list)
+    split_s: list[float] = field(default_factory=list)
+    one_s: list[float] = field(default_factory=list)
 
 
 def snapshot_bandwidth_bench(
@@ -128,120 +229,74 @@ def snapshot_bandwidth_bench(
     """
     if repeats < 1 or steps < 1:
         raise ValueError(f"repeats and steps must be at least 1, got {repeats} and {steps}")
-    from lowdiff.workloads.zoo import build_workload
-
     say = progress or (lambda _m: None)
     say(f"snapshot bandwidth: building {workload}")
-    w = build_workload(workload, seed=0)
-    opt = torch.optim.SGD(w.model.parameters(), lr=0.0)
-    params = optimizer_params(w.model, opt)
-    layout = RecordLayout.build([i for i, _ in params], NoCompression(), [], RngLayout())
-    slots = torch.zeros((N_SLOTS, layout.row_bytes), dtype=torch.uint8).share_memory_()
-    views = [layout.views(slots[s]) for s in range(N_SLOTS)]
-    taken: list[int] = []
-
-    def acquire() -> int:
-        taken.append(len(taken) % N_SLOTS)
-        return taken[-1]
-
-    snap = GradSnapshotter(
-        params, [slots[s] for s in range(N_SLOTS)], views, acquire, copy_mode=copy_mode
-    )
-    mode = snap.copy_mode
-    identical = True
-    snap_gbps: list[float] = []
-    copy_bytes: list[int] = []
+    rig = _Rig(workload, copy_mode)
     try:
-
-        def train_step(step: int) -> tuple[int, float]:
-            nonlocal identical
-            c0, b0 = snap.stats.copy_s, snap.stats.copy_bytes
-            w.model.zero_grad(set_to_none=True)
-            w.forward_backward(step)
-            slot, nograd = snap.finish()
-            for info, p in params:
-                if info.index in nograd or p.grad is None:
-                    continue
-                got = views[slot][f"g{info.index}.values"]
-                identical = identical and torch.equal(got, p.grad.reshape(-1))
-            return snap.stats.copy_bytes - b0, snap.stats.copy_s - c0
-
-        train_step(0)  # untimed: first-touch of the slots, allocator warm-up
-        grads = [p.grad.detach().clone() for _, p in params if p.grad is not None]
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
-        src = _flat(grads)
-        dst = torch.empty_like(src).share_memory_()
-        split_dst = torch.empty_like(src).share_memory_()
-        split_views: list[torch.Tensor] = []
-        off = 0
-        for g in grads:
-            n = g.numel() * g.element_size() // src.element_size()
-            split_views.append(split_dst[off : off + n].view(g.dtype).view(g.shape))
-            off += n
-
-        def split_copy() -> None:
-            for d, g in zip(split_views, grads, strict=True):
-                d.copy_(g)
-
-        one_dst = list(torch.empty_like(src).share_memory_().split(_SERIAL_ELEMS))
-        one_src = list(src.split(_SERIAL_ELEMS))
-
-        memcpy_s: list[float] = []
-        split_s: list[float] = []
-        one_s: list[float] = []
+        rig.train_step(0)  # untimed: first-touch of the slots, allocator warm-up
+        copies = _Copies([p.grad.detach().clone() for _, p in rig.params if p.grad is not None])
+        samples = _Samples()
         step = 1
         for r in range(repeats):
             say(f"snapshot bandwidth: {workload} round {r + 1}/{repeats}")
             for _ in range(steps):
-                nb, cs = train_step(step)
+                nb, cs = rig.train_step(step)
                 step += 1
-                copy_bytes.append(nb)
-                snap_gbps.append(_gbps(nb, cs))
-                memcpy_s.append(_timed(lambda: dst.copy_(src)))
-                split_s.append(_timed(split_copy))
-                one_s.append(_timed(lambda: torch._foreach_copy_(one_dst, one_src)))
-        identical = (
-            identical
-            and torch.equal(dst, src)
-            and torch.equal(split_dst, src)
-            and torch.equal(torch.cat(one_dst), src)
-        )
-        n_blocks = len(snap.blocks)
-        n_chunked = sum(b.chunked for b in snap.blocks)
+                samples.copy_bytes.append(nb)
+                samples.snapshot_gbps.append(_gbps(nb, cs))
+                samples.memcpy_s.append(_timed(copies.contiguous))
+                samples.split_s.append(_timed(copies.per_tensor))
+                samples.one_s.append(_timed(copies.one_thread))
+        identical = rig.identical and copies.identical()
+        blocks = rig.snap.blocks
     finally:
-        snap.close()
-    memcpy = _gbps(nbytes, statistics.median(memcpy_s))
-    split = _gbps(nbytes, statistics.median(split_s))
-    one = _gbps(nbytes, statistics.median(one_s))
-    snapshot = statistics.median(snap_gbps)
+        rig.close()
+    case = {
+        "workload": workload,
+        "grad_bytes": copies.nbytes,
+        "tensors": len(copies.grads),
+        "blocks": len(blocks),
+        "chunked_blocks": sum(b.chunked for b in blocks),
+        "identical": identical,
+        "copy_mode": rig.snap.copy_mode,
+        "repeats": repeats,
+        "steps": steps,
+    }
+    return [_row(case, copies.nbytes, samples)]
+
+
+def _row(case: dict[str, Any], nbytes: int, samples: _Samples) -> dict[str, Any]:
+    """The bench's row: the medians, their ratios and the target, after the case."""
+    memcpy = _gbps(nbytes, statistics.median(samples.memcpy_s))
+    split = _gbps(nbytes, statistics.median(samples.split_s))
+    one = _gbps(nbytes, statistics.median(samples.one_s))
+    snapshot = statistics.median(samples.snapshot_gbps)
     ratio = snapshot / memcpy
-    return [
-        {
-            "workload": workload,
-            "grad_bytes": nbytes,
-            "tensors": len(grads),
-            "blocks": n_blocks,
-            "chunked_blocks": n_chunked,
-            "copy_bytes_per_step": statistics.median(copy_bytes),
-            "memcpy_gbps": memcpy,
-            "memcpy_split_gbps": split,
-            "memcpy_one_thread_gbps": one,
-            "snapshot_gbps": snapshot,
-            "snapshot_over_memcpy": ratio,
-            "snapshot_over_split": snapshot / split,
-            "snapshot_over_one_thread": snapshot / one,
-            "target": SNAPSHOT_TARGET,
-            "met": ratio >= SNAPSHOT_TARGET,
-            "identical": identical,
-            "copy_mode": mode,
-            "snapshot_gbps_per_step": snap_gbps,
-            "repeats": repeats,
-            "steps": steps,
-            "torch_threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(),
-            "definition": DEFINITION,
-        }
-    ]
+    return {
+        "workload": case["workload"],
+        "grad_bytes": case["grad_bytes"],
+        "tensors": case["tensors"],
+        "blocks": case["blocks"],
+        "chunked_blocks": case["chunked_blocks"],
+        "copy_bytes_per_step": statistics.median(samples.copy_bytes),
+        "memcpy_gbps": memcpy,
+        "memcpy_split_gbps": split,
+        "memcpy_one_thread_gbps": one,
+        "snapshot_gbps": snapshot,
+        "snapshot_over_memcpy": ratio,
+        "snapshot_over_split": snapshot / split,
+        "snapshot_over_one_thread": snapshot / one,
+        "target": SNAPSHOT_TARGET,
+        "met": ratio >= SNAPSHOT_TARGET,
+        "identical": case["identical"],
+        "copy_mode": case["copy_mode"],
+        "snapshot_gbps_per_step": samples.snapshot_gbps,
+        "repeats": case["repeats"],
+        "steps": case["steps"],
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "definition": DEFINITION,
+    }
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:

@@ -4,7 +4,7 @@
 processes on this machine) in which every rank trains a zoo workload through
 ``lowdiff.Checkpointer`` with ``strategy="lowdiff"`` and a top-k compressor, and reads,
 after every step, the bytes its communication hook passed to the collectives
-(:class:`lowdiff.dist.hooks.WireStats`: the ``nbytes`` of the tensors handed to the
+(:class:`lowdiff.ddp.hooks.WireStats`: the ``nbytes`` of the tensors handed to the
 all-gathers, not a formula). Per rank and step:
 
 - ``lowdiff_bytes`` (measured): this rank's contribution to the all-gathers, values plus
@@ -35,6 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lowdiff
+from lowdiff.attach import own_strategy
+from lowdiff.workloads.zoo import build_workload, workload_names
 
 RUN_TIMEOUT_S = 300.0
 """Seconds the ranks get before the bench stops them and raises."""
@@ -49,12 +56,6 @@ def _rank_main(
     steps: int,
 ) -> None:
     """One rank: train ``steps`` steps under lowdiff's hook, write this rank's rows."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import lowdiff
-    from lowdiff.workloads.zoo import build_workload
-
     # the ranks share the machine's cores: one thread each, as the DDP tests run
     torch.set_num_threads(1)
     root = Path(work)
@@ -73,7 +74,9 @@ def _rank_main(
             model, opt, root / "ck", compressor=lowdiff.TopK(ratio=ratio)
         ) as ck:
             ck.resume()
-            hook = ck.strategy_impl._hook_state  # type: ignore[attr-defined]
+            hook = own_strategy(ck).ddp_hook_state
+            if hook is None:
+                raise RuntimeError("the lowdiff strategy registered no DDP communication hook")
             for step in range(steps):
                 opt.zero_grad(set_to_none=True)
                 w.loss(w.batch(step * world_size + rank)).backward()
@@ -143,10 +146,6 @@ def ddp_wire_bench(
         >>> {r["value_dtype"] for r in rows}  # doctest: +SKIP
         {'float32'}
     """
-    import torch.multiprocessing as mp
-
-    from lowdiff.workloads.zoo import workload_names
-
     if workload not in workload_names():
         raise ValueError(f"workload must be one of {workload_names()}, got {workload!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:

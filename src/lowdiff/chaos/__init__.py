@@ -12,7 +12,9 @@ and splits the time of the run into steady-state overhead, lost work and recover
 - :mod:`.supervisor`: one job through its failures;
 - :mod:`.accounting`: where the time went;
 - :mod:`.costs`: LowDiff's measured costs as the inputs of :mod:`lowdiff.plan`;
-- :mod:`.run`: the comparison, the (f, b) grid, the GPU-count simulation;
+- :mod:`.settings`: the compared methods, the run's settings, each job's config;
+- :mod:`.runner`: the jobs of a run, its reference jobs, a job's result row;
+- :mod:`.run`: the comparison and the GPU-count simulation; :mod:`.grid`: the (f, b) grid;
 - :mod:`.report`: JSON lines, Markdown, PNG.
 
 Example:
@@ -24,8 +26,9 @@ from __future__ import annotations
 
 from lowdiff.chaos.accounting import Accounting, Attempt, account
 from lowdiff.chaos.launch import ChaosError
-from lowdiff.chaos.run import ChaosSettings, run_chaos
+from lowdiff.chaos.run import run_chaos
 from lowdiff.chaos.schedule import FailurePoint, FailureSchedule, failure_schedule
+from lowdiff.chaos.settings import ChaosSettings
 from lowdiff.chaos.supervisor import Job, JobResult, supervise
 
 __all__ = [

@@ -24,6 +24,7 @@ import statistics
 from typing import Any
 
 from lowdiff.chaos.supervisor import JobResult
+from lowdiff.plan import CostModel, fit_bandwidth, fit_line
 
 
 def measured_costs(jobs: list[JobResult]) -> dict[str, Any]:
@@ -69,8 +70,6 @@ def cost_inputs(costs: dict[str, Any]) -> dict[str, float]:
     Raises:
         ValueError: no record file, full checkpoint or recovery from disk was measured.
     """
-    from lowdiff.plan import fit_bandwidth, fit_line
-
     files, fulls, recs = costs["files"], costs["fulls"], costs["recoveries"]
     missing = [n for n, v in (("record files", files), ("full checkpoints", fulls)) if not v]
     if not any(r.get("records_replayed") for r in recs):
@@ -119,4 +118,16 @@ def cost_inputs(costs: dict[str, Any]) -> dict[str, float]:
     }
 
 
-__all__ = ["cost_inputs", "measured_costs"]
+def cost_model(costs: dict[str, Any], *, tau: float, total_time: float, mtbf: float) -> CostModel:
+    """The wasted-time model of the measured ``costs`` for a job of ``total_time`` seconds
+    of steps of ``tau`` under failures ``mtbf`` seconds apart.
+
+    Raises:
+        ValueError: as :func:`cost_inputs`.
+    """
+    inputs = cost_inputs(costs)
+    # every input is a float field of the model (n_gpus, its one int field, is not one)
+    return CostModel(tau=tau, total_time=total_time, mtbf=mtbf, **inputs)  # type: ignore[arg-type]
+
+
+__all__ = ["cost_inputs", "cost_model", "measured_costs"]

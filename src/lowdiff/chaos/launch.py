@@ -37,7 +37,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
-from lowdiff.cli.common import child_env
+from lowdiff.harness import child_env
 
 
 class ChaosError(RuntimeError):
@@ -117,7 +117,7 @@ class _Forked:
         self.stdout = stdout
 
     def poll(self) -> int | None:
-        return self._launcher._exit_code(self.pid)
+        return self._launcher.exit_code(self.pid)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -195,7 +195,8 @@ class ForkLauncher:
                     self._replies[int(obj["id"])] = int(obj["pid"])
                 self._cond.notify_all()
 
-    def _exit_code(self, pid: int) -> int | None:
+    def exit_code(self, pid: int) -> int | None:
+        """The exit code of forked process ``pid``, or None while it runs."""
         with self._lock:
             if pid in self._exits:
                 return self._exits[pid]

@@ -7,14 +7,15 @@ Gemini's holder, possibly left over from an earlier trainer of the same director
 the shared memory they keep. The job's processes are found two ways, since a
 checkpointing process leaves its trainer's process group and outlives it:
 
-- the process tree under the trainer (``/proc/*/stat`` parent links);
+- the process tree under the trainer (parent links, :func:`lowdiff.machine.descendants`);
 - every process of this user with a file of the checkpoint directory open (the
   directory lock, the writer lock that every checkpointing process and holder keeps).
 
 Every process found is stopped (SIGSTOP) first, so that none of them can write a last
 file or spawn another process while the set is being completed, then all are killed
 together (SIGKILL). The shared-memory segments to remove are the ``/dev/shm`` files those
-processes had mapped or open, plus the segments of the descriptor's run.
+processes had mapped or open, plus the segments of the run that the directory's replica
+descriptor names (:func:`lowdiff.proc.holder.read_descriptor`).
 
 Only processes of this user that belong to the job are ever signalled, and only
 ``/dev/shm`` files owned by this user are removed.
@@ -23,80 +24,15 @@ Only processes of this user that belong to the job are ever signalled, and only
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lowdiff.machine import alive, descendants, mapped_paths, open_paths, user_pids, wait_gone
+from lowdiff.proc.holder import read_descriptor
+
 SHM_DIR = Path("/dev/shm")
-DESCRIPTOR = ".lowdiff.replica.json"
-"""The replica/holder descriptor of LowDiff+ and Gemini (see :mod:`lowdiff.engine.replica`)."""
-
-
-def _stat_fields(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of ``pid``, or None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # the command name is in parentheses and may hold spaces: parse after the last ')'
-    rest = raw[raw.rfind(")") + 2 :].split()
-    try:
-        return rest[0], int(rest[1])
-    except (IndexError, ValueError):
-        return None
-
-
-def _own_pids() -> list[int]:
-    uid = os.getuid()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{name}").st_uid == uid:
-                out.append(int(name))
-        except OSError:
-            continue
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie."""
-    f = _stat_fields(pid)
-    return f is not None and f[0] not in ("Z", "X")
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` in the process tree (not ``pid`` itself)."""
-    children: dict[int, list[int]] = {}
-    for p in _own_pids():
-        f = _stat_fields(p)
-        if f is not None:
-            children.setdefault(f[1], []).append(p)
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return {p for p in out if alive(p)}
-
-
-def _fd_targets(pid: int) -> list[str]:
-    base = f"/proc/{pid}/fd"
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return []
-    out = []
-    for n in names:
-        with contextlib.suppress(OSError):
-            out.append(os.readlink(f"{base}/{n}"))
-    return out
 
 
 def holders(directory: Path) -> set[int]:
@@ -110,20 +46,12 @@ def holders(directory: Path) -> set[int]:
     prefix = root + os.sep
     me = os.getpid()
     out = set()
-    for pid in _own_pids():
+    for pid in user_pids():
         if pid == me:
             continue
-        if any(t == root or t.startswith(prefix) for t in _fd_targets(pid)):
+        if any(t == root or t.startswith(prefix) for t in open_paths(pid)):
             out.add(pid)
     return {p for p in out if alive(p)}
-
-
-def _descriptor(directory: Path) -> dict[str, object] | None:
-    try:
-        d = json.loads((Path(directory) / DESCRIPTOR).read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) else None
 
 
 def shm_segments(pids: set[int]) -> set[str]:
@@ -131,27 +59,20 @@ def shm_segments(pids: set[int]) -> set[str]:
     names: set[str] = set()
     prefix = str(SHM_DIR) + os.sep
     for pid in pids:
-        paths = list(_fd_targets(pid))
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6:
-                    paths.append(parts[5])
-        for p in paths:
-            if p.startswith(prefix) and not p.endswith(" (deleted)"):
-                name = p[len(prefix) :]
-                if name and os.sep not in name:
-                    names.add(name)
+        for p in (*open_paths(pid), *mapped_paths(pid)):
+            name = p[len(prefix) :] if p.startswith(prefix) else ""
+            # a segment already unlinked keeps its name in a mapping: skip what is gone
+            if name and os.sep not in name and (SHM_DIR / name).exists():
+                names.add(name)
     return names
 
 
 def run_segments(directory: Path) -> set[str]:
     """The segments of the run named by ``directory``'s replica descriptor (any generation)."""
-    desc = _descriptor(directory)
-    run = desc.get("run_id") if desc else None
-    if not isinstance(run, str) or not run:
+    desc = read_descriptor(Path(directory))
+    if desc is None or not desc.run_id:
         return set()
-    prefix = f"lowdiff-{run[:16]}-"
+    prefix = f"lowdiff-{desc.run_id[:16]}-"
     with contextlib.suppress(OSError):
         return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
     return set()
@@ -171,16 +92,6 @@ def remove_segments(names: set[str]) -> list[str]:
             continue
         removed.append(name)
     return removed
-
-
-def wait_gone(pids: set[int], timeout: float) -> set[int]:
-    """Wait until none of ``pids`` is alive; returns those still alive at the timeout."""
-    deadline = time.monotonic() + timeout
-    left = {p for p in pids if alive(p)}
-    while left and time.monotonic() < deadline:
-        time.sleep(0.01)
-        left = {p for p in left if alive(p)}
-    return left
 
 
 @dataclass
@@ -242,8 +153,6 @@ def leftovers(directory: Path) -> set[int]:
 
 __all__ = [
     "KillReport",
-    "alive",
-    "descendants",
     "holders",
     "kill_job",
     "kill_trainer",
@@ -251,5 +160,4 @@ __all__ = [
     "remove_segments",
     "run_segments",
     "shm_segments",
-    "wait_gone",
 ]

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lowdiff.bench.report import fmt_s, table
+from lowdiff.bench.tables import fmt_s, table
 
 
 def _of(rows: list[dict[str, Any]], exp: str) -> list[dict[str, Any]]:
@@ -382,120 +382,140 @@ def plots(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figures = {
+        "wasted": _plot_wasted(plt, _of(rows, "wasted")),
+        "effective_ratio": _plot_ratio(plt, _of(rows, "wasted")),
+        "scale_gpus": _plot_gpus(plt, _of(rows, "scale-gpus")),
+        "grid": _plot_grid(plt, _of(rows, "grid"), _of(rows, "grid-summary")),
+    }
     written: list[Path] = []
-
-    def save(fig: Any, name: str) -> None:
+    for name, fig in figures.items():
+        if fig is None:
+            continue
         fig.tight_layout()
         path = out / f"{name}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
-
-    ws = _of(rows, "wasted")
-    if ws:
-        mtbfs = sorted({r["mtbf_s"] for r in ws}, reverse=True)
-        fig, axes = plt.subplots(1, len(mtbfs), figsize=(5.5 * len(mtbfs), 4.5), squeeze=False)
-        parts = [
-            ("startup_overhead_s", "startup", "tab:gray"),
-            ("overhead_s", "steady overhead", "tab:blue"),
-            ("lost_work_s", "lost work", "tab:orange"),
-            ("recovery_s", "recovery", "tab:red"),
-        ]
-        for ax, m in zip(axes[0], mtbfs, strict=True):
-            rs = [r for r in ws if r["mtbf_s"] == m]
-            x = range(len(rs))
-            pos = [0.0] * len(rs)
-            neg = [0.0] * len(rs)
-            for key, label, color in parts:
-                vals = [r[key] for r in rs]
-                bottoms = [p if v >= 0 else n for v, p, n in zip(vals, pos, neg, strict=True)]
-                ax.bar(x, vals, bottom=bottoms, color=color, label=label)
-                pos = [p + max(v, 0) for v, p in zip(vals, pos, strict=True)]
-                neg = [n + min(v, 0) for v, n in zip(vals, neg, strict=True)]
-            ax.set_xticks(list(x), [r["method"] for r in rs], rotation=40, ha="right")
-            ax.set_ylabel("wasted time (s)")
-            ax.set_title(f"Exp. 3: MTBF {m:g} s ({rs[0]['failures']} failures)")
-            ax.axhline(0, color="black", linewidth=0.5)
-        axes[0][0].legend(fontsize=8)
-        save(fig, "wasted")
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for meth in dict.fromkeys(r["method"] for r in ws):
-            rs = sorted((r for r in ws if r["method"] == meth), key=lambda r: r["mtbf_s"])
-            ax.plot(
-                [r["mtbf_s"] for r in rs],
-                [100 * r["effective_ratio"] for r in rs],
-                marker="o",
-                label=meth,
-            )
-        ax.set_xscale("log")
-        ax.set_xlabel("MTBF (s of failure-free training)")
-        ax.set_ylabel("effective training time ratio (%)")
-        ax.set_title("Exp. 11: training under frequent failures")
-        ax.legend(fontsize=8)
-        save(fig, "effective_ratio")
-
-    sim = _of(rows, "scale-gpus")
-    if sim:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for meth in dict.fromkeys(r["method"] for r in sim):
-            rs = sorted((r for r in sim if r["method"] == meth), key=lambda r: r["n_gpus"])
-            ax.plot(
-                [r["n_gpus"] for r in rs],
-                [100 * r["effective_ratio"] for r in rs],
-                marker="o",
-                label=meth,
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("GPUs")
-        ax.set_ylabel("effective training time ratio (%)")
-        ax.set_title("Exp. 12: more GPUs — SIMULATION from measured costs")
-        ax.legend(fontsize=8)
-        save(fig, "scale_gpus")
-
-    cells = _of(rows, "grid")
-    summ = _of(rows, "grid-summary")
-    if cells and summ:
-        fs = sorted({c["f"] for c in cells})
-        bs = sorted({c["b"] for c in cells})
-        fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-        for ax, key, title in zip(
-            axes,
-            ("model_wasted_s", "core_wasted_s", "wasted_s"),
-            ("model T_w(f, b)", "measured, core", "measured, whole"),
-            strict=True,
-        ):
-            grid = [
-                [
-                    next((c[key] for c in cells if c["f"] == f and c["b"] == b), float("nan"))
-                    for b in bs
-                ]
-                for f in fs
-            ]
-            im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
-            ax.set_xticks(range(len(bs)), [str(b) for b in bs])
-            ax.set_yticks(range(len(fs)), [str(f) for f in fs])
-            ax.set_xlabel("batch size b")
-            ax.set_ylabel("full-checkpoint interval f")
-            ax.set_title(f"Exp. 8: {title} (s)")
-            for i, f in enumerate(fs):
-                for j, b in enumerate(bs):
-                    v = grid[i][j]
-                    if v == v:
-                        star = (f, b) == (summ[0]["f_star"], summ[0]["b_star"])
-                        ax.text(
-                            j,
-                            i,
-                            f"{v:.2f}" + ("*" if star else ""),
-                            ha="center",
-                            va="center",
-                            color="white",
-                            fontsize=8,
-                            fontweight="bold" if star else "normal",
-                        )
-            fig.colorbar(im, ax=ax)
-        save(fig, "grid")
     return written
+
+
+def _plot_wasted(plt: Any, ws: list[dict[str, Any]]) -> Any:
+    """Exp. 3: each method's wasted time, split into its parts, one panel per MTBF."""
+    if not ws:
+        return None
+    mtbfs = sorted({r["mtbf_s"] for r in ws}, reverse=True)
+    fig, axes = plt.subplots(1, len(mtbfs), figsize=(5.5 * len(mtbfs), 4.5), squeeze=False)
+    parts = [
+        ("startup_overhead_s", "startup", "tab:gray"),
+        ("overhead_s", "steady overhead", "tab:blue"),
+        ("lost_work_s", "lost work", "tab:orange"),
+        ("recovery_s", "recovery", "tab:red"),
+    ]
+    for ax, m in zip(axes[0], mtbfs, strict=True):
+        rs = [r for r in ws if r["mtbf_s"] == m]
+        x = range(len(rs))
+        # a negative part (a steady overhead below the noise) stacks downwards
+        pos = [0.0] * len(rs)
+        neg = [0.0] * len(rs)
+        for key, label, color in parts:
+            vals = [r[key] for r in rs]
+            bottoms = [p if v >= 0 else n for v, p, n in zip(vals, pos, neg, strict=True)]
+            ax.bar(x, vals, bottom=bottoms, color=color, label=label)
+            pos = [p + max(v, 0) for v, p in zip(vals, pos, strict=True)]
+            neg = [n + min(v, 0) for v, n in zip(vals, neg, strict=True)]
+        ax.set_xticks(list(x), [r["method"] for r in rs], rotation=40, ha="right")
+        ax.set_ylabel("wasted time (s)")
+        ax.set_title(f"Exp. 3: MTBF {m:g} s ({rs[0]['failures']} failures)")
+        ax.axhline(0, color="black", linewidth=0.5)
+    axes[0][0].legend(fontsize=8)
+    return fig
+
+
+def _plot_ratio(plt: Any, ws: list[dict[str, Any]]) -> Any:
+    """Exp. 11: each method's effective training time ratio against the MTBF."""
+    if not ws:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for meth in dict.fromkeys(r["method"] for r in ws):
+        rs = sorted((r for r in ws if r["method"] == meth), key=lambda r: r["mtbf_s"])
+        ax.plot(
+            [r["mtbf_s"] for r in rs],
+            [100 * r["effective_ratio"] for r in rs],
+            marker="o",
+            label=meth,
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("MTBF (s of failure-free training)")
+    ax.set_ylabel("effective training time ratio (%)")
+    ax.set_title("Exp. 11: training under frequent failures")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_gpus(plt: Any, sim: list[dict[str, Any]]) -> Any:
+    """Exp. 12 (a simulation): each method's effective ratio against the GPU count."""
+    if not sim:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for meth in dict.fromkeys(r["method"] for r in sim):
+        rs = sorted((r for r in sim if r["method"] == meth), key=lambda r: r["n_gpus"])
+        ax.plot(
+            [r["n_gpus"] for r in rs],
+            [100 * r["effective_ratio"] for r in rs],
+            marker="o",
+            label=meth,
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("effective training time ratio (%)")
+    ax.set_title("Exp. 12: more GPUs — SIMULATION from measured costs")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_grid(plt: Any, cells: list[dict[str, Any]], summ: list[dict[str, Any]]) -> Any:
+    """Exp. 8: the model's and the measured wasted time over the (f, b) grid, the model's
+    pick starred."""
+    if not (cells and summ):
+        return None
+    fs = sorted({c["f"] for c in cells})
+    bs = sorted({c["b"] for c in cells})
+    star = (summ[0]["f_star"], summ[0]["b_star"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, title in zip(
+        axes,
+        ("model_wasted_s", "core_wasted_s", "wasted_s"),
+        ("model T_w(f, b)", "measured, core", "measured, whole"),
+        strict=True,
+    ):
+        grid = [
+            [next((c[key] for c in cells if c["f"] == f and c["b"] == b), float("nan")) for b in bs]
+            for f in fs
+        ]
+        im = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+        ax.set_xticks(range(len(bs)), [str(b) for b in bs])
+        ax.set_yticks(range(len(fs)), [str(f) for f in fs])
+        ax.set_xlabel("batch size b")
+        ax.set_ylabel("full-checkpoint interval f")
+        ax.set_title(f"Exp. 8: {title} (s)")
+        for i, f in enumerate(fs):
+            for j, b in enumerate(bs):
+                v = grid[i][j]
+                if v == v:  # not a missing cell (NaN)
+                    starred = (f, b) == star
+                    ax.text(
+                        j,
+                        i,
+                        f"{v:.2f}" + ("*" if starred else ""),
+                        ha="center",
+                        va="center",
+                        color="white",
+                        fontsize=8,
+                        fontweight="bold" if starred else "normal",
+                    )
+        fig.colorbar(im, ax=ax)
+    return fig
 
 
 def write(out: Path, run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Path]:

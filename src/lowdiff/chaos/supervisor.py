@@ -31,12 +31,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeAlias
 
 from lowdiff.chaos import procs
 from lowdiff.chaos.accounting import Attempt
 from lowdiff.chaos.launch import ChaosError, Child, Launcher
-from lowdiff.chaos.schedule import FailureSchedule
+from lowdiff.chaos.schedule import FailurePoint, FailureSchedule
+from lowdiff.machine import wait_gone
 
 KINDS = ("software", "hardware")
 """Failure kinds."""
@@ -88,7 +89,11 @@ class JobResult:
     """Processes still holding the directory after the end, killed."""
 
 
-def _pump(stream: IO[str], sink: queue.Queue[tuple[float, str] | None], log: IO[str]) -> None:
+_Lines: TypeAlias = "queue.Queue[tuple[float, str] | None]"
+"""A training process's stdout lines with the time each was read; None at EOF."""
+
+
+def _pump(stream: IO[str], sink: _Lines, log: IO[str]) -> None:
     # After a kill the pipe stays open as long as an orphaned checkpointing process holds
     # it; reading on a thread keeps that from blocking the supervisor.
     try:
@@ -170,152 +175,232 @@ def supervise(
     Raises:
         ChaosError: a training process exited with an error, or hung.
     """
-    home = workdir / job.name
-    logs = home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    ckdir = home / "ckpt"
-    result_path = home / "result.json"
-    cfg = dict(job.config, directory=str(ckdir), result_path=str(result_path))
-    cfg_path = home / "config.json"
-    cfg_path.write_text(json.dumps(cfg, indent=1))
-    steps_total = int(cfg.get("steps", 0))
+    files = _JobFiles.write(job, workdir)
     points = list(schedule.points) if schedule is not None else []
     tau = schedule.tau_s if schedule is not None else 0.0
     out = JobResult(name=job.name, attempts=[], result={})
-    next_failure = 0
-
     while True:
         n = len(out.attempts)
+        failure = len(out.kills)
         launch_t = time.time()
-        stderr_path = logs / f"attempt{n}.stderr.log"
-        child: Child = launcher.launch(cfg_path, home, stderr_path, job.env)
-        lines: queue.Queue[tuple[float, str] | None] = queue.Queue()
-        log = open(logs / f"attempt{n}.stdout.jsonl", "w")  # noqa: SIM115 -- closed by _pump
-        threading.Thread(target=_pump, args=(child.stdout, lines, log), daemon=True).start()
+        stderr_path = files.logs / f"attempt{n}.stderr.log"
+        child: Child = launcher.launch(files.config, files.home, stderr_path, job.env)
+        lines = _read_stdout(child, files.logs / f"attempt{n}.stdout.jsonl")
         seen = _Seen()
-        deadline: float | None = None
-        killed_at: float | None = None
         try:
-            while not seen.done:
-                now = time.time()
-                if deadline is not None and now >= deadline:
-                    killed_at = now
-                    break
-                try:
-                    item = lines.get(timeout=stall_timeout if deadline is None else deadline - now)
-                except queue.Empty:
-                    if deadline is not None:
-                        continue
-                    raise ChaosError(
-                        f"job {job.name!r}: no event for {stall_timeout:.0f} s; stderr "
-                        f"({stderr_path}):\n{_stderr_tail(stderr_path)}"
-                    ) from None
-                if item is None:
-                    break  # EOF: the process (and whatever held its stdout) is gone
-                ev = seen.add(*item)
-                if ev is None:
-                    continue
-                if on_event is not None:
-                    on_event(job.name, ev)
-                step = int(ev.get("step") or 0)
-                if ev["event"] == "step" and step >= steps_total:
-                    deadline = None  # the job is through its steps before the failure struck
-                elif (
-                    ev["event"] in ("resumed", "step")
-                    and deadline is None
-                    and next_failure < len(points)
-                    and step >= points[next_failure].step
-                ):
-                    ev_t = seen.steps[-1][1] if ev["event"] == "step" else seen.resumed_t
-                    assert ev_t is not None
-                    deadline = ev_t + points[next_failure].frac * tau
-        except BaseException:
-            procs.kill_job(child.pid, ckdir)
-            raise
-
-        if killed_at is not None:
-            t0 = time.time()
-            kind = job.kind_of(next_failure)
-            if kind == "hardware":
-                rep = procs.kill_job(child.pid, ckdir)
-            else:
-                rep = procs.kill_trainer(child.pid)
-            with contextlib.suppress(Exception):
-                child.wait(timeout=30)
-            # what the trainer printed before it died may still be in the pipe
-            while True:
-                try:
-                    item = lines.get(timeout=0.05)
-                except queue.Empty:
-                    break
-                if item is None:
-                    break
-                seen.add(*item)
-            out.kills.append(
-                {
-                    "failure": next_failure,
-                    "kind": kind,
-                    "armed_at_step": points[next_failure].step,
-                    "pids": rep.pids,
-                    "segments_removed": rep.segments,
-                    "kill_s": time.time() - t0,
-                }
+            killed_at = _follow(
+                job,
+                lines,
+                seen,
+                points[failure] if failure < len(points) else None,
+                tau,
+                stall_timeout,
+                stderr_path,
+                on_event,
             )
-            next_failure += 1
+        except BaseException:
+            procs.kill_job(child.pid, files.ckdir)
+            raise
+        if killed_at is not None:
+            out.kills.append(
+                _inject(job, failure, points[failure], child, files.ckdir, lines, seen)
+            )
         else:
             code = child.wait(timeout=60)
             if not seen.done or code != 0:
-                procs.kill_job(child.pid, ckdir)
+                procs.kill_job(child.pid, files.ckdir)
                 raise ChaosError(
                     f"job {job.name!r}: training process exited with {code} "
                     f"(attempt {n}); stderr ({stderr_path}):\n{_stderr_tail(stderr_path)}"
                 )
-        if seen.start_t is None or seen.resumed_t is None:
-            raise ChaosError(
-                f"job {job.name!r}: attempt {n} ended before resuming; stderr "
-                f"({stderr_path}):\n{_stderr_tail(stderr_path)}"
-            )
-        # "start" and "resumed" carry no time stamp: they are timed when read, which a busy
-        # machine can delay past the job's own stamp of its first step; that step's stamp
-        # bounds them (the job printed them before it)
-        resumed_t = min(seen.resumed_t, seen.steps[0][1]) if seen.steps else seen.resumed_t
-        start_t = min(seen.start_t, resumed_t)
-        if out.attempts:
-            start_t = max(start_t, out.attempts[-1].end_t)
-            resumed_t = max(resumed_t, start_t)
-        last = seen.steps[-1][1] if seen.steps else resumed_t
-        end_t = max(killed_at, last) if killed_at is not None else last + seen.close_s
-        out.attempts.append(
-            Attempt(
-                start_t=start_t,
-                resumed_t=resumed_t,
-                resumed_step=seen.resumed_step,
-                steps=seen.steps,
-                end_t=end_t,
-                killed=killed_at is not None,
-                launch_t=launch_t,
-                kill_t=killed_at,
-                kind=out.kills[-1]["kind"] if killed_at is not None else None,
-                restore_s=float((seen.recovery or {}).get("total_s") or 0.0) if n > 0 else 0.0,
-                recovery=seen.recovery,
-                close_s=seen.close_s,
-            )
-        )
+        out.attempts.append(_attempt(job, n, seen, out, launch_t, killed_at, stderr_path))
         if killed_at is None:
             break
-
-    out.not_injected = len(points) - next_failure
+    out.not_injected = len(points) - len(out.kills)
     with contextlib.suppress(OSError, ValueError):
-        out.result = json.loads(result_path.read_text())
-    # whatever still holds the directory now (a holder of an earlier trainer that its
-    # successor did not stop) must not outlive the run
+        out.result = json.loads(files.result.read_text())
+    out.leftovers_killed = _kill_leftovers(files.ckdir)
+    return out
+
+
+@dataclass(frozen=True)
+class _JobFiles:
+    """Where one job's files go: ``WORKDIR/<name>/``."""
+
+    home: Path
+    logs: Path
+    ckdir: Path
+    """The checkpoint directory."""
+    result: Path
+    """The result JSON the last training process writes."""
+    config: Path
+    """The training config every attempt runs."""
+
+    @classmethod
+    def write(cls, job: Job, workdir: Path) -> _JobFiles:
+        """Make the job's directories and write its config (pointing at them)."""
+        home = workdir / job.name
+        logs = home / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        ckdir = home / "ckpt"
+        result = home / "result.json"
+        cfg = dict(job.config, directory=str(ckdir), result_path=str(result))
+        config = home / "config.json"
+        config.write_text(json.dumps(cfg, indent=1))
+        return cls(home, logs, ckdir, result, config)
+
+
+def _read_stdout(child: Child, log_path: Path) -> _Lines:
+    """Read ``child``'s stdout on a thread into a queue (and a log file)."""
+    lines: _Lines = queue.Queue()
+    log = open(log_path, "w")  # noqa: SIM115 -- closed by _pump
+    threading.Thread(target=_pump, args=(child.stdout, lines, log), daemon=True).start()
+    return lines
+
+
+def _follow(
+    job: Job,
+    lines: _Lines,
+    seen: _Seen,
+    point: FailurePoint | None,
+    tau: float,
+    stall_timeout: float,
+    stderr_path: Path,
+    on_event: Any,
+) -> float | None:
+    """Follow one training process's events until it is done, its stdout ends, or the
+    failure ``point`` strikes; returns the time it struck (None if it did not).
+
+    The failure is armed when the job reports the failure's step (or resumes at or past
+    it) and strikes ``point.frac`` reference steps ``tau`` later; a job that reports its
+    last step first is not failed.
+    """
+    steps_total = int(job.config.get("steps", 0))
+    deadline: float | None = None
+    while not seen.done:
+        now = time.time()
+        if deadline is not None and now >= deadline:
+            return now
+        try:
+            item = lines.get(timeout=stall_timeout if deadline is None else deadline - now)
+        except queue.Empty:
+            if deadline is not None:
+                continue
+            raise ChaosError(
+                f"job {job.name!r}: no event for {stall_timeout:.0f} s; stderr "
+                f"({stderr_path}):\n{_stderr_tail(stderr_path)}"
+            ) from None
+        if item is None:
+            return None  # EOF: the process (and whatever held its stdout) is gone
+        ev = seen.add(*item)
+        if ev is None:
+            continue
+        if on_event is not None:
+            on_event(job.name, ev)
+        step = int(ev.get("step") or 0)
+        if ev["event"] == "step" and step >= steps_total:
+            deadline = None  # the job is through its steps before the failure struck
+        elif (
+            ev["event"] in ("resumed", "step")
+            and deadline is None
+            and point is not None
+            and step >= point.step
+        ):
+            ev_t = seen.steps[-1][1] if ev["event"] == "step" else seen.resumed_t
+            assert ev_t is not None
+            deadline = ev_t + point.frac * tau
+    return None
+
+
+def _inject(
+    job: Job,
+    failure: int,
+    point: FailurePoint,
+    child: Child,
+    ckdir: Path,
+    lines: _Lines,
+    seen: _Seen,
+) -> dict[str, Any]:
+    """Inject failure number ``failure`` (at ``point``) as its kind says: kill the trainer
+    or the whole job; returns what the kill did."""
+    t0 = time.time()
+    kind = job.kind_of(failure)
+    rep = procs.kill_job(child.pid, ckdir) if kind == "hardware" else procs.kill_trainer(child.pid)
+    with contextlib.suppress(Exception):
+        child.wait(timeout=30)
+    # what the trainer printed before it died may still be in the pipe
+    while True:
+        try:
+            item = lines.get(timeout=0.05)
+        except queue.Empty:
+            break
+        if item is None:
+            break
+        seen.add(*item)
+    return {
+        "failure": failure,
+        "kind": kind,
+        "armed_at_step": point.step,
+        "pids": rep.pids,
+        "segments_removed": rep.segments,
+        "kill_s": time.time() - t0,
+    }
+
+
+def _attempt(
+    job: Job,
+    n: int,
+    seen: _Seen,
+    out: JobResult,
+    launch_t: float,
+    killed_at: float | None,
+    stderr_path: Path,
+) -> Attempt:
+    """Attempt ``n`` of the job from the events it reported (``out``: the attempts and
+    kills before it, and this one's kill if it was killed)."""
+    if seen.start_t is None or seen.resumed_t is None:
+        raise ChaosError(
+            f"job {job.name!r}: attempt {n} ended before resuming; stderr "
+            f"({stderr_path}):\n{_stderr_tail(stderr_path)}"
+        )
+    # "start" and "resumed" carry no time stamp: they are timed when read, which a busy
+    # machine can delay past the job's own stamp of its first step; that step's stamp
+    # bounds them (the job printed them before it)
+    resumed_t = min(seen.resumed_t, seen.steps[0][1]) if seen.steps else seen.resumed_t
+    start_t = min(seen.start_t, resumed_t)
+    if out.attempts:
+        start_t = max(start_t, out.attempts[-1].end_t)
+        resumed_t = max(resumed_t, start_t)
+    last = seen.steps[-1][1] if seen.steps else resumed_t
+    end_t = max(killed_at, last) if killed_at is not None else last + seen.close_s
+    return Attempt(
+        start_t=start_t,
+        resumed_t=resumed_t,
+        resumed_step=seen.resumed_step,
+        steps=seen.steps,
+        end_t=end_t,
+        killed=killed_at is not None,
+        launch_t=launch_t,
+        kill_t=killed_at,
+        kind=out.kills[-1]["kind"] if killed_at is not None else None,
+        restore_s=float((seen.recovery or {}).get("total_s") or 0.0) if n > 0 else 0.0,
+        recovery=seen.recovery,
+        close_s=seen.close_s,
+    )
+
+
+def _kill_leftovers(ckdir: Path) -> list[int]:
+    """Kill whatever still holds the directory after the job's end; returns their pids.
+
+    A holder of an earlier trainer that its successor did not stop must not outlive the
+    run; it gets a while to exit on its own first.
+    """
     left = procs.leftovers(ckdir)
     if left:
-        left = procs.wait_gone(left, 15.0)
+        left = wait_gone(left, 15.0)
         if left:
-            rep = procs.kill_job(None, ckdir)
-            out.leftovers_killed = rep.pids
-    return out
+            return procs.kill_job(None, ckdir).pids
+    return []
 
 
 __all__ = ["KINDS", "Job", "JobResult", "supervise"]

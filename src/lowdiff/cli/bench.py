@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from lowdiff.cli.common import end_progress, progress_printer
+from lowdiff.bench import FULL_WORKLOAD, QUICK_WORKLOAD, run_bench
+from lowdiff.bench.core import BenchSettings
+from lowdiff.bench.experiments import DEFAULT_EXPERIMENTS, EXPERIMENTS
+from lowdiff.harness import end_progress, progress_printer
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from lowdiff.bench.experiments import EXPERIMENTS
-
+    """Add ``lowdiff bench`` and its options to the CLI's subcommands."""
     p = subparsers.add_parser(
         "bench",
         help="LowDiff, LowDiff+ and the baselines side by side; writes JSON, Markdown and PNG",
@@ -64,12 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from lowdiff.bench import FULL_WORKLOAD, QUICK_WORKLOAD, run_bench
-    from lowdiff.bench.core import BenchSettings
-    from lowdiff.bench.experiments import DEFAULT_EXPERIMENTS, EXPERIMENTS
-
+    """Run the experiments the arguments name, write the report, print the files."""
     experiments = args.experiments or list(DEFAULT_EXPERIMENTS)
     bad = [e for e in experiments if e not in EXPERIMENTS]
     if bad:

@@ -9,7 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lowdiff.cli.common import end_progress, progress_printer, sigterm_as_interrupt
+from lowdiff.chaos.launch import ChaosError
+from lowdiff.chaos.run import run_chaos
+from lowdiff.chaos.settings import DEFAULT_METHODS, STRATEGIES, ChaosSettings
+from lowdiff.harness import Progress, sigterm_as_interrupt
 
 
 def _floats(option: str) -> Any:
@@ -44,8 +47,6 @@ def _ints(option: str) -> Any:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``chaos`` on an ``argparse`` sub-parser collection."""
-    from lowdiff.chaos.run import DEFAULT_METHODS, STRATEGIES
-
     p = subparsers.add_parser(
         "chaos",
         help="kill real training jobs at exponential times for an MTBF; wasted time per strategy",
@@ -65,6 +66,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--grid", action="store_true", help="LowDiff over a grid of (f, b) against the model"
     )
     p.add_argument("--out", type=Path, default=Path("chaos"), help="output folder (default: chaos)")
+    _add_workload_options(p)
+    _add_failure_options(p)
+    _add_method_options(p)
+    _add_grid_options(p)
+    p.add_argument(
+        "--launcher",
+        choices=("fork", "exec"),
+        default="fork",
+        help="fork training processes from a warm server (default) or start fresh interpreters",
+    )
+    p.add_argument("--workdir", type=Path, default=None, help="where the jobs run (default: temp)")
+    p.add_argument("--keep", action="store_true", help="keep the jobs' checkpoints and logs")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """The training job every method runs."""
     p.add_argument("--model", default=None, help="named model (default gpt2-demo; quick gpt2-tiny)")
     p.add_argument("--steps", type=int, default=None, help="steps per job (default 300; quick 100)")
     p.add_argument("--batch-size", type=int, default=None, help="training sequences per step")
@@ -72,6 +92,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per training process")
     p.add_argument("--ratio", type=float, default=0.01, help="top-k ratio of compressed training")
     p.add_argument("--no-error-feedback", action="store_true", help="top-k without error feedback")
+
+
+def _add_failure_options(p: argparse.ArgumentParser) -> None:
+    """When the failures strike."""
     p.add_argument(
         "--mtbf",
         type=_floats("--mtbf"),
@@ -85,6 +109,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=10,
         help="seed of the failure schedules (default 10: 1, 2, 4 failures at the default MTBFs)",
     )
+
+
+def _add_method_options(p: argparse.ArgumentParser) -> None:
+    """The compared methods and how each picks its checkpoint interval."""
     p.add_argument(
         "--methods",
         default=None,
@@ -112,6 +140,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=10,
         help="Gemini's persistence interval and Naive DC's full-checkpoint interval (default 10)",
     )
+
+
+def _add_grid_options(p: argparse.ArgumentParser) -> None:
+    """The (f, b) grid (``--grid``) and the GPU-count simulation."""
     p.add_argument("--grid-f", type=_ints("--grid-f"), default=None, help="grid values of f")
     p.add_argument("--grid-b", type=_ints("--grid-b"), default=None, help="grid values of b")
     p.add_argument(
@@ -123,17 +155,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=[8, 16, 32, 64],
         help="GPU counts of the Exp. 12 simulation (default 8,16,32,64)",
     )
-    p.add_argument(
-        "--launcher",
-        choices=("fork", "exec"),
-        default="fork",
-        help="fork training processes from a warm server (default) or start fresh interpreters",
-    )
-    p.add_argument("--workdir", type=Path, default=None, help="where the jobs run (default: temp)")
-    p.add_argument("--keep", action="store_true", help="keep the jobs' checkpoints and logs")
-    p.add_argument("--quiet", action="store_true", help="no progress display")
-    p.set_defaults(func=run)
-    return p
 
 
 def _interval(text: str) -> int | str:
@@ -150,8 +171,6 @@ def _interval(text: str) -> int | str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``lowdiff chaos``."""
-    from lowdiff.chaos.run import DEFAULT_METHODS, ChaosSettings, run_chaos
-
     methods = (
         list(DEFAULT_METHODS)
         if args.methods is None
@@ -182,22 +201,18 @@ def run(args: argparse.Namespace) -> int:
         keep=args.keep,
     )
     t0 = time.monotonic()
-    tty = sys.stderr.isatty()
-    progress = progress_printer(args.quiet)
-    from lowdiff.chaos.launch import ChaosError
-
     previous = sigterm_as_interrupt()
     try:
-        files = run_chaos(settings, args.out, progress)
-    except ChaosError as e:
-        if tty and not args.quiet:
-            sys.stderr.write("\n")
-        print(f"lowdiff chaos: {e}", file=sys.stderr)
-        return 1
+        with Progress(args.quiet) as progress:
+            try:
+                files = run_chaos(settings, args.out, progress)
+            except ChaosError as e:
+                progress.close(keep=True)
+                print(f"lowdiff chaos: {e}", file=sys.stderr)
+                return 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    end_progress(args.quiet)
     print(f"lowdiff chaos: done in {time.monotonic() - t0:.0f} s")
     for name, path in files.items():
         print(f"  {name}: {path}")

@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from lowdiff.cli.common import fmt_bytes
 from lowdiff.errors import LowDiffError
+from lowdiff.harness import Progress, fmt_bytes
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -210,7 +210,7 @@ def cmd_torture(args: argparse.Namespace) -> int:
     profile = QUICK if args.quick else FULL
     if args.kills is not None:
         profile = dataclasses.replace(profile, kills=args.kills)
-    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    log = None if args.json else Progress().write
     report = run_torture(profile, out=args.out, seed=args.seed, jobs=args.jobs, log=log)
     print(report.dumps() if args.json else report.format_text())
     return 0 if report.ok else 1
@@ -223,7 +223,7 @@ def _torture_ddp(args: argparse.Namespace) -> int:
     from lowdiff.torture.ddp import run_ddp_kills
 
     work = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="lowdiff-ddp-"))
-    log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    log = None if args.json else Progress().write
     report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=args.strategy, log=log)
     print(report.dumps() if args.json else report.format_text())
     if args.out is None:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lowdiff.plan import INPUT_SOURCES, CostModel, Plan, bench_inputs, optimize
+
 _DURATION_UNITS = {
     "": 1.0,
     "s": 1.0,
@@ -165,10 +167,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def build_model(args: argparse.Namespace) -> Any:
+def build_model(args: argparse.Namespace) -> CostModel:
     """The CostModel of the flags (and of ``--from-bench``); errors name the flag."""
-    from lowdiff.plan import _FROM, CostModel, bench_inputs
-
     values: dict[str, Any] = {}
     missing_exps: list[str] = []
     if args.from_bench is not None:
@@ -183,7 +183,7 @@ def build_model(args: argparse.Namespace) -> Any:
     if lacking:
         flags = ", ".join(_FLAG[f] for f in lacking)
         hint = ""
-        exps = sorted({_FROM[f] for f in lacking if f in _FROM} & set(missing_exps))
+        exps = sorted({INPUT_SOURCES[f] for f in lacking if f in INPUT_SOURCES} & set(missing_exps))
         if exps:
             hint = f" ({args.from_bench} lacks the bench experiment(s) {', '.join(exps)})"
         elif args.from_bench is None:
@@ -198,7 +198,7 @@ def build_model(args: argparse.Namespace) -> Any:
         raise ValueError(msg) from None
 
 
-def _table_axes(plan: Any, args: argparse.Namespace) -> tuple[list[int], list[int]]:
+def _table_axes(plan: Plan, args: argparse.Namespace) -> tuple[list[int], list[int]]:
     if args.f_values is not None:
         fs = list(args.f_values)
     else:
@@ -230,8 +230,6 @@ _TERM_NAMES = {
 
 
 def run(args: argparse.Namespace) -> int:
-    from lowdiff.plan import optimize
-
     model = build_model(args)
     plan = optimize(model, args.f_values, args.b_values)
     fs, bs = _table_axes(plan, args)

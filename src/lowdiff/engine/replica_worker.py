@@ -5,15 +5,17 @@ Call sequence:
 0) (trainer) starts this process with the shared snapshot slots and two pipes.
 1) (checkpointing) takes the writer lock, creates the control block, publishes the
    replica descriptor.
-2) (trainer, once per session) stages its whole state and sends ``("init", ...)``; the
+2) (trainer, once per session) stages its whole state and sends
+   :class:`~lowdiff.engine.messages.Init`; the
    replica is built from it in a named shared-memory arena and persisted right away.
 3) (trainer, every step) fills a slot with the step's gradients (snapshotted layer by
-   layer during backward), buffers and RNG states and sends ``("step", slot, t, meta)``.
+   layer during backward), buffers and RNG states and sends
+   :class:`~lowdiff.engine.messages.Step`.
    (checkpointing) applies the same optimizer update to the replica (PyTorch's own CPU
    kernels: the optimizer class and its foreach/fused flags are the trainer's), copies
    buffers and RNG, publishes the new metadata in the control block, frees the slot,
    and starts a background persist when one is due.
-4) (trainer) ``flush`` / ``close``: persist the current step and answer with it.
+4) (trainer) ``Flush`` / ``Close``: persist the current step and answer with it.
 
 When the trainer dies, the process merges every step it received completely, marks
 the replica ORPHANED (a new trainer may attach and copy it from memory), persists it,
@@ -24,15 +26,11 @@ replica sends SIGTERM; the process then unlinks its segments and exits.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import signal
 import socket
-import threading
 import time
-import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -40,20 +38,18 @@ from typing import Any
 
 import torch
 
-from lowdiff.engine import replica as rp
-from lowdiff.engine import state as st
-from lowdiff.engine.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
-from lowdiff.engine.record import RecordLayout
-from lowdiff.engine.worker import (
-    WORKER_NICE,
-    FullWriter,
-    acquire_flock,
-    detach_from_trainer_group,
-    drain,
-    serve,
-)
+from lowdiff.engine.messages import Init, Merged, Stage, Step
+from lowdiff.engine.replica_optim import ShardedOptimizer, optimizer_class
+from lowdiff.engine.worker import FullWriter
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.sfile import plan, view_tensors
+from lowdiff.proc import holder as rp
+from lowdiff.proc.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
+from lowdiff.proc.link import ChildEnd
+from lowdiff.proc.locks import acquire_flock
+from lowdiff.proc.protocol import Close, Closed, Failed, Flush, Flushed, Kind, Message, unexpected
+from lowdiff.proc.spawn import WORKER_NICE, detach_from_trainer_group
+from lowdiff.state.record import RecordLayout
 
 
 @dataclass(frozen=True)
@@ -70,142 +66,7 @@ class ReplicaConfig:
     """Under DDP: the optimizer indices this replica holds (its optimizer numbers them 0..n-1)."""
 
 
-def optimizer_class(path: str) -> type[torch.optim.Optimizer]:
-    module, _, name = path.rpartition(".")
-    if not (module == "torch.optim" or module.startswith("torch.optim.")):
-        raise ValueError(
-            f"strategy 'lowdiff+' runs the optimizer on the CPU replica and supports torch.optim optimizers; got {path}"
-        )
-    cls = getattr(importlib.import_module(module), name, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"{path} is not a torch.optim optimizer")
-    return cls
-
-
-def balanced_shards(numels: list[int], n: int) -> list[list[int]]:
-    """Split parameter indices into at most ``n`` shards of about equal total numel.
-
-    Largest first onto the lightest shard (LPT); each shard keeps its indices in ascending
-    order, and empty shards are dropped (fewer parameters than ``n``).
-    """
-    if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
-    loads = [0] * n
-    members: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        k = min(range(n), key=lambda k: (loads[k], k))
-        loads[k] += max(1, numels[i])
-        members[k].append(i)
-    return [sorted(m) for m in members if m]
-
-
-class ShardedOptimizer:
-    """The trainer's optimizer over the replica's parameters, stepped in parallel shards.
-
-    ``master`` is an instance of the trainer's class with the trainer's groups, flags and
-    state; it holds the hyperparameters and the full ``state`` (what ``state_dict()``
-    describes). With ``threads > 1`` the parameters are split into balanced shards (by
-    numel), each driven by its own optimizer instance of the same class, whose groups share
-    the master's hyperparameter values and whose per-parameter state dicts are the master's
-    own objects; the shards are stepped in parallel threads (torch's kernels release the
-    GIL). torch.optim's element-wise optimizers update each parameter from its own gradient
-    and state only, and their for-loop, foreach and fused kernels group tensors without
-    mixing them, so a sharded step gives the same bits as one step over all parameters
-    (tests/plus/test_replica_sharded.py checks it for Adam, AdamW and SGD).
-
-    Args:
-        cls: the trainer's optimizer class.
-        params: the replica's parameters, in the trainer's optimizer order.
-        osd: the trainer's ``optimizer.state_dict()`` with tensors already resolved.
-        threads: parallel shards (at most one per parameter).
-    """
-
-    def __init__(
-        self,
-        cls: type[torch.optim.Optimizer],
-        params: list[torch.nn.Parameter],
-        osd: dict[str, Any],
-        threads: int = 1,
-    ) -> None:
-        groups = [
-            {
-                "params": [params[i] for i in g["params"]],
-                **{k: v for k, v in g.items() if k != "params"},
-            }
-            for g in osd["param_groups"]
-        ]
-        self.master = cls(groups)  # type: ignore[call-arg]
-        self.master.load_state_dict(osd)
-        self.shards: list[torch.optim.Optimizer] = [self.master]
-        self._pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
-        """(shard group, master group): the shard group takes the master's values."""
-        self._pool: ThreadPoolExecutor | None = None
-        self._owner: list[tuple[torch.Tensor, torch.optim.Optimizer]] = []
-        """(parameter, its shard) in the master's parameter order."""
-        parts = balanced_shards([p.numel() for p in params], threads)
-        if len(parts) > 1:
-            self.shards = []
-            for part in parts:
-                mine = {id(params[i]) for i in part}
-                sgroups = []
-                masters = []
-                for g in self.master.param_groups:
-                    ps = [p for p in g["params"] if id(p) in mine]
-                    if ps:
-                        sgroups.append(
-                            {"params": ps, **{k: v for k, v in g.items() if k != "params"}}
-                        )
-                        masters.append(g)
-                opt = cls(sgroups)  # type: ignore[call-arg]
-                for sg, mg in zip(opt.param_groups, masters, strict=True):
-                    self._pairs.append((sg, mg))
-                    for p in sg["params"]:
-                        if p in self.master.state:
-                            opt.state[p] = self.master.state[p]  # one dict, two owners
-                self.shards.append(opt)
-            where = {id(p): o for o in self.shards for g in o.param_groups for p in g["params"]}
-            self._owner = [(p, where[id(p)]) for g in self.master.param_groups for p in g["params"]]
-            self._pool = ThreadPoolExecutor(len(self.shards), thread_name_prefix="lowdiff-shard")
-
-    @property
-    def state(self) -> Any:
-        return self.master.state
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.master.param_groups
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.master.state_dict()
-
-    def apply_hparams(self, hparams: list[dict[str, Any]]) -> None:
-        st.apply_hparams(self.master, hparams)
-        for sg, mg in self._pairs:
-            for k, v in mg.items():
-                if k != "params":
-                    sg[k] = v
-
-    def step(self) -> None:
-        if self._pool is None:
-            self.master.step()
-            return
-        for f in [self._pool.submit(o.step) for o in self.shards]:
-            f.result()
-        if len(self.master.state) != sum(len(o.state) for o in self.shards):
-            # state created by this step (a parameter's first gradient): the master takes
-            # it in parameter order, the order one optimizer over all of them creates it in
-            # (its state_dict lists the state in that order)
-            for p, o in self._owner:
-                if p not in self.master.state and p in o.state:
-                    self.master.state[p] = o.state[p]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-class _Replica:
+class Replica:
     """Model state and optimizer of the replica, backed by the shared arena.
 
     Per merged step only the work of the step runs: the gradients bound, the update, the
@@ -505,7 +366,7 @@ class _Persister(FullWriter):
         super().__init__(root, keep_full, send, announce_durable=True, progress=progress)
         self.buf: torch.Tensor | None = None
 
-    def snapshot(self, rep: _Replica) -> None:
+    def snapshot(self, rep: Replica) -> None:
         """Copy the replica as it is at this step boundary and write the copy."""
         self.wait()  # the buffer is free only once the previous write is done
         rep.sync()
@@ -527,6 +388,114 @@ def _warm_up(optimizer_path: str) -> None:
         optimizer_class(optimizer_path)([p]).step()  # type: ignore[call-arg]
 
 
+class _ReplicaProcess:
+    """The replica process's main loop: requests in, merges and persists out."""
+
+    def __init__(self, cfg: ReplicaConfig, slots: torch.Tensor, ctr: Counters, end: ChildEnd):
+        self.cfg, self.slots, self.ctr, self.end = cfg, slots, ctr, end
+        self.root = Path(cfg.root)
+        self.released = False
+        """Set by SIGTERM: a new trainer copied the replica (a flag, set from a handler)."""
+        self.rep: Replica | None = None
+        self.persister: _Persister | None = None
+        self.staging: torch.Tensor | None = None
+        self.ctl_shm: Any = None
+
+    def on_sigterm(self, *_: Any) -> None:
+        self.released = True
+
+    def start(self) -> None:
+        """Create the control block, publish the descriptor, build the (empty) replica."""
+        cfg = self.cfg
+        layout_id = RecordLayout.from_json(cfg.layout).layout_id
+        ctl_name = f"lowdiff-{cfg.run_id[:16]}-ctl"
+        self.ctl_shm = rp.create_segment(ctl_name, rp.CTL_BYTES)
+        ctl = rp.ControlBlock(self.ctl_shm)
+        ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id, "layout_id": layout_id})
+        rp.write_descriptor(
+            self.root,
+            rp.Descriptor(os.getpid(), socket.gethostname(), cfg.run_id, ctl_name, layout_id),
+        )
+        _warm_up(cfg.optimizer)
+        self.rep = Replica(cfg, ctl)
+        self.persister = _Persister(
+            self.root, cfg.keep_full, self.end.send, progress=lambda _n: self.ctr.add(BEAT)
+        )
+
+    def maybe_persist(self) -> None:
+        rep, persister = self.rep, self.persister
+        assert rep is not None and persister is not None
+        if persister.error is not None:
+            persister.wait()
+        persist_every = self.cfg.persist_every
+        if persist_every == "auto":
+            # as often as the disk keeps up, but writing at most half of the time
+            if not persister.busy and time.monotonic() >= persister.next_auto:
+                persister.snapshot(rep)
+        elif isinstance(persist_every, int) and rep.step % persist_every == 0:
+            persister.snapshot(rep)
+
+    def handle(self, msg: Message) -> bool:
+        """Handle one request; False when the process should stop."""
+        rep, persister = self.rep, self.persister
+        assert rep is not None and persister is not None
+        match msg:
+            case Step(slot=slot, step=step, meta=meta):
+                t0 = time.perf_counter()
+                rep.merge(self.slots[slot], step, codec.loads(meta))
+                self.ctr.add(SLOTS_DONE)
+                self.ctr.add(BEAT)
+                self.end.send(Merged(rep.step, time.perf_counter() - t0))
+                self.maybe_persist()
+            case Stage(buffer=buffer):
+                self.staging = buffer
+            case Init(step=step, entries=entries, meta=meta):
+                assert self.staging is not None
+                rep.init_from(self.staging, step, entries, meta)
+                self.staging = None  # the replica holds the state now: unmap the staging copy
+                self.ctr.add(STAGING_DONE)
+                self.ctr.add(BEAT)
+                self.end.send(Merged(rep.step))
+                persister.snapshot(rep)
+            case Flush() | Close():
+                persister.wait()
+                if persister.persisted < rep.step:
+                    persister.snapshot(rep)
+                    persister.wait()
+                if isinstance(msg, Close):
+                    self.end.send(Closed(persister.persisted))
+                    return False
+                self.end.send(Flushed(persister.persisted))
+            case _:
+                raise unexpected(msg)
+        return True
+
+    def orphaned(self) -> None:
+        """The trainer died: merge every step that arrived completely, then offer the
+        replica to a new trainer until one copies it or ``idle_timeout`` passes."""
+        rep, persister = self.rep, self.persister
+        assert rep is not None and persister is not None
+        self.end.drain(self.handle, (Kind.STEP, Kind.STAGE, Kind.INIT))
+        if rep.opt is None:
+            return
+        rep.publish(rp.STATE_ORPHANED)
+        if persister.persisted < rep.step:
+            persister.snapshot(rep)
+        deadline = time.monotonic() + self.cfg.idle_timeout
+        while not self.released and time.monotonic() < deadline:
+            time.sleep(0.05)
+        persister.wait()
+
+    def teardown(self) -> None:
+        if self.rep is not None:
+            with contextlib.suppress(Exception):
+                self.rep.ctl.set_state(rp.STATE_CLOSED)
+            self.rep.close()
+        if self.ctl_shm is not None:
+            _unlink_and_close(self.ctl_shm)
+        rp.remove_descriptor(self.root, self.cfg.run_id)
+
+
 def replica_worker_main(
     cfg: ReplicaConfig,
     slots: torch.Tensor,
@@ -542,129 +511,29 @@ def replica_worker_main(
     # The lower priority of LowDiff's checkpointing process (WORKER_NICE), for the same
     # reason: where training keeps every core busy, the replica's update would preempt a
     # trainer thread, and every other thread of its OpenMP team then waits at the next
-    # barrier. Measured with `lowdiff demo --strategy lowdiff+` (2 cores, default OpenMP
-    # waiting): +16 to +19% per step at nice 10 against +22 to +26% at nice 0. Where
-    # cores are free (GPU training) it changes nothing.
+    # barrier (docs/benchmarks.md, "The checkpointing process's priority"). Where cores
+    # are free (GPU training) it changes nothing.
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICE)
-    ctr = Counters(counters)
+    end = ChildEnd(requests, results)
+    proc = _ReplicaProcess(cfg, slots, Counters(counters), end)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
-    released = [False]  # a flag, not an Event: set from a signal handler
-
-    def on_sigterm(*_: Any) -> None:
-        released[0] = True
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    send_lock = threading.Lock()
-
-    def send(msg: tuple[Any, ...]) -> None:
-        with send_lock, contextlib.suppress(OSError):
-            results.send(msg)
-
-    root = Path(cfg.root)
+    signal.signal(signal.SIGTERM, proc.on_sigterm)
     lock_fd = None
-    ctl_shm = None
-    rep: _Replica | None = None
-    in_flight: _Persister | None = None
-    parent = os.getppid()
     try:
-        lock_fd = acquire_flock(root / layout.WRITER_LOCK_FILE, blocking=True)
-        ctl_name = f"lowdiff-{cfg.run_id[:16]}-ctl"
-        ctl_shm = rp.create_segment(ctl_name, rp.CTL_BYTES)
-        ctl = rp.ControlBlock(ctl_shm)
-        ctl.write(
-            rp.STATE_INIT,
-            -1,
-            {"run_id": cfg.run_id, "layout_id": RecordLayout.from_json(cfg.layout).layout_id},
-        )
-        rp.write_descriptor(
-            root,
-            rp.Descriptor(
-                os.getpid(),
-                socket.gethostname(),
-                cfg.run_id,
-                ctl_name,
-                RecordLayout.from_json(cfg.layout).layout_id,
-            ),
-        )
-        _warm_up(cfg.optimizer)
-        rep = _Replica(cfg, ctl)
-        persister = _Persister(root, cfg.keep_full, send, progress=lambda _n: ctr.add(BEAT))
-        in_flight = persister
-        staging: torch.Tensor | None = None
-        persist_every = cfg.persist_every
-        send(("ready", os.getpid()))
-
-        def maybe_persist() -> None:
-            assert rep is not None
-            if persister.error is not None:
-                persister.wait()
-            if persist_every == "auto":
-                # as often as the disk keeps up, but writing at most half of the time
-                if not persister.busy and time.monotonic() >= persister.next_auto:
-                    persister.snapshot(rep)
-            elif isinstance(persist_every, int) and rep.step % persist_every == 0:
-                persister.snapshot(rep)
-
-        def handle(msg: tuple[Any, ...]) -> bool:
-            nonlocal staging
-            assert rep is not None
-            kind = msg[0]
-            if kind == "step":
-                _, slot, step, meta_json = msg
-                t0 = time.perf_counter()
-                rep.merge(slots[slot], step, codec.loads(meta_json))
-                ctr.add(SLOTS_DONE)
-                ctr.add(BEAT)
-                send(("merged", rep.step, time.perf_counter() - t0))
-                maybe_persist()
-            elif kind == "stage":
-                staging = msg[1]
-            elif kind == "init":
-                _, step, entries_json, meta = msg
-                assert staging is not None
-                rep.init_from(staging, step, entries_json, meta)
-                staging = None  # the replica holds the state now: unmap the staging copy
-                ctr.add(STAGING_DONE)
-                ctr.add(BEAT)
-                send(("merged", rep.step))
-                persister.snapshot(rep)
-            elif kind in ("flush", "close"):
-                persister.wait()
-                if persister.persisted < rep.step:
-                    persister.snapshot(rep)
-                    persister.wait()
-                send(("flushed" if kind == "flush" else "closed", persister.persisted))
-                return kind == "flush"
-            else:
-                raise RuntimeError(f"unknown message {kind!r}")
-            return True
-
-        if serve(requests, handle, parent):
-            # merge every step that arrived completely, then offer the replica to a new trainer
-            drain(requests, handle, ("step", "stage", "init"))
-            if rep.opt is not None:
-                rep.publish(rp.STATE_ORPHANED)
-                if persister.persisted < rep.step:
-                    persister.snapshot(rep)
-                deadline = time.monotonic() + cfg.idle_timeout
-                while not released[0] and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                persister.wait()
+        lock_fd = acquire_flock(proc.root / layout.WRITER_LOCK_FILE, blocking=True)
+        proc.start()
+        end.ready()
+        if end.serve(proc.handle):
+            proc.orphaned()
     except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
-        tb = traceback.format_exc()
-        if in_flight is not None:  # finish (or clean up) the write in flight first
+        failed = Failed.of(e)
+        if proc.persister is not None:  # finish (or clean up) the write in flight first
             with contextlib.suppress(BaseException):
-                in_flight.wait()
-        send(("error", type(e).__name__, str(e), tb))
+                proc.persister.wait()
+        end.send(failed)
         raise SystemExit(1) from None
     finally:
-        if rep is not None:
-            with contextlib.suppress(Exception):
-                rep.ctl.set_state(rp.STATE_CLOSED)
-            rep.close()
-        if ctl_shm is not None:
-            _unlink_and_close(ctl_shm)
-        rp.remove_descriptor(root, cfg.run_id)
+        proc.teardown()
         if lock_fd is not None:
             os.close(lock_fd)

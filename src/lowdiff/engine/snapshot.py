@@ -10,7 +10,7 @@ host slot starts, while backward goes on for the earlier layers:
   PyTorch's intra-op threads, while the gradients are still in cache; ``"thread"`` hands
   it to one background thread (PyTorch copies release the GIL) in hook order, with
   large gradients cut into pieces small enough to be copied by that thread alone
-  (``_SERIAL_ELEMS``). ``"auto"`` (the default) takes ``"thread"`` only when a core is
+  (``SERIAL_ELEMS``). ``"auto"`` (the default) takes ``"thread"`` only when a core is
   left over by PyTorch's intra-op threads (:func:`cpu_copy_mode`): otherwise backward
   already keeps every core busy, a copy thread can only take its cores in turn, and
   the inline copy moves the same bytes at memcpy speed in less time;
@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.engine.state import ParamInfo
+from lowdiff.state.capture import ParamInfo
 
 
 @dataclass
@@ -142,7 +142,7 @@ def _no_grad_thread() -> None:
     torch.set_grad_enabled(False)
 
 
-_SERIAL_ELEMS = 32768
+SERIAL_ELEMS = 32768
 """Most elements one copy of the CPU copy thread moves: at ATen's grain size
 (``at::internal::GRAIN_SIZE``) or below, a copy runs on the calling thread alone. A larger
 one would start an OpenMP team of its own, which competes with backward's team for the
@@ -175,6 +175,21 @@ def cpu_copy_mode(mode: str = "auto") -> str:
 _SAME, _CHANGED, _UNSURE = 0, 1, 2
 
 
+def _row_offsets(
+    params: list[tuple[ParamInfo, torch.nn.Parameter]],
+    slot_rows: list[torch.Tensor],
+    row_views: list[dict[str, torch.Tensor]],
+) -> list[tuple[int, int]]:
+    """Each parameter's gradient field as a byte range of a slot row."""
+    first, base = row_views[0], slot_rows[0].data_ptr()
+    offsets = []
+    for info, _ in params:
+        v = first[f"g{info.index}.values"]
+        start = v.data_ptr() - base
+        offsets.append((start, start + v.numel() * v.element_size()))
+    return offsets
+
+
 class GradSnapshotter:
     """Snapshots every optimized parameter's gradient into a host slot during backward."""
 
@@ -196,14 +211,7 @@ class GradSnapshotter:
         self.acquire_slot = acquire_slot
         self.chunk_bytes = chunk_bytes
         self.stats = SnapshotStats()
-        first = row_views[0]
-        base = slot_rows[0].data_ptr()
-        offsets = []
-        for info, _ in params:
-            v = first[f"g{info.index}.values"]
-            start = v.data_ptr() - base
-            offsets.append((start, start + v.numel() * v.element_size()))
-        self.blocks = plan_blocks(offsets, block_bytes)
+        self.blocks = plan_blocks(_row_offsets(params, slot_rows, row_views), block_bytes)
         self.block_of = [0] * len(params)
         for bi, b in enumerate(self.blocks):
             for k in b.members:
@@ -229,17 +237,7 @@ class GradSnapshotter:
         self.owner = threading.get_ident()
         """The thread that runs backward (CPU autograd runs it on the calling thread)."""
         if not self.cuda:
-            for b in self.blocks:
-                cuts = [self._piece_elems(b, self.dsts[0][k]) for k in b.members]
-                self.pieces.append(cuts if any(cuts) else None)
-            self.block_dsts = [
-                [
-                    self._plan_block_dsts(d, b, c)
-                    for b, c in zip(self.blocks, self.pieces, strict=True)
-                ]
-                for d in self.dsts
-            ]
-            self.whole_dsts = [[[d[k] for k in b.members] for b in self.blocks] for d in self.dsts]
+            self._plan_cpu_copies()
         self.stream = torch.cuda.Stream(device=dev) if self.cuda else None
         self.pool = (
             None
@@ -261,11 +259,22 @@ class GradSnapshotter:
             p.register_post_accumulate_grad_hook(on_acc(k)) for k, (_, p) in enumerate(params)
         ]
 
+    def _plan_cpu_copies(self) -> None:
+        """On CPU: how each block's members are cut, and each slot's destinations."""
+        for b in self.blocks:
+            cuts = [self._piece_elems(b, self.dsts[0][k]) for k in b.members]
+            self.pieces.append(cuts if any(cuts) else None)
+        self.block_dsts = [
+            [self._plan_block_dsts(d, b, c) for b, c in zip(self.blocks, self.pieces, strict=True)]
+            for d in self.dsts
+        ]
+        self.whole_dsts = [[[d[k] for k in b.members] for b in self.blocks] for d in self.dsts]
+
     def _chunk_elems(self, t: torch.Tensor) -> int:
         return max(1, self.chunk_bytes // max(1, t.element_size()))
 
     def _piece_elems(self, b: _Block, dst: torch.Tensor) -> int:
-        n = _SERIAL_ELEMS
+        n = SERIAL_ELEMS
         if b.chunked:
             n = min(n, self._chunk_elems(dst))
         return n if dst.numel() > n else 0
@@ -374,7 +383,7 @@ class GradSnapshotter:
     ) -> None:
         """One block in one foreach copy. Inline on the trainer's thread: every gradient
         whole. On any other thread: the small gradients whole, the others in pieces small
-        enough to run on that thread alone (see _SERIAL_ELEMS)."""
+        enough to run on that thread alone (see SERIAL_ELEMS)."""
         t0 = time.perf_counter()
         if cuts is None:
             srcs: list[torch.Tensor] = grads

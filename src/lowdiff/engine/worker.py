@@ -4,19 +4,19 @@ It is started with ``spawn`` by :class:`lowdiff.Checkpointer` and talks to the t
 over two pipes. The call sequence:
 
 0) (trainer) creates the shared record slots, the shared progress counters
-   (:mod:`lowdiff.engine.channel`) and the pipes, starts this process.
+   (:mod:`lowdiff.proc.channel`) and the pipes, starts this process.
 1) (checkpointing) takes the directory's writer lock.
 2) (trainer, every step) waits for a free slot, writes the record row into it (from a
    device: a copy into the pinned host slot, finished before the message is sent) and
-   sends ``("record", slot, step, meta)``. (checkpointing) copies the row into its batch
+   sends :class:`~lowdiff.engine.messages.Record`. (checkpointing) copies the row into its batch
    buffer, counts the slot as consumed, and after ``batch_size`` records writes them as
    one file.
 3) (trainer, every ``full_every`` steps) copies the state into the shared staging
-   buffer and sends ``("full", ...)``; a thread of this process writes it while records
+   buffer and sends :class:`~lowdiff.engine.messages.Full`; a thread of this process writes it while records
    keep flowing, then counts the staging buffer as released and applies retention.
-4) (trainer) ``("flush",)`` / ``("close",)``: write the partial batch, wait for the full
+4) (trainer) ``Flush`` / ``Close``: write the partial batch, wait for the full
    checkpoint in flight, answer with the durable step. ``close`` also ends the process.
-5) (trainer, ``batch_size="auto"``) ``("batch_size", b)``: write the partial batch, then
+5) (trainer, ``batch_size="auto"``) ``BatchSize(b)``: write the partial batch, then
    batch ``b`` records per file (record files name their steps, so recovery reads any mix).
 
 When the trainer dies without ``close`` (its end of the pipe closes, or this process is
@@ -27,27 +27,28 @@ traceback and raised there on its next call; the full checkpoint in flight is fi
 
 No lock is shared with the trainer: flow control and progress go through counters in
 shared memory that only this process writes, so a process killed at any moment can
-never leave the other one blocked (see :mod:`lowdiff.engine.channel`).
+never leave the other one blocked (see :mod:`lowdiff.proc.channel`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import socket
 import threading
 import time
-import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lowdiff.engine.channel import (
+from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, Stage
+from lowdiff.format import layout, sfile
+from lowdiff.format.atomic import _hook
+from lowdiff.format.dtypes import dtype_from_name
+from lowdiff.proc.channel import (
     BEAT,
     DURABLE,
     RECORD_BYTES,
@@ -58,14 +59,19 @@ from lowdiff.engine.channel import (
     STAGING_DONE,
     Counters,
 )
-from lowdiff.errors import DirectoryLockedError
-from lowdiff.format import layout, sfile
-from lowdiff.format.atomic import _hook
-from lowdiff.format.dtypes import dtype_from_name
-
-WORKER_NICE = 10
-"""How much lower than the trainer's the priority of the checkpointing process is, LowDiff's
-and LowDiff+'s (``os.nice``; see :func:`worker_main` and ``replica_worker_main``)."""
+from lowdiff.proc.link import ChildEnd
+from lowdiff.proc.locks import acquire_flock
+from lowdiff.proc.protocol import (
+    Close,
+    Closed,
+    Failed,
+    Flush,
+    Flushed,
+    Kind,
+    Message,
+    unexpected,
+)
+from lowdiff.proc.spawn import WORKER_NICE, detach_from_trainer_group
 
 
 @dataclass(frozen=True)
@@ -80,48 +86,6 @@ class WorkerConfig:
     """The run that produced the state this session resumed from (``RecoveryStats.
     state_run_id``): the ``follows`` of its first record file. None for a fresh session
     (its first records follow its own step-0 full checkpoint) or an unknown run."""
-
-
-def acquire_flock(path: Path, *, blocking: bool) -> int | None:
-    """Take an exclusive ``flock`` on ``path``; returns the fd, or None when busy."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode())
-    return fd
-
-
-def lock_holder(path: Path) -> str:
-    try:
-        return path.read_text().strip() or "unknown holder"
-    except OSError:
-        return "unknown holder"
-
-
-def wait_for_writer(root: Path, timeout: float, who: str = "a checkpointing process") -> None:
-    """Wait until no process holds ``DIR/.lowdiff.writer.lock``: a killed trainer's
-    checkpointing process may still be writing (the lock goes with the process, even a
-    killed one, so a lingering zombie pid cannot fool it).
-
-    Raises:
-        DirectoryLockedError: still held after ``timeout`` seconds.
-    """
-    path = root / layout.WRITER_LOCK_FILE
-    deadline = time.monotonic() + timeout
-    while True:
-        fd = acquire_flock(path, blocking=False)
-        if fd is not None:
-            os.close(fd)
-            return
-        if time.monotonic() > deadline:
-            raise DirectoryLockedError(
-                f"{who} ({lock_holder(path)}) is still writing to {root} after {timeout:.0f} s"
-            )
-        time.sleep(0.05)
 
 
 def retention(root: Path, keep_full: int | None) -> list[Path]:
@@ -180,13 +144,13 @@ def job_world_size(shard: Path) -> int | None:
     """The world size of the distributed job ``shard`` belongs to, or None.
 
     ``shard`` belongs to a job when its parent holds a readable job manifest (see
-    :func:`lowdiff.dist.recovery.is_job_dir`) and ``shard`` is one of the job's rank
+    :func:`lowdiff.recovery.job.is_job_dir`) and ``shard`` is one of the job's rank
     directories.
     """
     # imported here: the dist layer sits above this module
-    from lowdiff.dist.context import rank_dir
-    from lowdiff.dist.recovery import JOB_KIND
+    from lowdiff.ddp.context import rank_dir
     from lowdiff.errors import CorruptCheckpointError
+    from lowdiff.recovery.job import JOB_KIND
 
     job = shard.parent
     try:
@@ -214,7 +178,7 @@ def job_retention_floor(shard: Path) -> int | None:
     A shard's full checkpoint that is present but damaged counts as held, as
     ``keep_full`` counts it in a single process.
     """
-    from lowdiff.dist.context import rank_dir
+    from lowdiff.ddp.context import rank_dir
 
     world = job_world_size(shard)
     if world is None:
@@ -233,7 +197,7 @@ class FullWriter:
     """Writes one full checkpoint at a time in a background thread, then applies retention.
 
     ``on_released`` runs as soon as the data blob may be reused (after the write, or after
-    a failure). ``announce_durable`` sends ``("durable", step)``: a full checkpoint is the
+    a failure). ``announce_durable`` sends :class:`~lowdiff.engine.messages.Durable`: a full checkpoint is the
     durable point of LowDiff+, while LowDiff's durable point is its newest record.
     """
 
@@ -241,7 +205,7 @@ class FullWriter:
         self,
         root: Path,
         keep_full: int | None,
-        send: Any,
+        send: Callable[[Message], None],
         *,
         announce_durable: bool = False,
         on_released: Any = None,
@@ -291,8 +255,8 @@ class FullWriter:
             self.next_auto = time.monotonic() + took
             self.persisted = max(self.persisted, step)
             if self.announce_durable:
-                self.send(("durable", step))
-            self.send(("full_done", step, nbytes, took, len(removed)))
+                self.send(Durable(step))
+            self.send(FullDone(step, nbytes, took, len(removed)))
         except BaseException as e:  # noqa: BLE001 -- raised in the owner's thread by wait()
             self.error = e
             if not released and self.on_released is not None:
@@ -316,18 +280,17 @@ class _Writer:
         cfg: WorkerConfig,
         slots: torch.Tensor,
         counters: Counters,
-        results: Connection,
+        end: ChildEnd,
     ) -> None:
         self.cfg = cfg
         self.root = Path(cfg.root)
         self.slots = slots
         self.counters = counters
-        self.results = results
+        self.send = end.send
         self.batch = torch.empty((cfg.batch_size, cfg.row_bytes), dtype=torch.uint8)
         self.metas: list[str] = []
         self.steps: list[int] = []
         self.staging: torch.Tensor | None = None
-        self.send_lock = threading.Lock()
         self.full = FullWriter(
             self.root,
             cfg.keep_full,
@@ -358,10 +321,6 @@ class _Writer:
             self.acked = self.durable
             return self.acked
         return -1
-
-    def send(self, msg: tuple[Any, ...]) -> None:
-        with self.send_lock, contextlib.suppress(OSError):
-            self.results.send(msg)
 
     # -- records --------------------------------------------------------------------------
     def add_record(self, row: torch.Tensor, step: int, meta: str) -> None:
@@ -437,10 +396,10 @@ class _Writer:
         self.full.wait()
 
     # -- dispatch -----------------------------------------------------------------------------
-    def handle_orphaned(self, msg: tuple[Any, ...]) -> bool:
+    def handle_orphaned(self, msg: Message) -> bool:
         """:meth:`handle` after the trainer died: a full checkpoint that cannot be written
         (its staging buffer died with the trainer) must not cost the records after it."""
-        if msg[0] in ("full", "stage"):
+        if isinstance(msg, (Full, Stage)):
             try:
                 self.handle(msg)
                 self.full.wait()
@@ -449,89 +408,37 @@ class _Writer:
             return True
         return self.handle(msg)
 
-    def handle(self, msg: tuple[Any, ...]) -> bool:
+    def handle(self, msg: Message) -> bool:
         """Handle one message; returns False when the process should stop."""
         if self.full.error is not None:
             self.full.wait()  # a failed full checkpoint is reported on the next step
-        kind = msg[0]
-        if self.resumed is None and kind in ("record", "full"):
-            self.resumed = kind != "full"
+        if self.resumed is None and isinstance(msg, (Record, Full)):
+            self.resumed = isinstance(msg, Record)
         self.ack()
         self.counters.add(BEAT)
-        if kind == "record":
-            _, slot, step, meta = msg
-            self.add_record(self.slots[slot], step, meta)
-            self.counters.add(SLOTS_DONE)
-        elif kind == "stage":
-            self.wait_full()
-            self.staging = msg[1]
-        elif kind == "full":
-            _, step, entries_json, meta = msg
-            self.start_full(step, entries_json, meta)
-        elif kind == "batch_size":
-            self.set_batch_size(int(msg[1]))
-        elif kind == "flush":
-            self.write_batch()
-            self.wait_full()
-            self.ack()
-            self.send(("flushed", max(self.acked, self.full.persisted)))
-        elif kind == "close":
-            self.write_batch()
-            self.wait_full()
-            self.ack()
-            self.send(("closed", max(self.acked, self.full.persisted)))
-            return False
-        else:
-            raise RuntimeError(f"unknown message {kind!r}")
+        match msg:
+            case Record(slot=slot, step=step, meta=meta):
+                self.add_record(self.slots[slot], step, meta)
+                self.counters.add(SLOTS_DONE)
+            case Stage(buffer=buffer):
+                self.wait_full()
+                self.staging = buffer
+            case Full(step=step, entries=entries, meta=meta):
+                self.start_full(step, entries, meta)
+            case BatchSize(b=b):
+                self.set_batch_size(int(b))
+            case Flush() | Close():
+                self.write_batch()
+                self.wait_full()
+                self.ack()
+                durable = max(self.acked, self.full.persisted)
+                if isinstance(msg, Close):
+                    self.send(Closed(durable))
+                    return False
+                self.send(Flushed(durable))
+            case _:
+                raise unexpected(msg)
         return True
-
-
-def serve(requests: Connection, handle: Any, parent: int) -> bool:
-    """Handle messages until ``handle`` says stop (False) or the trainer is gone (True)."""
-    while True:
-        if not requests.poll(0.5):
-            if os.getppid() != parent:  # re-parented: the trainer died
-                return True
-            continue
-        try:
-            msg = requests.recv()
-        except EOFError:
-            return True
-        if not handle(msg):
-            return False
-
-
-def drain(requests: Connection, handle: Any, kinds: tuple[str, ...]) -> None:
-    """After the trainer died: handle every message of ``kinds`` still in the pipe."""
-    while True:
-        try:
-            if not requests.poll(0):
-                return
-            raw = requests.recv_bytes()
-        except (EOFError, OSError):
-            return
-        try:
-            # apart from recv(): a message that cannot be rebuilt (a shared tensor whose
-            # owner is gone raises ConnectionRefusedError, an OSError) must not end the
-            # drain as if the pipe were closed; the records behind it still count
-            msg = ForkingPickler.loads(raw)
-        except Exception:  # noqa: BLE001
-            continue
-        if msg[0] in kinds:
-            handle(msg)
-
-
-def detach_from_trainer_group() -> None:
-    """Leave the trainer's process group.
-
-    Launchers such as torchrun stop a worker by signalling its whole process group; the
-    checkpointing process must outlive its trainer to write what it was handed (and, for
-    LowDiff+, to keep the replica for a restarted trainer), so it takes a group of its
-    own. It still ends by itself: on its trainer's death it flushes and exits (LowDiff),
-    or waits ``idle_timeout`` for a new trainer (LowDiff+).
-    """
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
 
 
 def worker_main(
@@ -546,31 +453,31 @@ def worker_main(
     # One intra-op thread, and a lower priority (WORKER_NICE). Woken by a hand-over while
     # training keeps every core busy (spinning OpenMP threads included), this process
     # would otherwise preempt the trainer's thread in ck.step(): at nice 10 it waits for
-    # a moment the trainer leaves, and its few percent of a core are still far below
-    # the share that priority gets. Measured on gpt2-3m (2 cores, b=1, 5 alternating
-    # blocks): ck.step()'s own work 1.51 against 2.14 ms per step, end to end +1.65%
-    # against +2.24%. SCHED_BATCH (no wake-up preemption at all) was slower end to end.
+    # a moment the trainer leaves, and its few percent of a core are still far below the
+    # share that priority gets (docs/benchmarks.md, "The checkpointing process's
+    # priority", has the measurement). SCHED_BATCH (no wake-up preemption at all) was
+    # slower end to end.
     torch.set_num_threads(1)
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICE)
-    w = _Writer(cfg, slots, Counters(counters), results)
+    end = ChildEnd(requests, results)
+    w = _Writer(cfg, slots, Counters(counters), end)
     lock_fd = None
-    parent = os.getppid()
     try:
         lock_fd = acquire_flock(Path(cfg.root) / layout.WRITER_LOCK_FILE, blocking=True)
-        w.send(("ready", os.getpid()))
-        if serve(requests, w.handle, parent):
+        end.ready()
+        if end.serve(w.handle):
             # The trainer died without close(): keep every record it managed to send.
-            drain(requests, w.handle_orphaned, ("record", "full", "stage", "batch_size"))
+            end.drain(w.handle_orphaned, (Kind.RECORD, Kind.FULL, Kind.STAGE, Kind.BATCH_SIZE))
             w.write_batch()
             w.wait_full()
     except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
-        tb = traceback.format_exc()
         # finish the full checkpoint in flight (or let it remove its temp file) before the
         # trainer learns of the error: once it has, nothing of this process is still writing
+        failed = Failed.of(e)
         with contextlib.suppress(BaseException):
             w.wait_full()
-        w.send(("error", type(e).__name__, str(e), tb))
+        end.send(failed)
         raise SystemExit(1) from None
     finally:
         if lock_fd is not None:

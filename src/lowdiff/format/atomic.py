@@ -29,6 +29,8 @@ FAULT_POINTS = ("before_write", "before_fsync", "before_rename", "after_rename",
 FAULT_KINDS = ("records", "full", "manifest", "any")
 FAULT_ACTIONS = ("kill-self", "kill-parent", "kill-both", "enospc", "eio", "slow")
 FAULT_ENV = "LOWDIFF_FAULTS"
+PARENT_ENV = "LOWDIFF_PARENT_PID"
+"""Set by the trainer for each background process it starts: its own pid."""
 SLOW_ENV = "LOWDIFF_FAULT_SLOW_S"
 """Seconds the ``slow`` action sleeps (a disk that stalls; default 2)."""
 
@@ -75,7 +77,7 @@ class _Fault:
         if self.seen != self.nth:
             return
         if self.action in ("kill-parent", "kill-both"):
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(parent_pid(), signal.SIGKILL)
         if self.action in ("kill-self", "kill-both"):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.action == "slow":
@@ -121,8 +123,20 @@ def install_faults(spec: str) -> None:
     _HOOKS.update(hooks)
 
 
-if os.environ.get(FAULT_ENV):
-    install_faults(os.environ[FAULT_ENV])
+def install_env_faults() -> None:
+    """Install exactly the faults ``LOWDIFF_FAULTS`` names (none when it is unset): at
+    import, and again in a background process once it has the trainer's environment
+    (:func:`lowdiff.proc.spawn.run_in_env`)."""
+    install_faults(os.environ.get(FAULT_ENV, ""))
+
+
+def parent_pid() -> int:
+    """The process that started this one: the trainer of a background process (named by
+    ``LOWDIFF_PARENT_PID``, since a fork server stands between them), else the parent."""
+    return int(os.environ.get(PARENT_ENV) or os.getppid())
+
+
+install_env_faults()
 
 
 def fsync_dir(path: Path) -> None:

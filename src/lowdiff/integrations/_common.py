@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from lowdiff.attach import own_strategy
 from lowdiff.attach import unwrap_optimizer as unwrap_optimizer  # used by the integrations
 from lowdiff.attach import unwrap_scheduler as unwrap_scheduler
 from lowdiff.checkpointer import Checkpointer
-from lowdiff.engine.checkpointer import LowDiffStrategy
 from lowdiff.errors import LowDiffError
 from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
@@ -42,19 +42,12 @@ def capture_after(ck: Checkpointer, name: str) -> None:
     A framework updates its own counters (a global step, an epoch) after
     ``optimizer.step()`` returned, so the state of step *n* is known only then.
     """
-    _impl(ck).capture_after_update(name)
+    own_strategy(ck).capture_after_update(name)
 
 
 def recapture(ck: Checkpointer, name: str) -> None:
     """Take ``extra_state[name]`` now for the steps waiting for it (see :func:`capture_after`)."""
-    _impl(ck).recapture(name)
-
-
-def _impl(ck: Checkpointer) -> LowDiffStrategy:
-    impl = ck.strategy_impl
-    if not isinstance(impl, LowDiffStrategy):
-        raise TypeError(f"not a lowdiff strategy: {ck.strategy!r}")
-    return impl
+    own_strategy(ck).recapture(name)
 
 
 def saved_extra(root: str | Path) -> tuple[int, dict[str, Any]] | None:

@@ -44,7 +44,6 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from lowdiff.attach import attach
 from lowdiff.checkpointer import Checkpointer
-from lowdiff.engine.worker import wait_for_writer
 from lowdiff.errors import LowDiffError
 from lowdiff.integrations._common import (
     callback_extra_state,
@@ -56,6 +55,7 @@ from lowdiff.integrations._common import (
     unwrap_optimizer,
     unwrap_scheduler,
 )
+from lowdiff.proc.locks import wait_for_writer
 
 log = logging.getLogger("lowdiff.integrations.hf")
 

@@ -10,6 +10,9 @@ damaged, recovery to "the newest step" stops at the last intact record and warns
 recovery to an explicit step raises :class:`RecoveryError`. Record files of another
 trajectory (see :mod:`lowdiff.recovery.scan`, "Lineage") are never chained: recovery
 passes them over with a :class:`RecoveryWarning` naming the file and both runs.
+
+The entry points that pick between this single-directory recovery and a distributed
+job's (:mod:`lowdiff.recovery.job`) are in :mod:`lowdiff.recovery.restore`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,6 @@ from typing import Any
 import torch
 
 from lowdiff.compressors.base import Compressor, compressor_from_spec
-from lowdiff.engine import state as st
-from lowdiff.engine.record import RecordLayout
 from lowdiff.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
@@ -36,7 +37,9 @@ from lowdiff.errors import (
     RecoveryWarning,
 )
 from lowdiff.format import codec, sfile
-from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan, make_plan, scan
+from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan
+from lowdiff.state import capture as st
+from lowdiff.state.record import RecordLayout
 
 
 @dataclass
@@ -407,48 +410,8 @@ def replay_records(
         sources, own, start, target, compressor, {i: p.device for i, p in enumerate(live)}, stats
     )
     reader.start()
-    own_rl = sources[own][0]
-    last_meta: dict[str, Any] | None = None
-    last_views: dict[str, torch.Tensor] | None = None
-    expected = start
     try:
-        while True:
-            item = reader.q.get()
-            if item is _END:
-                break
-            if item[0] == "error":
-                raise item[1]
-            if item[0] == "corrupt":
-                err: CorruptCheckpointError = item[1]
-                if strict:
-                    raise RecoveryError(f"cannot reach step {target}: {err}") from err
-                stats.skipped.append((str(err.path), err.reason))
-                warnings.warn(
-                    f"lowdiff: {err.path} is damaged ({err.reason}); recovering to step {expected}, "
-                    f"the last step before it",
-                    RecoveryWarning,
-                    stacklevel=4,
-                )
-                break
-            _, step, grads, meta, views = item
-            if step != expected:
-                raise RecoveryError(f"record chain broken: expected step {expected}, got {step}")
-            t0 = time.perf_counter()
-            for i, p in enumerate(live):
-                g = grads[i]
-                # the gradient gets its parameter's strides, as in training (fused
-                # kernels read memory in layout order)
-                p.grad = g if g is None or p.is_contiguous() else torch.empty_like(p).copy_(g)
-            st.apply_hparams(optimizer, codec.decode(meta["hp"]))
-            _REPLAY.active = True  # hooks lowdiff.attach installed must not record replays
-            try:
-                optimizer.step()
-            finally:
-                _REPLAY.active = False
-            stats.replay_s += time.perf_counter() - t0
-            last_meta, last_views = meta, views
-            expected += 1
-            stats.records_replayed += 1
+        expected, last = _replay_queued(reader, live, optimizer, start, target, stats, strict)
     finally:
         reader.stop.set()
         # unblock the reader if it is waiting on a full queue
@@ -459,15 +422,84 @@ def replay_records(
                 reader.join(0.05)
     for p in live:
         p.grad = None
-    if last_meta is not None and last_views is not None:
-        t0 = time.perf_counter()
-        st.apply_hparams(optimizer, codec.decode(last_meta["hp_after"]))
-        st.set_buffers(model, own_rl.buffer_values(last_views))
-        _load_scheduler(scheduler, codec.decode(last_meta["sched"]), "record")
-        stats.extra = last_meta.get("extra")
-        st.restore_rng(own_rl.rng_tensors(last_views), last_meta["rng"])
-        stats.replay_s += time.perf_counter() - t0
+    if last is not None:
+        _apply_record_state(sources[own][0], *last, model, optimizer, scheduler, stats)
     stats.step = expected
+
+
+def _replay_queued(
+    reader: _Reader,
+    live: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    start: int,
+    target: int,
+    stats: RecoveryStats,
+    strict: bool,
+) -> tuple[int, tuple[dict[str, Any], dict[str, torch.Tensor]] | None]:
+    """Run ``optimizer.step()`` on each record the reader queues, until its end or a
+    damaged file; returns the step reached and the last replayed record's
+    ``(meta, views)`` (None when none was)."""
+    last: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+    expected = start
+    while True:
+        item = reader.q.get()
+        if item is _END:
+            break
+        if item[0] == "error":
+            raise item[1]
+        if item[0] == "corrupt":
+            err: CorruptCheckpointError = item[1]
+            if strict:
+                raise RecoveryError(f"cannot reach step {target}: {err}") from err
+            stats.skipped.append((str(err.path), err.reason))
+            # stacklevel 5: the caller of recover(), through replay_records() and replay()
+            warnings.warn(
+                f"lowdiff: {err.path} is damaged ({err.reason}); recovering to step {expected}, "
+                f"the last step before it",
+                RecoveryWarning,
+                stacklevel=5,
+            )
+            break
+        _, step, grads, meta, views = item
+        if step != expected:
+            raise RecoveryError(f"record chain broken: expected step {expected}, got {step}")
+        t0 = time.perf_counter()
+        for i, p in enumerate(live):
+            g = grads[i]
+            # the gradient gets its parameter's strides, as in training (fused
+            # kernels read memory in layout order)
+            p.grad = g if g is None or p.is_contiguous() else torch.empty_like(p).copy_(g)
+        st.apply_hparams(optimizer, codec.decode(meta["hp"]))
+        _REPLAY.active = True  # hooks lowdiff.attach installed must not record replays
+        try:
+            optimizer.step()
+        finally:
+            _REPLAY.active = False
+        stats.replay_s += time.perf_counter() - t0
+        last = (meta, views)
+        expected += 1
+        stats.records_replayed += 1
+    return expected, last
+
+
+def _apply_record_state(
+    rl: RecordLayout,
+    meta: dict[str, Any],
+    views: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    stats: RecoveryStats,
+) -> None:
+    """Restore what a record holds beside its gradient, as it was after its step:
+    hyperparameters, buffers, scheduler, extra state and RNG streams."""
+    t0 = time.perf_counter()
+    st.apply_hparams(optimizer, codec.decode(meta["hp_after"]))
+    st.set_buffers(model, rl.buffer_values(views))
+    _load_scheduler(scheduler, codec.decode(meta["sched"]), "record")
+    stats.extra = meta.get("extra")
+    st.restore_rng(rl.rng_tensors(views), meta["rng"])
+    stats.replay_s += time.perf_counter() - t0
 
 
 def warn_damaged(problems: list[tuple[Path, str]]) -> list[tuple[str, str]]:
@@ -488,78 +520,3 @@ def pass_over_full(
     )
     bad.add(err.path)
     skipped.append((str(err.path), err.reason))
-
-
-def recover(
-    root: str | Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None = None,
-    step: int | None = None,
-) -> RecoveryStats:
-    """Restore the live objects to ``step`` (None: the newest recoverable step).
-
-    ``root`` may also be a distributed job's directory (written by any number of ranks):
-    the state is rebuilt from every shard, with rank 0's per-rank state (see
-    :func:`lowdiff.dist.recovery.recover_job`).
-    """
-    st.check_training_objects(model, optimizer, scheduler)
-    root = Path(root)
-    from lowdiff.dist.recovery import is_job_dir, recover_job
-
-    if is_job_dir(root):
-        return recover_job(root, model, optimizer, scheduler, step)
-    sc = scan(root)
-    skipped = warn_damaged(sc.problems)
-    bad: set[Path] = set()
-    while True:
-        try:
-            plan = make_plan(sc, step, bad)
-        except RecoveryError as e:
-            if not bad:
-                raise
-            damaged = "; ".join(f"{Path(p).name}: {why}" for p, why in skipped)
-            raise RecoveryError(f"{e} (damaged: {damaged})") from None
-        try:
-            stats = replay(root, sc, plan, model, optimizer, scheduler, strict=step is not None)
-        except CorruptCheckpointError as e:
-            # the full checkpoint itself is damaged: try the next plan without it
-            pass_over_full(e, bad, skipped)
-            continue
-        stats.skipped = skipped + stats.skipped
-        return stats
-
-
-def restore(
-    directory: str | Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None = None,
-    step: int | None = None,
-    *,
-    extra_state: dict[str, Any] | None = None,
-) -> int:
-    """Restore model, optimizer, scheduler and RNG state to a recoverable step.
-
-    Args:
-        directory: a lowdiff checkpoint directory, or a distributed job's (written by any
-            number of ranks; restored in this process, with rank 0's buffers and RNG).
-        model: the model, built the same way as for training (same parameter names and shapes).
-        optimizer: an optimizer of the same type over ``model``'s parameters.
-        scheduler: the LR scheduler, if training used one.
-        step: any recoverable step; None picks the newest.
-        extra_state: the objects training passed as ``extra_state`` (same names): each
-            gets ``load_state_dict()`` with its state at the restored step.
-
-    Returns:
-        The step restored (the number of optimizer updates the state has seen).
-
-    Example:
-        >>> step = lowdiff.restore("runs/ckpt", model, optimizer, step=120)  # doctest: +SKIP
-    """
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
-    extra = st.check_extra_state(extra_state)
-    stats = recover(directory, model, optimizer, scheduler, step)
-    st.apply_extra(extra, stats.extra, f"{directory} step {stats.step}")
-    return stats.step

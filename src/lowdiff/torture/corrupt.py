@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states, state_tensors
 from lowdiff.errors import CorruptCheckpointError, LowDiffError, RecoveryError
 from lowdiff.format import layout
 from lowdiff.recovery.scan import Scan, make_plan, scan
+from lowdiff.state.capture import diff_states, state_tensors
 from lowdiff.torture import workload
 from lowdiff.torture.report import TortureReport
 

@@ -45,7 +45,7 @@ import safetensors.torch
 import torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states
+from lowdiff.state.capture import diff_states
 from lowdiff.torture.report import TortureReport
 
 # (point, kind, largest nth): where a write can be interrupted

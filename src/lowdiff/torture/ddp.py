@@ -16,7 +16,7 @@ the end. Then, for every kill:
    trainer-only kill, it is also at least the step every rank had handed off;
 4. no wrong state: on every rank the resumed state equals an uninterrupted reference run
    at that step, and the final state equals the reference's final state (bit for bit:
-   :func:`lowdiff.engine.state.diff_states`).
+   :func:`lowdiff.state.capture.diff_states`).
 
 Example:
     >>> report = run_ddp_kills("/tmp/ddp", kills=4, seed=0)  # doctest: +SKIP
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from lowdiff.engine.state import diff_states
+from lowdiff.state.capture import diff_states
 from lowdiff.torture.report import TortureReport
 
 JOB_MODULE = "lowdiff.torture.ddp_job"
@@ -243,9 +243,58 @@ def _read_log(path: Path) -> _Rounds:
 
 def _check_kill(report: TortureReport, i: int, k: DdpKill, work: Path, ref: Path) -> str:
     """Run kill ``i`` and add its figures to ``report``; a line for the log."""
-    run = work / f"kill-{i:03d}"
-    out = run / "out"
+    out = work / f"kill-{i:03d}" / "out"
     out.mkdir(parents=True, exist_ok=True)
+    name = f"kill {i} ({k.strategy}, rank {k.rank}, step {k.step}, {k.point}, {k.target})"
+    try:
+        p = torchrun(*_kill_args(k, out.parent), restarts=1, check=False)
+    except AssertionError as e:  # timed out
+        (out / "torchrun.log").write_text(str(e))
+        report.fail(f"{name}: {str(e).splitlines()[0]} (see {out / 'torchrun.log'})")
+        return f"{name}: timed out"
+    (out / "torchrun.log").write_text(p.stdout + p.stderr)
+    killed = out / "killed"
+    if not killed.exists() or killed.read_text() != k.marker:
+        marker = killed.read_text() if killed.exists() else "no kill"
+        report.fail(f"{name}: the kill did not land ({marker!r}; see {out / 'torchrun.log'})")
+        return f"{name}: the kill did not land"
+    report.kills += 1
+    report.kills_by_point[k.point] += 1
+    report.kills_by_target[k.target] += 1
+    report.kills_by_strategy[k.strategy] += 1
+    logs = [_read_log(out / f"durable-rank{r}.txt") for r in (0, 1)]
+    resumes = {lg.resumes.get(1) for lg in logs}
+    report.recoveries += 1
+    if len(resumes) != 1 or None in resumes:
+        report.recoveries_by_source[f"{k.strategy} failed"] += 1
+        report.fail(
+            f"{name}: the restarted job did not resume on both ranks at one step "
+            f"({[lg.resumes for lg in logs]}; torchrun exit {p.returncode}; see {out})"
+        )
+        return f"{name}: no agreed resume"
+    resumed, source = resumes.pop()  # type: ignore[misc]
+    report.recoveries_by_source[f"{k.strategy} {source}"] += 1
+    acked = max(lg.durable for lg in logs)
+    handed = logs[k.rank].last_step
+    _check_steps(report, name, k, out, resumed, acked, handed)
+    wrong = _wrong_states(ref, out, resumed)
+    if wrong:
+        report.wrong_states += 1
+        report.wrong_states_by_strategy[k.strategy] += 1
+        report.fail(f"{name}: wrong state: {'; '.join(wrong)} ({out})")
+    elif p.returncode != 0:
+        report.fail(f"{name}: torchrun exit {p.returncode} (see {out / 'torchrun.log'})")
+    else:
+        report.recoveries_ok += 1
+    return (
+        f"{name}: acknowledged {acked}, handed off {handed}, resumed at {resumed} from "
+        f"{source}, {'WRONG STATE' if wrong else 'states exact'}"
+    )
+
+
+def _kill_args(k: DdpKill, run: Path) -> list[str]:
+    """The job's arguments for kill ``k``, its checkpoints in ``run/ck``, the rest in ``run/out``."""
+    out = run / "out"
     args = [
         "--dir",
         str(run / "ck"),
@@ -263,38 +312,20 @@ def _check_kill(report: TortureReport, i: int, k: DdpKill, work: Path, ref: Path
     ]
     if k.worker:
         args.append("--kill-worker")
-    name = f"kill {i} ({k.strategy}, rank {k.rank}, step {k.step}, {k.point}, {k.target})"
-    try:
-        p = torchrun(*args, restarts=1, check=False)
-    except AssertionError as e:  # timed out
-        (out / "torchrun.log").write_text(str(e))
-        report.fail(f"{name}: {str(e).splitlines()[0]} (see {out / 'torchrun.log'})")
-        return f"{name}: timed out"
-    (out / "torchrun.log").write_text(p.stdout + p.stderr)
-    killed = out / "killed"
-    if not killed.exists() or killed.read_text() != k.marker:
-        marker = killed.read_text() if killed.exists() else "no kill"
-        report.fail(f"{name}: the kill did not land ({marker!r}; see {out / 'torchrun.log'})")
-        return f"{name}: the kill did not land"
-    report.kills += 1
-    report.kills_by_point[k.point] += 1
-    report.kills_by_target[k.target] += 1
-    report.kills_by_strategy[k.strategy] += 1
-    logs = [_read_log(out / f"durable-rank{r}.txt") for r in (0, 1)]
-    resumes = {lg.resumes.get(1) for lg in logs}
-    if len(resumes) != 1 or None in resumes:
-        report.recoveries += 1
-        report.recoveries_by_source[f"{k.strategy} failed"] += 1
-        report.fail(
-            f"{name}: the restarted job did not resume on both ranks at one step "
-            f"({[lg.resumes for lg in logs]}; torchrun exit {p.returncode}; see {out})"
-        )
-        return f"{name}: no agreed resume"
-    resumed, source = resumes.pop()  # type: ignore[misc]
-    report.recoveries += 1
-    report.recoveries_by_source[f"{k.strategy} {source}"] += 1
-    acked = max(lg.durable for lg in logs)
-    handed = logs[k.rank].last_step
+    return args
+
+
+def _check_steps(
+    report: TortureReport,
+    name: str,
+    k: DdpKill,
+    out: Path,
+    resumed: int,
+    acked: int,
+    handed: int,
+) -> None:
+    """The promises about steps: the killed rank died in its step, no acknowledged step was
+    lost, and after a trainer-only kill no handed-off step either."""
     if handed != k.step:
         report.fail(f"{name}: the killed rank's last step was {handed}, not {k.step} (see {out})")
     report.margin(resumed, acked)
@@ -308,6 +339,10 @@ def _check_kill(report: TortureReport, i: int, k: DdpKill, work: Path, ref: Path
             f"{name}: trainer-only kill resumed at {resumed}, but every rank had handed off "
             f"step {handed} ({out})"
         )
+
+
+def _wrong_states(ref: Path, out: Path, resumed: int) -> list[str]:
+    """Every rank's resumed and final state against the reference's (empty: all exact)."""
     wrong = []
     for r in (0, 1):
         pairs = [
@@ -321,18 +356,7 @@ def _check_kill(report: TortureReport, i: int, k: DdpKill, work: Path, ref: Path
             d = diff_states(_load(want), _load(got))
             if d:
                 wrong.append(f"rank {r}: {got.name} differs in {len(d)} entries ({d[0]})")
-    if wrong:
-        report.wrong_states += 1
-        report.wrong_states_by_strategy[k.strategy] += 1
-        report.fail(f"{name}: wrong state: {'; '.join(wrong)} ({out})")
-    elif p.returncode != 0:
-        report.fail(f"{name}: torchrun exit {p.returncode} (see {out / 'torchrun.log'})")
-    else:
-        report.recoveries_ok += 1
-    return (
-        f"{name}: acknowledged {acked}, handed off {handed}, resumed at {resumed} from "
-        f"{source}, {'WRONG STATE' if wrong else 'states exact'}"
-    )
+    return wrong
 
 
 def run_ddp_kills(

@@ -41,7 +41,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowdiff
-from lowdiff.engine.state import snapshot_state
+from lowdiff.attach import own_strategy
+from lowdiff.state.capture import snapshot_state
 
 
 class Net(nn.Module):
@@ -151,7 +152,7 @@ def _die(ck: lowdiff.Checkpointer, out: Path, step: int, args: argparse.Namespac
     """SIGKILL this trainer (first its checkpointing process with ``--kill-worker``)."""
     what = args.kill_point
     if args.kill_worker:
-        proc = ck.strategy_impl._proc  # type: ignore[attr-defined]
+        proc = own_strategy(ck).worker_process
         if proc is not None and proc.pid is not None:
             # a machine failure: the trainer and its checkpointing process die together
             # (the worker first, so it cannot drain anything the trainer handed it)
@@ -164,12 +165,14 @@ def _die(ck: lowdiff.Checkpointer, out: Path, step: int, args: argparse.Namespac
 
 def check_merge(ck: lowdiff.Checkpointer, model: nn.Module) -> None:
     """The hook's merged record, decompressed, is exactly the gradient DDP left in .grad."""
-    hs = ck._hook_state
+    impl = own_strategy(ck)
+    hs = impl.ddp_hook_state
     assert hs is not None
-    merged = ck.compressor
-    for info, p in ck._params:
+    merged = impl.compressor
+    for info, p in impl.params:
         payload = hs.payloads[info.index]
         dense = merged.decompress(payload, p.numel(), p.dtype)
+        assert p.grad is not None
         if not torch.equal(dense, p.grad.reshape(-1)):
             raise AssertionError(f"record of {info.name} differs from its .grad")
     # and every rank holds the same merged gradient

@@ -40,9 +40,10 @@ from typing import Any
 
 import safetensors.torch
 
-from lowdiff.engine.state import state_tensors
+from lowdiff.attach import own_strategy
 from lowdiff.errors import CheckpointWorkerError
 from lowdiff.format import atomic
+from lowdiff.state.capture import state_tensors
 from lowdiff.torture import workload
 
 
@@ -95,7 +96,8 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
         ck.close()
         return "completed"
     if plan["how"] == "time" and plan.get("phase") != "startup":
-        worker: int | None = ck._proc.pid if ck._proc is not None else None
+        proc = own_strategy(ck).worker_process
+        worker = proc.pid if proc is not None else None
         pids = [worker] if plan["target"] != "trainer" else []
         if plan["target"] != "worker":
             pids.append(os.getpid())

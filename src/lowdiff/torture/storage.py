@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 import lowdiff
-from lowdiff.engine.state import diff_states, state_tensors
 from lowdiff.format import atomic
+from lowdiff.state.capture import diff_states, state_tensors
 from lowdiff.torture import workload
 from lowdiff.torture.report import TortureReport
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine.state import snapshot_state
+from lowdiff.state.capture import snapshot_state
 
 FULL_EVERY = 4
 BATCH_SIZE = 3

@@ -4,7 +4,10 @@
   standard-library source, with deterministic ``(seed, step)`` batches;
 - :mod:`lowdiff.workloads.models`: small GPT-2-style byte LMs built from configs;
 - :mod:`lowdiff.workloads.train`: the checkpointed training job
-  (``python -m lowdiff.workloads.train --config CONFIG.json``) that ``lowdiff demo`` runs.
+  (``python -m lowdiff.workloads.train --config CONFIG.json``) that ``lowdiff demo`` runs;
+- :mod:`lowdiff.workloads.zoo`: the benchmark workloads (GPT-2, BERT, ResNet, Qwen3) by
+  name, from the registry of :mod:`lowdiff.workloads.specs`, with the generated batches
+  of :mod:`lowdiff.workloads.batches`.
 
 Submodules are imported on demand; ``transformers`` is only needed by ``models``.
 """

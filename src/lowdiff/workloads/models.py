@@ -10,6 +10,7 @@ checkpointing has to restore exactly.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,9 @@ class ModelSpec:
         n_positions: Longest sequence the model accepts.
         dropout: Residual and embedding dropout probability.
         attn_dropout: Attention-probability dropout. Off by default: on CPU, drawing a
-            mask over every (head, query, key) triple costs a quarter of the step time,
-            and residual dropout alone already makes the RNG state matter.
+            mask over every (head, query, key) triple is a large share of the step time
+            (see docs/workloads.md), and residual dropout alone already makes the RNG
+            state matter.
     """
 
     n_layer: int
@@ -41,19 +43,20 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    # The demo default: ~0.84 M parameters, ~150 ms per step at batch 8 x 128 on two (shared)
-    # CPU cores, so the four training runs of the demo fit in about two minutes.
+    # The demo default: ~0.84 M parameters, small enough for the demo's four training runs
+    # on two CPU cores (its step time is in docs/workloads.md).
     "gpt2-demo": ModelSpec(n_layer=4, n_embd=128, n_head=4, n_positions=128),
     # The hot-path benchmark's end-to-end model (``lowdiff bench hotpaths``): ~3.3 M
     # parameters, batch 8 x 128.
     "gpt2-3m": ModelSpec(n_layer=4, n_embd=256, n_head=4, n_positions=128),
-    # Tests: ~0.12 M parameters; ~20 ms per step at batch 4 x 64 (mostly per-op overhead).
+    # Tests: ~0.12 M parameters, a step dominated by per-op overhead (docs/workloads.md).
     "gpt2-tiny": ModelSpec(n_layer=2, n_embd=64, n_head=4, n_positions=128),
 }
 """Named model sizes; add entries here to make them available by name everywhere."""
 
 
-def _config(spec: ModelSpec):  # -> transformers.GPT2Config (import kept lazy)
+def gpt2_config(spec: ModelSpec) -> Any:  # -> transformers.GPT2Config (import kept lazy)
+    """The ``transformers`` GPT-2 config of ``spec``: byte vocabulary, eager attention."""
     from transformers import GPT2Config
 
     return GPT2Config(
@@ -92,7 +95,7 @@ def build_model(name: str, seed: int) -> torch.nn.Module:
         raise ValueError(f"unknown model {name!r}; known: {sorted(MODELS)}")
     from transformers import GPT2LMHeadModel
 
-    config = _config(MODELS[name])
+    config = gpt2_config(MODELS[name])
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)
     model.train()

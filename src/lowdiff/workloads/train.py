@@ -42,7 +42,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
+from lowdiff.baselines import BASELINES
+from lowdiff.checkpointer import Checkpointer
+from lowdiff.compressors import compressor_from_spec
+from lowdiff.inspect import inspect_dir
+from lowdiff.recovery.restore import recover
+from lowdiff.state.capture import state_tensors
 from lowdiff.workloads import models, text
 
 
@@ -152,10 +160,6 @@ def dump_state(
     Returns:
         The number of tensors written.
     """
-    from safetensors.torch import save_file
-
-    from lowdiff.engine.state import state_tensors
-
     tensors = state_tensors(model, optimizer, scheduler)
     # clone(): safetensors refuses tensors that share storage, and a dump must not alias
     # live training state anyway.
@@ -167,8 +171,6 @@ def dump_state(
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> Any:
     """Linear warm-up then cosine decay to ``min_lr_ratio * lr``."""
-    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
-
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, cfg.steps // 10)
     warmup = max(1, warmup)
     decay = max(1, cfg.steps - warmup)
@@ -226,10 +228,7 @@ def probe_recovery(cfg: TrainConfig, directory: str | Path) -> dict[str, Any] | 
     That is the step just before a full checkpoint, replayed from the one before it
     (``full_every - 1`` records), which bounds the recovery time of any failure.
     """
-    import lowdiff
-    from lowdiff.recovery.replay import recover
-
-    info = lowdiff.inspect_dir(directory)
+    info = inspect_dir(directory)
     if not info.full_checkpoints or info.recoverable is None:
         return None
     fulls = [f.first_step for f in info.full_checkpoints]
@@ -243,25 +242,38 @@ def probe_recovery(cfg: TrainConfig, directory: str | Path) -> dict[str, Any] | 
     return _recovery_dict(stats)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) the job described by ``cfg`` and return its result dict."""
-    import lowdiff
-    from lowdiff.compressors import compressor_from_spec
+@dataclass
+class _Progress:
+    """What the training loop of :func:`train` reports back (times from ``perf_counter``)."""
 
-    t_start = time.perf_counter()
+    start: int
+    """The step ``resume()`` returned."""
+    recovery: dict[str, Any] | None
+    """The recovery stats of the resume (see :func:`_recovery_dict`)."""
+    t_loop: float
+    """When the loop began."""
+    train_s: float
+    """Seconds spent in the loop, state dumps excluded."""
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+
+
+def _seed_globals(cfg: TrainConfig) -> int:
+    """Set torch's thread count and seed the Python and NumPy global RNGs; returns the
+    thread count."""
     threads = cfg.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     # Python's and NumPy's global RNGs are checkpointed state too; unseeded they would
     # start from OS entropy, and no two runs could ever be compared bit for bit.
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % (1 << 32))
-    corpus = text.load_corpus()
+    return threads
 
-    model, optimizer, scheduler = build_training_objects(cfg)
-    n_params = models.count_parameters(model)
-    from lowdiff.baselines import BASELINES
 
+def build_checkpointer(
+    cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> Checkpointer:
+    """The job's Checkpointer: ``cfg.strategy`` with its compressor and options."""
     options: dict[str, Any] = dict(cfg.strategy_options)
     if cfg.strategy in BASELINES:
         # a baseline trains compressed (or not) as strategy "none" does; it has no batches
@@ -269,7 +281,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     else:
         uncompressed = cfg.strategy == "lowdiff+"
         options["batch_size"] = cfg.batch_size_records
-    ck = lowdiff.Checkpointer(
+    return Checkpointer(
         model,
         optimizer,
         cfg.directory,
@@ -280,6 +292,57 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         keep_full=cfg.keep_full,
         **options,
     )
+
+
+def _resume_and_train(
+    cfg: TrainConfig,
+    ck: Checkpointer,
+    objects: tuple[torch.nn.Module, torch.optim.Optimizer, Any],
+    corpus: text.Corpus,
+    data_seed: int,
+) -> _Progress:
+    """Resume, then train steps ``start .. cfg.steps - 1``, emitting an event per step."""
+    model, optimizer, scheduler = objects
+    start = ck.resume()
+    recovery = _recovery_dict(ck.recovery_stats)
+    if cfg.dump_state_at_resume:
+        dump_state(model, optimizer, scheduler, cfg.dump_state_at_resume)
+    emit("resumed", step=start, recovered=recovery is not None, recovery=recovery)
+    dump_at = cfg.dump_state_at_step
+    run = _Progress(start=start, recovery=recovery, t_loop=time.perf_counter(), train_s=0.0)
+    dump_s = 0.0
+    for step in range(start, cfg.steps):
+        if dump_at is not None and step == dump_at["step"]:
+            t0 = time.perf_counter()
+            dump_state(model, optimizer, scheduler, dump_at["path"])
+            dump_s += time.perf_counter() - t0
+        inputs, targets = text.batch_for(step, cfg.batch_size, cfg.seq_len, data_seed, corpus)
+        t0 = time.perf_counter()
+        loss = models.lm_loss(model, inputs, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ck.step()
+        optimizer.zero_grad()
+        dt = time.perf_counter() - t0
+        loss_value = float(loss.detach())
+        run.step_times.append(dt)
+        run.losses.append(loss_value)
+        emit("step", step=step + 1, loss=loss_value, t=time.time(), dt=dt, durable=ck.durable_step)
+    if dump_at is not None and dump_at["step"] == cfg.steps and start <= cfg.steps:
+        dump_state(model, optimizer, scheduler, dump_at["path"])
+    run.train_s = time.perf_counter() - run.t_loop - dump_s
+    return run
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) the job described by ``cfg`` and return its result dict."""
+    t_start = time.perf_counter()
+    threads = _seed_globals(cfg)
+    data_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    corpus = text.load_corpus()
+    model, optimizer, scheduler = build_training_objects(cfg)
+    n_params = models.count_parameters(model)
+    ck = build_checkpointer(cfg, model, optimizer, scheduler)
     emit(
         "start",
         pid=os.getpid(),
@@ -289,47 +352,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         strategy=cfg.strategy,
         steps=cfg.steps,
     )
-
     try:
-        start = ck.resume()
-        recovery = _recovery_dict(ck.recovery_stats)
-        if cfg.dump_state_at_resume:
-            dump_state(model, optimizer, scheduler, cfg.dump_state_at_resume)
-        emit("resumed", step=start, recovered=recovery is not None, recovery=recovery)
-
-        dump_at = cfg.dump_state_at_step
-        step_times: list[float] = []
-        losses: list[float] = []
-        t_loop = time.perf_counter()
-        dump_s = 0.0
-        for step in range(start, cfg.steps):
-            if dump_at is not None and step == dump_at["step"]:
-                t0 = time.perf_counter()
-                dump_state(model, optimizer, scheduler, dump_at["path"])
-                dump_s += time.perf_counter() - t0
-            inputs, targets = text.batch_for(step, cfg.batch_size, cfg.seq_len, data_seed, corpus)
-            t0 = time.perf_counter()
-            loss = models.lm_loss(model, inputs, targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            ck.step()
-            optimizer.zero_grad()
-            dt = time.perf_counter() - t0
-            loss_value = float(loss.detach())
-            step_times.append(dt)
-            losses.append(loss_value)
-            emit(
-                "step",
-                step=step + 1,
-                loss=loss_value,
-                t=time.time(),
-                dt=dt,
-                durable=ck.durable_step,
-            )
-        if dump_at is not None and dump_at["step"] == cfg.steps and start <= cfg.steps:
-            dump_state(model, optimizer, scheduler, dump_at["path"])
-        train_s = time.perf_counter() - t_loop - dump_s
-
+        run = _resume_and_train(cfg, ck, (model, optimizer, scheduler), corpus, data_seed)
         t0 = time.perf_counter()
         ck.close()
         close_s = time.perf_counter() - t0
@@ -339,27 +363,26 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             ck.close()
         raise
-
     eval_loss = evaluate(model, cfg)
-    tail = losses[-10:]
+    tail = run.losses[-10:]
     return {
         "model": cfg.model,
         "n_params": n_params,
         "strategy": cfg.strategy,
         "compressor": cfg.compressor,
         "steps": cfg.steps,
-        "start_step": start,
-        "final_loss": losses[-1] if losses else None,
+        "start_step": run.start,
+        "final_loss": run.losses[-1] if run.losses else None,
         "final_loss_mean10": sum(tail) / len(tail) if tail else None,
         "eval_loss": eval_loss,
-        "losses": losses,
-        "step_times": step_times,
-        "train_s": train_s,
+        "losses": run.losses,
+        "step_times": run.step_times,
+        "train_s": run.train_s,
         "close_s": close_s,
-        "startup_s": t_loop - t_start,
+        "startup_s": run.t_loop - t_start,
         "durable_step": ck.durable_step,
         "ck_stats": ck.stats,
-        "recovery": recovery,
+        "recovery": run.recovery,
         "threads": threads,
         "torch_version": torch.__version__,
         "config": asdict(cfg),

@@ -1,0 +1,157 @@
+"""``full_every="auto"`` / ``batch_size="auto"``: the planner fed from the live session.
+
+:class:`AutoPlan` measures what the cost model of :mod:`lowdiff.plan` needs as training
+runs (the time between steps without checkpointing work, the optimizer step that stands
+for the replay of one record, decompression, record and full-checkpoint writes), asks
+the :class:`lowdiff.plan.AutoTuner` for a new (f, b) when one is due, and applies it:
+the next full checkpoint is due f steps after the previous one, and the checkpointing
+process writes its partial batch, then batches b records per file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowdiff.engine.core import EngineCore
+from lowdiff.engine.messages import BatchSize
+from lowdiff.plan import AutoTuner, resolve_mtbf
+from lowdiff.state import capture as st
+from lowdiff.strategy import check_int
+
+_plan_log = logging.getLogger("lowdiff.plan")
+
+
+class AutoPlan:
+    """The ``"auto"`` planner of one session (LowDiff, single process).
+
+    Args:
+        core: the session (its f and b are changed in place).
+        mtbf: the ``mtbf`` option (None: the environment's, else the default).
+        tune_f, tune_b: which of f and b are ``"auto"``.
+        send: sends a request to the checkpointing process.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        mtbf: float | None,
+        *,
+        tune_f: bool,
+        tune_b: bool,
+        send: Callable[[Any], None],
+    ) -> None:
+        assert core.layout is not None
+        self.core = core
+        self.send = send
+        mtbf_s, self.mtbf_source = resolve_mtbf(mtbf)
+        self.tuner = AutoTuner(
+            record_bytes=core.layout.row_bytes,
+            mtbf=mtbf_s,
+            tune_f=tune_f,
+            tune_b=tune_b,
+            f=core.full_every,
+            b=core.batch_size,
+        )
+        core.full_every, core.batch_size = self.tuner.f, self.tuner.b
+        self._step_t: float | None = None
+        self._ck_s = 0.0
+
+    # ------------------------------------------------------------------ observations
+    def begin_step(self, t: int) -> None:
+        """tau: the time between two steps without the previous one's checkpointing."""
+        tuner, now = self.tuner, time.perf_counter()
+        if self._step_t is None:
+            if not tuner.history:
+                tuner.force(t, self.core.full_every, self.core.batch_size, "start (profiling)")
+        else:
+            tuner.observe_iteration(now - self._step_t - self._ck_s)
+        self._step_t = now
+
+    def observe_update(self, update_s: float) -> None:
+        """The update's time stands for the replay of one record."""
+        self.tuner.observe_optimizer_step(update_s)
+
+    def checkpointing_done(self, since: float, extra_s: float) -> None:
+        """This step's checkpointing work began at ``since`` (``perf_counter``), plus
+        ``extra_s`` of profiling: left out of the next tau."""
+        self._ck_s = time.perf_counter() - since + extra_s
+
+    def sample_decompress(self, payloads: dict[int, dict[str, torch.Tensor]]) -> float:
+        """Decompress one record's payloads again when the planner wants a sample,
+        timed (the replay's decompression); the seconds it took (0 without a sample)."""
+        if not self.tuner.wants_decompress_sample or not payloads:
+            return 0.0
+        core = self.core
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for (info, p), numel in zip(core.params, core.numels, strict=True):
+                payload = payloads.get(info.index)
+                if payload is not None:
+                    core.compressor.decompress(payload, numel, p.dtype)
+        took = time.perf_counter() - t0
+        self.tuner.observe_decompress(took)
+        return took
+
+    def full_due(self) -> bool:
+        """A full checkpoint f steps after the previous one (f changes there)."""
+        return self.core.step - self.core.last_full >= self.core.full_every
+
+    def replan(self) -> None:
+        """Ask the planner when a decision is due; apply what it decides."""
+        step = self.core.step
+        if self.tuner.due(step):
+            entry = self.tuner.decide(step, self._state_nbytes())
+            if entry is not None:
+                self.apply(entry)
+
+    def _state_nbytes(self) -> int:
+        """Bytes of the model and optimizer tensors now (a full checkpoint's payload)."""
+        core = self.core
+        msd, _ = st.model_state(core.model)
+        n = sum(v.numel() * v.element_size() for v in msd.values())
+        for s in core.optimizer.state.values():
+            n += sum(v.numel() * v.element_size() for v in s.values() if torch.is_tensor(v))
+        return n
+
+    # ------------------------------------------------------------------ plans
+    def set_plan(self, f: int, b: int, reason: str = "forced") -> None:
+        """Switch to (f, b) now, as the planner does (for tests and tools)."""
+        check_int("f", f, 1)
+        check_int("b", b, 1)
+        if b > f:
+            raise ValueError(f"need 1 <= b <= f, got f={f}, b={b}")
+        self.apply(self.tuner.force(self.core.step, f, b, reason))
+
+    def apply(self, entry: dict[str, Any]) -> None:
+        """Use ``entry``'s (f, b), and log why."""
+        core = self.core
+        f, b = int(entry["f"]), int(entry["b"])
+        if b != core.batch_size:
+            self.send(BatchSize(b))
+        core.full_every, core.batch_size = f, b
+        m = entry.get("inputs")
+        why = ""
+        if m is not None:
+            why = (
+                f"; predicted wasted time {entry['previous_wasted_s']:.4g} -> {entry['wasted_s']:.4g} "
+                f"GPU-s per hour of training (MTBF {m['mtbf']:.4g} s from {self.mtbf_source}, "
+                f"tau {m['tau'] * 1e3:.3g} ms, W {m['write_bw'] / 1e6:.3g} MB/s, "
+                f"latency {m['batch_latency'] * 1e3:.3g} ms, full {m['full_bytes'] / 1e6:.3g} MB, "
+                f"record {m['record_bytes'] / 1e3:.3g} kB)"
+            )
+        _plan_log.info(
+            "%s: step %d: full_every %d -> %d, batch_size %d -> %d (%s%s)",
+            core.root,
+            entry["step"],
+            entry["previous_f"],
+            f,
+            entry["previous_b"],
+            b,
+            entry["reason"],
+            why,
+        )

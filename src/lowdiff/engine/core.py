@@ -1,0 +1,291 @@
+"""What every lowdiff strategy keeps on the training process.
+
+:class:`EngineCore` holds the training objects and their layout (the optimized
+parameters, this rank's shard under DDP, the record layout), the session's counters
+(the step, the durable step, ``ck.stats``), and the checkpoint directory with its lock
+and manifest. The strategies (:mod:`lowdiff.engine.lowdiff`,
+:mod:`lowdiff.engine.lowdiff_plus`, :mod:`lowdiff.engine.none`) compose it with the
+parts they need; it knows nothing of any one strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowdiff.compressors.base import Compressor
+from lowdiff.ddp.context import DistContext, JobMin, assign_shards
+from lowdiff.ddp.shard import shard_state_dict
+from lowdiff.errors import CheckpointMismatchError, DirectoryLockedError
+from lowdiff.format import layout
+from lowdiff.format.atomic import remove_stale_temps
+from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
+from lowdiff.proc.locks import acquire_flock, lock_holder, wait_for_writer
+from lowdiff.recovery.job import is_job_dir, rank_root
+from lowdiff.recovery.quarantine import quarantine_beyond
+from lowdiff.recovery.replay import RecoveryStats, check_compatible
+from lowdiff.recovery.scan import check_directory
+from lowdiff.state import capture as st
+from lowdiff.state.model_config import model_config_entry
+from lowdiff.state.record import RecordLayout
+
+STAT_KEYS = (
+    "steps", "slot_wait_s", "full_wait_s", "full_copy_s", "fulls_requested", "fulls_written",
+    "full_bytes", "full_write_s", "record_send_s", "lag_wait_s", "snapshot_finish_s",
+    "record_files_written", "records_written", "record_bytes", "record_write_s",
+    "replica_merges", "replica_merge_s",
+)  # fmt: skip
+"""The counters of ``ck.stats`` that the training process keeps (see
+:attr:`lowdiff.Checkpointer.stats`)."""
+
+
+def class_path(obj: Any) -> str:
+    """``module.QualifiedName`` of ``obj``'s class (how manifests name classes)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def dumps(tree: Any) -> str:
+    """Compact JSON (no NaN), as records and manifests store it."""
+    return json.dumps(tree, separators=(",", ":"), allow_nan=False)
+
+
+class EngineCore:
+    """The training objects, the session's counters and the checkpoint directory.
+
+    Args:
+        name: the strategy's name (written to the manifest, checked on resume).
+        model, optimizer, scheduler: the training objects.
+        compressor: the compressor whose records this session writes (``MergedSparse``
+            under DDP).
+        dist: the DDP context, or None in a single process.
+        extra_state: the ``extra_state`` objects (already checked).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any | None,
+        compressor: Compressor,
+        dist: DistContext | None,
+        extra_state: dict[str, Any],
+    ) -> None:
+        self.name = name
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.compressor = compressor
+        self.dist = dist
+        self.job: JobMin | None = None if dist is None else JobMin(dist)
+        self.extra = extra_state
+        self.params = st.optimizer_params(model, optimizer)
+        for info, p in self.params:
+            if p.is_sparse:
+                raise ValueError(
+                    f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only"
+                )
+        self.numels = [p.numel() for _, p in self.params]
+        devices = {p.device for _, p in self.params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"all optimized parameters must be on one device, found {sorted(map(str, devices))}"
+            )
+        dev = next(iter(devices), torch.device("cpu"))
+        self.record_device: torch.device | None = None if dev.type == "cpu" else dev
+        """The device records are copied from (None: the CPU, copies are synchronous)."""
+        self.buffer_names = st.buffer_names(model)
+        self.buffer_refs = st.BufferRefs(model, self.buffer_names)
+        self.hp_text = st.HparamsText()
+        self.step = 0
+        self.started = False
+        self.closed = False
+        self.durable = -1
+        """Newest step this rank's checkpointing process made durable (-1: none)."""
+        self.last_full = 0
+        """Step of the newest full checkpoint (``"auto"`` schedules the next one from it)."""
+        self.run_id = uuid.uuid4().hex
+        self.recovery_stats: RecoveryStats | None = None
+        self.memory_miss_reason: str | None = None
+        """Why LowDiff+'s last resume found no replica in memory to restart from."""
+        self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0.0)
+        self.shard = [info.index for info, _ in self.params]
+        """The optimizer indices this rank checkpoints (all of them in one process)."""
+        self.foreign: set[str] = set()
+        """Under DDP: names of the parameters other ranks checkpoint."""
+        if dist is not None:
+            owner = assign_shards(self.numels, dist.world_size)
+            self.shard = [i for i, r in enumerate(owner) if r == dist.rank]
+            self.foreign = {
+                info.name for info, _ in self.params if owner[info.index] != dist.rank
+            }
+        self.root: Path | None = None
+        self.job_root: Path | None = None
+        self.lock_fd: int | None = None
+        self.rng_layout: st.RngLayout | None = None
+        self.rng_capture: st.RngCapture | None = None
+        self.layout: RecordLayout | None = None
+        self.configured: dict[str, int | str] = {}
+        """``full_every`` and ``batch_size`` as configured (``"auto"`` stays ``"auto"``)."""
+        self.full_every = 1
+        """f in use: a full checkpoint every f steps (``"auto"`` changes it)."""
+        self.batch_size = 1
+        """b in use: records per file (``"auto"`` changes it)."""
+
+    # ------------------------------------------------------------------ parameters
+    def shard_params(self) -> list[tuple[st.ParamInfo, torch.nn.Parameter]]:
+        """The parameters this rank checkpoints (its shard under DDP)."""
+        shard = set(self.shard)
+        return [(i, p) for i, p in self.params if i.index in shard]
+
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], str]:
+        """The optimizer's state tensors (this rank's shard under DDP) and its JSON."""
+        if self.dist is None:
+            return st.optimizer_state_tensors(self.optimizer)
+        return st.optimizer_state_tensors(
+            self.optimizer, shard_state_dict(self.optimizer.state_dict(), self.shard)
+        )
+
+    # ------------------------------------------------------------------ the directory
+    def open_directory(self, directory: str | os.PathLike[str]) -> None:
+        """Check and lock the checkpoint directory (this rank's shard directory under
+        DDP), and lay out the records."""
+        self.root = Path(directory)
+        if self.dist is not None:
+            self.job_root = self.root
+            check_directory(self.job_root)
+            # the newest generation's shard at this world size, else the next generation's
+            self.root = rank_root(self.job_root, self.dist.rank, self.dist.world_size)
+        elif is_job_dir(self.root):
+            raise CheckpointMismatchError(
+                f"{self.root} is a distributed job's directory: continue it under "
+                "torchrun (any number of ranks, 1 included), or read a step of it "
+                "with lowdiff.restore() / lowdiff export"
+            )
+        self.lock_fd = self._lock(self.root, "; two trainers cannot write to one checkpoint directory")
+        self.rng_layout = st.RngLayout()
+        self.rng_capture = st.RngCapture(self.rng_layout)
+        buffers = [
+            (n, b.dtype, tuple(b.shape))
+            for n, b in st.get_buffers(self.model, self.buffer_names).items()
+        ]
+        self.layout = RecordLayout.build(
+            [info for info, _ in self.shard_params()], self.compressor, buffers, self.rng_layout
+        )
+
+    @staticmethod
+    def _lock(root: Path, why: str = "") -> int:
+        check_directory(root)
+        root.mkdir(parents=True, exist_ok=True)
+        fd = acquire_flock(root / layout.LOCK_FILE, blocking=False)
+        if fd is None:
+            raise DirectoryLockedError(
+                f"{root} is in use by another trainer ({lock_holder(root / layout.LOCK_FILE)}){why}"
+            )
+        return fd
+
+    def switch_root(self, root: Path) -> None:
+        """Under DDP: make ``root`` this rank's shard directory (locked) instead of the one
+        chosen at construction."""
+        if root == self.root:
+            return
+        fd = self._lock(root)
+        self.release_lock()
+        self.root, self.lock_fd = root, fd
+
+    def release_lock(self) -> None:
+        if self.lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.lock_fd)
+            self.lock_fd = None
+
+    def wait_for_previous_writer(self, timeout: float) -> None:
+        """A killed trainer's checkpointing process may still be flushing: wait for it."""
+        assert self.root is not None
+        wait_for_writer(self.root, timeout)
+
+    def remove_stale_temps(self) -> None:
+        """Delete temp files a killed writer left in this directory (never published files)."""
+        assert self.root is not None
+        for d in (self.root, self.root / layout.FULL_DIR, self.root / layout.RECORDS_DIR):
+            remove_stale_temps(d)
+
+    def quarantine_beyond(self, stats: RecoveryStats) -> None:
+        """Move files that are damaged or lie past the recovered step out of the chain."""
+        assert self.root is not None
+        quarantine_beyond(self.root, stats, self.run_id)
+
+    def make_dirs(self) -> None:
+        assert self.root is not None
+        (self.root / layout.FULL_DIR).mkdir(exist_ok=True)
+        (self.root / layout.RECORDS_DIR).mkdir(exist_ok=True)
+
+    # ------------------------------------------------------------------ the manifest
+    def manifest_body(self, keep_full: int | None) -> dict[str, Any]:
+        assert self.layout is not None
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "strategy": self.name,
+            "compressor": self.compressor.spec(),
+            "optimizer": class_path(self.optimizer),
+            "scheduler": None if self.scheduler is None else class_path(self.scheduler),
+            "record_layout": self.layout.to_json(),
+            "layout_id": self.layout.layout_id,
+            "full_every": self.configured["full_every"],
+            "batch_size": self.configured["batch_size"],
+            "keep_full": keep_full,
+            "torch": torch.__version__,
+            "updated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "run_id": self.run_id,
+            **model_config_entry(self.model),  # what an "hf" export rebuilds the model from
+        }
+
+    def write_manifest(self, keep_full: int | None) -> None:
+        assert self.root is not None
+        layout.write_manifest(self.root, self.manifest_body(keep_full))
+
+    def check_manifest(self, manifest: dict[str, Any]) -> None:
+        """Refuse a directory written by another strategy, compressor, model, optimizer,
+        record layout or scheduler."""
+        assert self.layout is not None
+        if manifest.get("strategy") != self.name:
+            raise CheckpointMismatchError(
+                f"{self.root} was written by strategy {manifest.get('strategy')!r}, this Checkpointer uses {self.name!r}"
+            )
+        if manifest.get("compressor") != self.compressor.spec():
+            raise CheckpointMismatchError(
+                f"{self.root} was written with compressor {manifest.get('compressor')}, this Checkpointer uses "
+                f"{self.compressor.spec()}; resume with the same compressor settings"
+            )
+        if self.dist is None:
+            check_compatible(manifest, self.model, self.optimizer)
+        if manifest.get("layout_id") != self.layout.layout_id:
+            raise CheckpointMismatchError(
+                f"{self.root}: the record layout differs (model buffers or CUDA devices changed since the "
+                "checkpoint was written)"
+            )
+        want = None if self.scheduler is None else class_path(self.scheduler)
+        if manifest.get("scheduler") != want:
+            raise CheckpointMismatchError(
+                f"{self.root} was written with scheduler {manifest.get('scheduler')}, got {want}"
+            )
+
+    # ------------------------------------------------------------------ recovered state
+    def adopt_recovered(self, stats: RecoveryStats, where: Path | str, durable: bool = True) -> None:
+        """The recovered state is loaded: take its step, durability and extra state."""
+        self.recovery_stats = stats
+        st.apply_extra(self.extra, stats.extra, f"{where} step {stats.step}")
+        self.step = stats.step
+        self.durable = stats.step if durable else -1
+        self.last_full = stats.full_step
+        self.compressor.reset_state()  # error-feedback residuals restart at zero
+
+    def durable_step(self) -> int:
+        """This rank's durable step, or under DDP the job's (every shard has it)."""
+        return self.durable if self.job is None else min(self.durable, self.job.value)

@@ -1,0 +1,274 @@
+"""Strategy ``"lowdiff+"``: training without compression, a CPU replica that survives a crash.
+
+The gradients are snapshotted layer by layer during backward into shared host slots
+(:mod:`lowdiff.engine.snapshot`) and merged by the checkpointing process into a CPU
+replica of the model and optimizer (:mod:`lowdiff.engine.replica_worker`), persisted in
+the background. After a trainer crash the next trainer restarts from the replica in
+memory. The slots are the lag buffers: ``max_lag`` of them, so the replica trails the
+trainer by at most ``max_lag`` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from lowdiff.compressors.base import Compressor, NoCompression
+from lowdiff.ddp.context import DistContext
+from lowdiff.ddp.hooks import PlusHookState, plus_hook
+from lowdiff.engine.core import class_path
+from lowdiff.engine.messages import Full, Init, Step
+from lowdiff.engine.options import EngineOptions
+from lowdiff.engine.replica_optim import optimizer_class
+from lowdiff.engine.replica_worker import ReplicaConfig, replica_worker_main
+from lowdiff.engine.resume import CheckpointingStrategy
+from lowdiff.engine.snapshot import GradSnapshotter
+from lowdiff.errors import LowDiffError
+from lowdiff.format import layout
+from lowdiff.proc import holder as rp
+from lowdiff.recovery.job import apply_sharded_state
+from lowdiff.recovery.replay import RecoveryStats, apply_full_state
+from lowdiff.strategy import AUTO, StepGrads
+
+
+class LowDiffPlusStrategy(CheckpointingStrategy):
+    """Strategy ``"lowdiff+"`` (see the module docstring). Built by
+    :class:`lowdiff.Checkpointer`, whose arguments these are."""
+
+    name = "lowdiff+"
+    keeps_replica: ClassVar[bool] = True
+    initial_message: ClassVar[type[Full]] = Init
+    reseeds_on_resume: ClassVar[bool] = True
+    records_hparams = True
+
+    snapshotter: GradSnapshotter | None = None
+    """The layer-wise gradient snapshotter of the running process, or None."""
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer_class(class_path(optimizer))
+
+    def _records_compressor(self, opts: EngineOptions, dist: DistContext | None) -> Compressor:
+        return NoCompression()
+
+    def _install_ddp_hook(self) -> None:
+        core = self.core
+        if core.dist is None:
+            return
+        owned = {id(p): k for k, (_, p) in enumerate(core.shard_params())}
+        hook_state = PlusHookState(core.dist, owned, self._on_reduced_grad)
+        try:
+            core.model.register_comm_hook(hook_state, plus_hook)  # type: ignore[operator]
+        except RuntimeError as e:
+            raise LowDiffError(f"cannot install lowdiff's DDP communication hook: {e}") from None
+
+    def _on_reduced_grad(self, k: int, grad: torch.Tensor) -> None:
+        snap = self.snapshotter
+        if snap is not None:
+            snap.on_reduced_grad(k, grad)
+
+    # ------------------------------------------------------------------ the process
+    def _process(self) -> tuple[Callable[..., None], Any, int]:
+        core, opts = self.core, self.options
+        assert core.root is not None and core.layout is not None
+        persist_every = opts.persist_every
+        if core.dist is not None and persist_every == AUTO:
+            # every rank's replica must persist the same steps, so that every shard has them
+            persist_every = core.full_every
+        cfg = ReplicaConfig(
+            str(core.root),
+            core.run_id,
+            core.layout.to_json(),
+            class_path(core.optimizer),
+            persist_every,
+            opts.keep_full,
+            opts.idle_timeout,
+            opts.replica_threads,
+            None if core.dist is None else list(core.shard),
+        )
+        return replica_worker_main, cfg, opts.max_lag
+
+    def _started_process(self) -> None:
+        session = self.session
+        assert session is not None and session.slots is not None
+        if self.snapshotter is not None:
+            self.snapshotter.close()
+        self.snapshotter = GradSnapshotter(
+            self.core.shard_params(),
+            session.slots.rows(),
+            session.slots.views,
+            self._acquire_slot,
+            autograd_hooks=self.core.dist is None,
+        )
+
+    def _acquire_slot(self) -> int:
+        """A free snapshot slot; waits while the replica lags ``max_lag`` steps behind."""
+        assert self.session is not None
+        t0 = time.perf_counter()
+        slot = self.session.take_slot(f"the replica to catch up (max_lag={self.options.max_lag})")
+        self.core.stats["lag_wait_s"] += time.perf_counter() - t0
+        return slot
+
+    # ------------------------------------------------------------------ the step pipeline
+    def take_gradients(self, t: int) -> StepGrads:
+        """Finish the layer-wise snapshot of step ``t`` (gradients changed after their
+        hook, e.g. by clipping, are copied again)."""
+        snap, session = self.snapshotter, self.session
+        assert snap is not None and session is not None and session.slots is not None
+        out = StepGrads()
+        t0 = time.perf_counter()
+        try:
+            out.slot, out.nograd = snap.finish()
+        except BaseException:
+            if snap.abandon() is not None:
+                session.slots.give_back()
+            raise
+        self.core.stats["snapshot_finish_s"] += time.perf_counter() - t0
+        return out
+
+    def _emit(self, t: int, grads: StepGrads, hp: str) -> None:
+        """Hand the snapshot slot of step ``t`` to the replica."""
+        session = self.session
+        assert session is not None and session.slots is not None
+        slots = session.slots
+        if self.stager.buffer is not None and self.stager.released(session):
+            # the replica took the initial state: the staging copy is no longer needed
+            self.stager.buffer = None
+        t0 = time.perf_counter()
+        rng_extra, extra = slots.fill_state(grads.slot)
+        slot, nograd = grads.slot, grads.nograd
+        self.handover.handover(
+            lambda: session.send(Step(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra))),
+            extra,
+        )
+        self.core.stats["record_send_s"] += time.perf_counter() - t0
+        self.refresh_job_durable()
+
+    # ------------------------------------------------------------------ resume from memory
+    def _find_replica(self) -> tuple[Any, str]:
+        core = self.core
+        assert core.root is not None and core.layout is not None
+        return rp.find_live_replica(
+            core.root, core.layout.layout_id, wait_s=self.options.start_timeout
+        )
+
+    def _resume_from_memory(self) -> bool:
+        """Restore from a live replica left by a crashed trainer; False when there is none."""
+        core = self.core
+        t0 = time.perf_counter()
+        live, why = self._find_replica()
+        if live is None:
+            core.memory_miss_reason = why
+            return False
+        try:
+            assert core.root is not None
+            core.check_manifest(layout.read_manifest(core.root))
+            stats = RecoveryStats(full_step=live.step, step=live.step, source="memory")
+            stats.read_s = time.perf_counter() - t0
+            apply_full_state(
+                live.tensors(), live.doc["meta"], core.model, core.optimizer, core.scheduler,
+                stats, where="replica in memory",
+            )  # fmt: skip
+            stats.total_s = time.perf_counter() - t0
+        finally:
+            # the old checkpointing process persists what it has not yet and exits
+            live.release_owner(self.options.start_timeout)
+        self._start_after_memory_recovery(stats)
+        return True
+
+    def resume_ddp_from_memory(self) -> bool:
+        """Rebuild the whole state from every rank's replica shard: possible only when
+        every rank finds a live replica of its shard at the same step; otherwise the
+        replicas found persist what they hold and exit, and recovery reads the disk."""
+        core = self.core
+        ctx = core.dist
+        assert ctx is not None and core.root is not None
+        # a replica left by a crashed trainer still holds the writer lock: look first
+        shard_ok = (core.root / layout.MANIFEST).exists()
+        if not ctx.all_min([int(shard_ok)])[0]:
+            return False
+        core.check_manifest(layout.read_manifest(core.root))
+        t0 = time.perf_counter()
+        live, why = self._find_replica()
+        local = live.step if live is not None else -1
+        lo, hi = ctx.all_min([local])[0], ctx.all_max([local])[0]
+        if lo < 0 or lo != hi:
+            core.memory_miss_reason = why if live is None else f"replica steps differ ({lo}..{hi})"
+            if live is not None:
+                live.release_owner(self.options.start_timeout)
+            return False
+        assert live is not None
+        try:
+            parts = ctx.exchange(live.tensors(), dict(live.doc["meta"]))
+            stats = RecoveryStats(full_step=lo, step=lo, source="memory")
+            stats.read_s = time.perf_counter() - t0
+            apply_sharded_state(
+                parts, ctx.rank, core.model, core.optimizer, core.scheduler, stats,
+                where="replicas in memory",
+            )  # fmt: skip
+            stats.total_s = time.perf_counter() - t0
+        finally:
+            live.release_owner(self.options.start_timeout)
+        self._start_after_memory_recovery(stats, barrier=ctx.barrier)
+        return True
+
+    def release_stale_holders(self, dirs: list[Path]) -> None:
+        ctx = self.core.dist
+        assert ctx is not None
+        for i, d in enumerate(dirs):
+            if i % ctx.world_size == ctx.rank and d.is_dir():
+                # a replica left by a crashed trainer of another world size: it persists
+                # what it holds and exits (its memory is of no use to this world size)
+                with contextlib.suppress(Exception):
+                    old_id = str(layout.read_manifest(d).get("layout_id"))
+                    wait = self.options.start_timeout
+                    live, _ = rp.find_live_replica(d, old_id, wait_s=wait)
+                    if live is not None:
+                        live.release_owner(wait)
+
+    def _start_after_memory_recovery(
+        self, stats: RecoveryStats, barrier: Callable[[], None] | None = None
+    ) -> None:
+        """Take over from the released replica: a new checkpointing process, seeded with the state."""
+        core = self.core
+        core.adopt_recovered(stats, str(core.root), durable=False)
+        self.wait_for_previous_writer()  # the old process persists what it holds, then exits
+        core.remove_stale_temps()
+        if barrier is not None:
+            barrier()  # every rank's old process is gone before any rank starts anew
+        core.write_manifest(self.options.keep_full)
+        self.launch()
+        core.started = True
+        self.emit_full(core.step, Init)
+
+    # ------------------------------------------------------------------ attach and the end
+    def attach_to_optimizer(self) -> None:
+        if self.options.max_lag < 2:
+            raise ValueError(
+                "attach() with strategy 'lowdiff+' needs max_lag >= 2 (a step is handed over "
+                "when the next one begins, so two snapshot slots are in use at once)"
+            )
+        super().attach_to_optimizer()
+
+    def _release(self) -> None:
+        if self.snapshotter is not None:
+            with contextlib.suppress(Exception):
+                self.snapshotter.close()
+            self.snapshotter = None
+        super()._release()
+
+    def _close_at_exit(self) -> None:
+        core = self.core
+        if core.dist is not None and not core.closed:
+            # A rank exiting without close() under DDP is a failed job that its launcher
+            # will restart: leave the replica running (it persists its state and waits
+            # idle_timeout for a restarted trainer) instead of shutting it down.
+            core.closed = True
+            with contextlib.suppress(Exception):
+                self._release()
+            return
+        super()._close_at_exit()

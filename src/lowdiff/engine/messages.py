@@ -1,0 +1,105 @@
+"""The messages between a trainer and lowdiff's own checkpointing processes.
+
+LowDiff's writer (:mod:`lowdiff.engine.worker`) takes :class:`Record`, :class:`Stage`,
+:class:`Full`, :class:`BatchSize`, ``Flush`` and ``Close``; LowDiff+'s replica
+(:mod:`lowdiff.engine.replica_worker`) takes :class:`Step`, :class:`Stage`, :class:`Init`,
+``Flush`` and ``Close``. Both answer with the shared replies of
+:mod:`lowdiff.proc.protocol` and :class:`Durable`, :class:`FullDone`, :class:`Merged`.
+Most progress (slots consumed, records written, the durable step) goes through the
+shared counters of :mod:`lowdiff.proc.channel` instead, with no message at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lowdiff.proc.protocol import Kind, Message
+
+
+@dataclass(frozen=True)
+class Record(Message):
+    """LowDiff: the record of step ``step`` is complete in slot ``slot``."""
+
+    kind: ClassVar[Kind] = Kind.RECORD
+    slot: int
+    step: int
+    meta: str
+    """The record's JSON document (hyperparameters, RNG, scheduler, extra state)."""
+
+
+@dataclass(frozen=True)
+class Step(Message):
+    """LowDiff+: the gradient snapshot of step ``step`` is complete in slot ``slot``."""
+
+    kind: ClassVar[Kind] = Kind.STEP
+    slot: int
+    step: int
+    meta: str
+
+
+@dataclass(frozen=True)
+class Stage(Message):
+    """The shared staging buffer that full checkpoints are copied into (sent when it is
+    first made or grown)."""
+
+    kind: ClassVar[Kind] = Kind.STAGE
+    buffer: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Full(Message):
+    """LowDiff: write the full checkpoint of ``step`` from the staging buffer."""
+
+    kind: ClassVar[Kind] = Kind.FULL
+    step: int
+    entries: list[Any]
+    """``[name, dtype, shape, start, end]`` of each tensor in the staging buffer."""
+    meta: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Init(Full):
+    """LowDiff+: (re)build the replica from the state in the staging buffer."""
+
+    kind: ClassVar[Kind] = Kind.INIT
+
+
+@dataclass(frozen=True)
+class BatchSize(Message):
+    """LowDiff: write the partial batch, then batch ``b`` records per file."""
+
+    kind: ClassVar[Kind] = Kind.BATCH_SIZE
+    b: int
+
+
+@dataclass(frozen=True)
+class Durable(Message):
+    """A full checkpoint of ``step`` is on disk (the durable point of LowDiff+, and of
+    LowDiff before its first record file)."""
+
+    kind: ClassVar[Kind] = Kind.DURABLE
+    step: int
+
+
+@dataclass(frozen=True)
+class FullDone(Message):
+    """A full checkpoint was written: its size, the seconds it took, files retired."""
+
+    kind: ClassVar[Kind] = Kind.FULL_DONE
+    step: int
+    nbytes: int
+    seconds: float
+    removed: int
+
+
+@dataclass(frozen=True)
+class Merged(Message):
+    """LowDiff+: the replica is at ``step``; ``seconds`` of CPU time the merge took
+    (None for the initial state)."""
+
+    kind: ClassVar[Kind] = Kind.MERGED
+    step: int
+    seconds: float | None = None

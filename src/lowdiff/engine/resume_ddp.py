@@ -1,0 +1,83 @@
+"""Resuming under DDP: every rank ends at one agreed step (see :mod:`lowdiff.recovery.job`).
+
+When the newest generation of the job has this world size and serves a step, the job
+continues in it. Otherwise it reshards: the state is rebuilt from the newest generation
+that serves a step, and a new generation begins in ``DIR/gen-G/`` with a full checkpoint
+at the resumed step; the old generation's files are left as they are. LowDiff+ first
+tries to rebuild the state from every rank's replica in memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lowdiff.ddp.context import rank_dir
+from lowdiff.errors import CheckpointMismatchError
+from lowdiff.format import layout
+from lowdiff.proc.locks import wait_for_writer
+from lowdiff.recovery.job import generation_dir, generations, job_manifest, recover_generations
+from lowdiff.recovery.scan import is_empty_dir
+
+if TYPE_CHECKING:
+    from lowdiff.engine.resume import CheckpointingStrategy
+
+
+def resume_ddp(s: CheckpointingStrategy) -> int:
+    """Resume ``s`` on this rank, at the step every rank agrees on; the step."""
+    core = s.core
+    ctx, job = core.dist, core.job_root
+    assert ctx is not None and job is not None and core.root is not None
+    gens = generations(job)
+    newest = gens[-1] if gens else None
+    if newest is not None and newest.strategy != core.name:
+        raise CheckpointMismatchError(
+            f"{newest.root} was written with strategy {newest.strategy!r}; this job runs "
+            f"{core.name!r}"
+        )
+    in_place = (
+        newest is not None
+        and not newest.single
+        and newest.world_size == ctx.world_size
+        and core.root.parent == newest.root
+    )
+    if in_place and s.resume_ddp_from_memory():
+        return core.step
+    s.wait_for_previous_writer()
+    others = sorted({d for g in gens for d in g.shard_dirs()} - {core.root})
+    s.release_stale_holders(others)
+    for d in others:
+        if d.is_dir():
+            wait_for_writer(d, s.options.start_timeout)
+    core.remove_stale_temps()
+    ctx.barrier()  # every rank's previous checkpointing process has finished
+    held = [d for g in gens for d in g.shard_dirs() if not is_empty_dir(d)]
+    if ctx.all_max([int(bool(held) or not is_empty_dir(core.root))])[0] == 0:
+        # nothing was ever durable: a fresh job, generation 0, at this world size
+        core.switch_root(rank_dir(job, ctx.rank))
+        if ctx.rank == 0:
+            layout.write_manifest(job, job_manifest(ctx.world_size, core.name))
+        ctx.barrier()
+        s.start_fresh()
+        return 0
+    if newest is None:
+        raise CheckpointMismatchError(f"{job} holds shard directories but no job manifest")
+    if in_place and (core.root / layout.MANIFEST).exists():
+        core.check_manifest(layout.read_manifest(core.root))
+    g, stats = recover_generations(job, ctx, core.model, core.optimizer, core.scheduler)
+    core.adopt_recovered(stats, g.root)
+    ctx.barrier()  # every rank has read every shard before any file moves
+    if in_place and g.index == newest.index:
+        return s.continue_recovered(barrier=ctx.barrier)
+    # reshard into a new generation; the old ones stay as they are (another directory
+    # than the one locked at construction when the newest generation had this world
+    # size but serves no step)
+    gen = newest.index + 1
+    core.switch_root(rank_dir(generation_dir(job, gen), ctx.rank))
+    if ctx.rank == 0:
+        layout.write_manifest(
+            generation_dir(job, gen),
+            job_manifest(ctx.world_size, core.name, generation=gen, start_step=core.step),
+        )
+    ctx.barrier()  # the generation exists before any rank writes in it
+    s.start_fresh()
+    return core.step

@@ -1,0 +1,174 @@
+"""The trainer's side of one checkpointing process: its link, counters and slots.
+
+A :class:`ProcessSession` starts LowDiff's writer or LowDiff+'s replica over the one
+process link of :mod:`lowdiff.proc.link`, makes the shared record slots and progress
+counters, and turns what the process reports (messages and counters) into the session's
+durable step and ``ck.stats``. Every wait goes through :meth:`ProcessSession.wait`,
+which raises what the process reported, or that it is gone, or that it stalled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lowdiff.engine.core import EngineCore
+from lowdiff.engine.messages import Durable, FullDone, Merged
+from lowdiff.engine.slots import RecordSlots
+from lowdiff.proc import channel
+from lowdiff.proc.link import ProcessLink
+from lowdiff.proc.protocol import Closed, Flushed, Kind, Message
+
+WHAT = "the checkpointing process"
+
+
+class ProcessSession:
+    """One checkpointing process of a session (a new one after a storage error).
+
+    Args:
+        core: the session's training objects and counters.
+        start_timeout, stall_timeout: see :class:`lowdiff.Checkpointer`.
+        check: raises what the process reported (the storage-error policy wraps the
+            link's own check); called on every wake-up of every wait.
+        tuner: the ``"auto"`` planner fed with the process's costs, or None.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        start_timeout: float,
+        stall_timeout: float,
+        tuner: Any = None,
+    ) -> None:
+        self.core = core
+        self.tuner = tuner
+        self.link = ProcessLink(
+            WHAT,
+            stall_timeout=stall_timeout,
+            start_timeout=start_timeout,
+            on_message=self._on_message,
+        )
+        self.check: Callable[[], None] = self.check_link
+        """Raises what the process reported; the storage-error policy may replace it."""
+        self.slots: RecordSlots | None = None
+        self.counters: Any = None
+        self._records_seen = (0, 0, 0, 0)
+
+    # ------------------------------------------------------------------ start
+    def launch(self, target: Callable[..., None], cfg: Any, n_slots: int) -> None:
+        """Make ``n_slots`` record slots and fresh counters, start ``target`` and wait
+        until it is ready."""
+        if self.slots is not None:
+            self.slots.release()
+        self.slots = RecordSlots(self.core, n_slots)
+        ctr = channel.new_counters()
+        self.counters = channel.view(ctr)
+        self._records_seen = (0, 0, 0, 0)
+        self.link.start(
+            target, (cfg, self.slots.tensor, ctr), name="lowdiff-checkpointing", counters=ctr
+        )
+
+    @property
+    def started(self) -> bool:
+        return self.link.started
+
+    @property
+    def process(self) -> Any:
+        """The checkpointing process (``multiprocessing.Process``), or None."""
+        return self.link.proc
+
+    # ------------------------------------------------------------------ progress
+    def poll(self) -> None:
+        """Read what the process sent and its counters (one system call when idle)."""
+        if self.link.results is None:
+            return
+        self.link.poll()
+        self._read_counters()
+
+    def check_link(self) -> None:
+        """Read what the process reported; raise its error, or that it is gone."""
+        if self.counters is not None:
+            self._read_counters()
+        self.link.check()
+
+    def _on_message(self, msg: Message) -> None:
+        core, stats = self.core, self.core.stats
+        match msg:
+            case Durable(step=step) | Flushed(durable=step) | Closed(durable=step):
+                core.durable = max(core.durable, int(step))
+            case Merged(seconds=seconds):
+                if seconds is not None:  # a step merged into the replica, and its CPU time
+                    stats["replica_merges"] += 1
+                    stats["replica_merge_s"] += seconds
+            case FullDone(nbytes=nbytes, seconds=seconds):
+                stats["fulls_written"] += 1
+                stats["full_bytes"] += nbytes
+                stats["full_write_s"] += seconds
+                if self.tuner is not None:
+                    self.tuner.observe_full(nbytes, seconds)
+
+    def _read_counters(self) -> None:
+        """What the process reports through the shared counters: the durable step, and
+        the record files written since the last read."""
+        c, core = self.counters, self.core
+        durable = int(c[channel.DURABLE]) - 1
+        if durable > core.durable:
+            core.durable = durable
+        files = int(c[channel.RECORD_FILES])
+        seen = self._records_seen
+        if files == seen[0]:
+            return
+        now = (files, int(c[channel.RECORDS]), int(c[channel.RECORD_BYTES]),
+               int(c[channel.RECORD_WRITE_NS]))  # fmt: skip
+        n_files, n_records, n_bytes, ns = (a - b for a, b in zip(now, seen, strict=True))
+        self._records_seen = now
+        stats = core.stats
+        stats["record_files_written"] += n_files
+        stats["records_written"] += n_records
+        stats["record_bytes"] += n_bytes
+        stats["record_write_s"] += ns / 1e9
+        if self.tuner is not None:
+            for _ in range(n_files):  # the files since the last read, as their average
+                self.tuner.observe_record_file(
+                    n_records / n_files, n_bytes / n_files, ns / 1e9 / n_files
+                )
+
+    # ------------------------------------------------------------------ requests and waits
+    def send(self, msg: Message) -> None:
+        self.link.send(msg)
+
+    def wait(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        """Wait until ``ready()`` while the process lives and makes progress."""
+        self.link.wait(ready, what, timeout, check=self.check)
+
+    def request(self, msg: Message, reply: Kind) -> None:
+        """Send ``msg`` and wait for its ``reply``."""
+        seen = self.link.replies[reply]
+        self.send(msg)
+        self.wait(lambda: self.link.replies[reply] > seen, repr(reply.value))
+
+    def take_slot(self, what: str) -> int:
+        """A free record slot (waiting while the process holds them all)."""
+        assert self.slots is not None
+        return self.slots.take(self.wait, self.counters, what)
+
+    def counter(self, index: int) -> int:
+        return int(self.counters[index])
+
+    # ------------------------------------------------------------------ the end
+    def join(self) -> None:
+        """Wait for the process to exit as long as it makes progress."""
+        self.link.join()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Wait for a process that reported an error to exit; drop its pipes."""
+        self.link.error = None
+        self.link.stop(timeout)
+
+    def release(self) -> None:
+        """Drop the pipes (a process still running flushes what it has and exits) and
+        unpin the slots."""
+        if self.slots is not None:
+            self.slots.release()
+        self.link.close_pipes()

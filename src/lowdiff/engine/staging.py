@@ -1,0 +1,148 @@
+"""Full checkpoints: the state copied into a shared staging buffer and handed over.
+
+The copy is the only part on the training process; the checkpointing process writes
+the buffer (LowDiff) or builds its replica from it (LowDiff+). One staging buffer is
+reused: a new full checkpoint waits until the process has released the previous one
+(``STAGING_DONE``, see :mod:`lowdiff.proc.channel`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lowdiff.ddp.shard import shard_model_tensors
+from lowdiff.engine.core import EngineCore, dumps
+from lowdiff.engine.handover import Handover
+from lowdiff.engine.messages import Full, Stage
+from lowdiff.engine.session import ProcessSession
+from lowdiff.format import codec
+from lowdiff.format.dtypes import dtype_name
+from lowdiff.format.sfile import plan, view_tensors
+from lowdiff.proc import channel
+from lowdiff.proc import holder as rp
+from lowdiff.state import capture as st
+
+
+class FullStager:
+    """Stages full checkpoints of one session into a shared buffer.
+
+    Args:
+        core: the session's training objects and counters.
+        handover: sends now or, driven by the optimizer's hooks, once the scheduler stepped.
+        observe_copy: told the seconds each copy took (the ``"auto"`` planner), or None.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        handover: Handover,
+        observe_copy: Callable[[float], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.handover = handover
+        self.observe_copy = observe_copy
+        self.buffer: torch.Tensor | None = None
+        self._plan: tuple[Any, list[Any], int] | None = None
+        """A full checkpoint's layout: (the tensors' names, dtypes and shapes, entries, size)."""
+        self._dsts: tuple[Any, Any, list[torch.Tensor]] | None = None
+        """The staging buffer and layout the views were made for, and the views."""
+        self.staged = 0
+        """Stagings handed over (compared with the process's STAGING_DONE count)."""
+
+    def reset(self) -> None:
+        """A new checkpointing process: it needs the staging buffer sent again."""
+        self.buffer = None
+        self.staged = 0
+
+    def released(self, session: ProcessSession) -> bool:
+        """Whether the process has released every staging handed to it."""
+        return session.counter(channel.STAGING_DONE) >= self.staged
+
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The state's tensors (model, optimizer, RNG) and the metadata taken with them."""
+        core = self.core
+        assert core.rng_layout is not None and core.layout is not None
+        msd, aliases = st.model_state(core.model)
+        if core.dist is not None:
+            msd = shard_model_tensors(msd, core.foreign)
+        otensors, ojson = core.optimizer_state()
+        rng_t, rng_extra = st.capture_rng(core.rng_layout)
+        tensors: dict[str, torch.Tensor] = {f"model/{k}": v for k, v in msd.items()}
+        tensors.update(otensors)
+        tensors.update(rng_t)
+        meta = {
+            "kind": "full",
+            "run_id": core.run_id,
+            "layout_id": core.layout.layout_id,
+            "model_aliases": codec.dumps(aliases),
+            "optim": ojson,
+            "rng": codec.dumps(rng_extra),
+        }
+        if core.dist is not None:
+            meta["shard"] = codec.dumps(core.shard)
+        return tensors, meta
+
+    def _copy_in(self, session: ProcessSession, tensors: dict[str, torch.Tensor]) -> list[Any]:
+        """Wait for the buffer, (re)make it if too small, copy ``tensors`` in; the entries."""
+        sig = tuple((k, v.dtype, v.shape) for k, v in tensors.items())
+        if self._plan is None or self._plan[0] != sig:
+            # the layout changes only when the state's tensors do (optimizer state appears
+            # after the first update; a parameter group is added)
+            self._plan = (sig, *plan(sig))
+        _, entries, size = self._plan
+        if self.buffer is None or self.buffer.numel() < size:
+            # grow with slack: optimizer state appears after the first step
+            rp.ensure_shm_space(size + size // 8, "staging a full checkpoint")
+            self.buffer = torch.empty(max(size, 1) + size // 8, dtype=torch.uint8).share_memory_()
+            session.send(Stage(self.buffer))
+        dsts = self._dsts
+        if dsts is None or dsts[0] is not self.buffer or dsts[1] is not entries:
+            views = view_tensors(entries, self.buffer[:size])
+            dsts = self._dsts = (self.buffer, entries, [views[k] for k, _, _ in sig])
+        with torch.no_grad():
+            torch._foreach_copy_(dsts[2], list(tensors.values()))
+        return entries
+
+    def emit(self, session: ProcessSession, step: int, message: type[Full] = Full) -> None:
+        """Stage the state at ``step`` and hand it over as ``message`` (``Full`` for
+        LowDiff's writer, ``Init`` for LowDiff+'s replica)."""
+        core, handover = self.core, self.handover
+        handover.finish()  # a deferred full checkpoint still holds the staging buffer
+        tensors, meta = self._state()
+        meta["step"] = str(step)
+        t0 = time.perf_counter()
+        session.wait(
+            lambda: self.released(session),
+            "the previous full checkpoint to release the staging buffer",
+        )
+        t1 = time.perf_counter()
+        entries = self._copy_in(session, tensors)
+        t2 = time.perf_counter()
+        extra = st.capture_extra(core.extra)
+        entries_json = [
+            [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries
+        ]
+        self.staged += 1
+
+        def send() -> None:
+            if handover.deferred:
+                # the hyperparameters the scheduler set since the copy (the state tensors
+                # are unchanged: no update ran in between)
+                meta["optim"] = core.optimizer_state()[1]
+            meta["scheduler"] = st.scheduler_state_json(core.scheduler)
+            if extra is not None:
+                meta["extra"] = dumps(extra)
+            session.send(message(step, entries_json, meta))
+
+        handover.handover(send, extra)
+        stats = core.stats
+        stats["fulls_requested"] += 1
+        stats["full_wait_s"] += t1 - t0
+        stats["full_copy_s"] += t2 - t1
+        core.last_full = step
+        if self.observe_copy is not None:
+            self.observe_copy(t2 - t1)

@@ -1,0 +1,1 @@
+"""Background processes: spawning, the trainer-to-process link and its typed protocol."""

@@ -1,0 +1,404 @@
+"""One link between a trainer and a background process, written once for every process.
+
+The trainer's end is :class:`ProcessLink`: it starts the process (see
+:mod:`lowdiff.proc.spawn`), waits for its :class:`~lowdiff.proc.protocol.Ready`, sends
+requests, reads replies, and watches the process while it waits: a dead process is an
+error at once, a live one is waited for while it makes progress (its ``BEAT`` counter,
+see :mod:`lowdiff.proc.channel`), and only ``stall_timeout`` seconds without progress end
+a wait. An error the process reports (:class:`~lowdiff.proc.protocol.Failed`) is raised
+again in the trainer as :class:`lowdiff.CheckpointWorkerError`, with the child's traceback.
+
+The process's end is :class:`ChildEnd`: it reports ready or failed, serves requests
+until the trainer closes it or dies, and drains what a dead trainer left in the pipe.
+
+Used by LowDiff's writer, LowDiff+'s replica and the baselines' processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from lowdiff.errors import CheckpointWorkerError, DurabilityWarning
+from lowdiff.format.atomic import PARENT_ENV
+from lowdiff.proc import channel
+from lowdiff.proc.protocol import Failed, Kind, Message, Ready
+from lowdiff.proc.spawn import exit_message, process_context, run_in_env
+
+
+class ProcessLink:
+    """The trainer's end of one background process.
+
+    Args:
+        what: how messages name the process (``"the checkpointing process"``).
+        stall_timeout: seconds a wait may see no progress of a live process.
+        start_timeout: seconds to wait for the process to report ready.
+        on_message: called with every message the process sends (but ``Failed``, which
+            the link keeps and raises, and ``Ready``).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        stall_timeout: float,
+        start_timeout: float,
+        on_message: Callable[[Message], None] | None = None,
+    ) -> None:
+        self.what = what
+        self.stall_timeout = stall_timeout
+        self.start_timeout = start_timeout
+        self.on_message = on_message
+        self.proc: Any = None
+        self.requests: Connection | None = None
+        self.results: Connection | None = None
+        self.counters: Any = None
+        """The trainer's view of the shared counters (:func:`lowdiff.proc.channel.view`)."""
+        self.error: CheckpointWorkerError | None = None
+        self.replies: Counter[Kind] = Counter()
+        self.info: dict[str, Any] | None = None
+        """What the process reported with ``Ready``."""
+        self._poller: Any = None
+        self._sentinel = -1
+        self._maybe_gone = True
+
+    # ------------------------------------------------------------------ start
+    def start(
+        self,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        *,
+        name: str,
+        counters: Any = None,
+    ) -> None:
+        """Start ``target(*args, requests, results)`` in a new process; wait until ready.
+
+        ``counters`` is the shared counter tensor the process writes (its ``BEAT`` tells a
+        slow process from a stuck one); without it, waits watch liveness and messages only.
+        """
+        self.launch(target, args, name=name, counters=counters)
+        self.wait_for(Kind.READY, timeout=self.start_timeout)
+
+    def launch(
+        self,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        *,
+        name: str,
+        counters: Any = None,
+    ) -> None:
+        """:meth:`start` without the wait: the process starts up (imports torch, takes its
+        locks) while the trainer goes on, and :attr:`ready` tells when it is done; a
+        caller that needs it waits with ``wait(lambda: link.ready, ...)``."""
+        ctx = process_context()
+        req_r, req_w = ctx.Pipe(duplex=False)
+        res_r, res_w = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=run_in_env,
+            args=(
+                dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
+                target,
+                *args,
+                req_r,
+                res_w,
+            ),
+            name=name,
+            daemon=False,
+        )
+        try:
+            proc.start()
+        except BaseException:
+            # e.g. spawn refusing a script without a __main__ guard: nothing runs, so
+            # nothing may be waited for or talked to
+            for c in (req_r, req_w, res_r, res_w):
+                c.close()
+            raise
+        req_r.close()
+        res_w.close()
+        self.adopt(proc, req_w, res_r, counters)
+
+    def adopt(self, proc: Any, requests: Connection, results: Connection, counters: Any = None) -> None:
+        """Take over a started process's pipes (``requests`` may be ``results``: duplex)."""
+        self.proc, self.requests, self.results = proc, requests, results
+        self.counters = None if counters is None else channel.view(counters)
+        self.error = None
+        self.replies = Counter()
+        self._poller = select.poll()
+        self._poller.register(results.fileno(), select.POLLIN)
+        self._sentinel = proc.sentinel
+        self._poller.register(self._sentinel, select.POLLIN)
+        self._maybe_gone = False
+
+    def attach(self, pid: int, conn: Connection, info: dict[str, Any] | None = None) -> None:
+        """Take over a duplex connection to a running process that this one did not start,
+        as a ready process (one that outlived the trainer that started it, reached through
+        its socket, which has already answered ``info`` about itself).
+
+        Its liveness is watched through a pidfd (:class:`RunningProcess`); its exit code is
+        never known.
+
+        Raises:
+            ProcessLookupError: the process is gone.
+        """
+        self.adopt(RunningProcess(pid), conn, conn)
+        self.replies[Kind.READY] += 1
+        self.info = info
+
+    @property
+    def started(self) -> bool:
+        return self.proc is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.replies[Kind.READY] > 0
+
+    # ------------------------------------------------------------------ messages
+    def send(self, msg: Message) -> None:
+        """Send a request; a closed pipe raises why the process is gone."""
+        assert self.requests is not None, f"{self.what} is not started"
+        try:
+            self.requests.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self.check(force=True)
+
+    def poll(self) -> None:
+        """Read every message waiting, without blocking (one ``poll(2)`` when none is)."""
+        res = self.results
+        if res is None or not self._io_ready():
+            return
+        try:
+            while res.poll():
+                self._handle(res.recv())
+        except (EOFError, OSError):
+            pass
+
+    def _io_ready(self) -> bool:
+        events = self._poller.poll(0)
+        if not events:
+            return False
+        if any(fd == self._sentinel for fd, _ in events):
+            self._maybe_gone = True
+        return True
+
+    def _handle(self, msg: Message) -> None:
+        self.replies[msg.kind] += 1
+        if isinstance(msg, Failed):
+            if self.error is None:
+                self.error = CheckpointWorkerError(
+                    f"{self.what} failed: {msg.name}: {msg.text}", msg.traceback, msg.storage
+                )
+        elif isinstance(msg, Ready):
+            self.info = msg.info
+        elif self.on_message is not None:
+            self.on_message(msg)
+
+    def check(self, force: bool = False) -> None:
+        """Raise what the process reported, or that it is gone (``force``: the pipe closed)."""
+        self.poll()
+        if self.error is not None:
+            raise self.error
+        proc = self.proc
+        if proc is not None and self._maybe_gone and not proc.is_alive():
+            self.poll()  # an error it sent just before exiting
+            if self.error is not None:
+                raise self.error
+            raise CheckpointWorkerError(exit_message(self.what, proc, ready=self.ready))
+        if force:
+            raise CheckpointWorkerError(f"{self.what} closed its connection")
+
+    # ------------------------------------------------------------------ waits
+    def wait(
+        self,
+        ready: Callable[[], bool],
+        what: str,
+        timeout: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Wait until ``ready()`` while the process lives and makes progress.
+
+        ``check`` (default :meth:`check`) runs on every wake-up and raises what the
+        process reported. With ``timeout``, the wait ends there, progress or not.
+        """
+        assert self.proc is not None, f"{self.what} is not started"
+        channel.wait_until(
+            ready,
+            proc=self.proc,
+            results=self.results,
+            progress=self.progress,
+            check=check or self.check,
+            stall_timeout=self.stall_timeout,
+            what=what,
+            deadline=None if timeout is None else time.monotonic() + timeout,
+            who=self.what,
+        )
+
+    def wait_for(
+        self,
+        kind: Kind,
+        timeout: float | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Wait for the next message of ``kind`` (a reply to the request just sent)."""
+        seen = self.replies[kind]
+        self.wait(lambda: self.replies[kind] > seen, repr(kind.value), timeout, check)
+
+    def progress(self) -> int:
+        """Grows whenever the process makes progress: its ``BEAT`` counter, or (for a
+        process that keeps no counters) the messages it sent."""
+        if self.counters is not None:
+            return int(self.counters[channel.BEAT])
+        return sum(self.replies.values())
+
+    # ------------------------------------------------------------------ the end
+    def join(self) -> bool:
+        """Wait for the process to exit (it was told to, or it failed and finishes what it
+        was writing) as long as it makes progress; False (and a warning) if it stalls."""
+        proc = self.proc
+        if proc is None:
+            return True
+        beat, since = self.progress(), time.monotonic()
+        while proc.is_alive():
+            proc.join(0.05)
+            self.poll()
+            b = self.progress()
+            if b != beat:
+                beat, since = b, time.monotonic()
+            elif time.monotonic() - since > self.stall_timeout:
+                warnings.warn(
+                    f"lowdiff: {self.what} (pid {proc.pid}) made no progress for "
+                    f"{self.stall_timeout:.0f} s after it was told to stop; leaving it running "
+                    "(the next session waits for it before touching the directory)",
+                    DurabilityWarning,
+                    stacklevel=3,
+                )
+                return False
+        return True
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` (default ``start_timeout``) for the process to exit, kill
+        it if it does not, and drop the pipes."""
+        proc = self.proc
+        if proc is not None:
+            proc.join(self.start_timeout if timeout is None else timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.close_pipes()
+        self.proc = None
+
+    def close_pipes(self) -> None:
+        """Drop the pipes; a process still running reads the end of its requests."""
+        for c in (self.requests, self.results):
+            if c is not None:
+                with contextlib.suppress(OSError):
+                    c.close()
+        self.requests = self.results = None
+
+
+class RunningProcess:
+    """A running process that this one did not start, watched the way a
+    ``multiprocessing.Process`` child is: :attr:`sentinel` (a pidfd) turns readable when
+    it exits. See :meth:`ProcessLink.attach`.
+
+    Raises:
+        ProcessLookupError: the process is gone already.
+    """
+
+    exitcode: int | None = None
+    """Never known: only a process's parent learns its exit status."""
+    sentinel: int = -1
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)
+
+    def is_alive(self) -> bool:
+        return not select.select([self.sentinel], [], [], 0)[0]
+
+    def join(self, timeout: float | None = None) -> None:
+        select.select([self.sentinel], [], [], timeout)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
+
+    def __del__(self) -> None:
+        if self.sentinel >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
+
+
+class ChildEnd:
+    """The background process's end of a :class:`ProcessLink`.
+
+    :meth:`send` may be called from any thread of the process (a writer thread reports
+    while the main thread serves requests); a trainer that is gone is not an error here.
+    """
+
+    def __init__(self, requests: Connection, results: Connection) -> None:
+        self.requests = requests
+        self.results = results
+        self.parent = os.getppid()
+        self._lock = threading.Lock()
+
+    def send(self, msg: Message) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            self.results.send(msg)
+
+    def ready(self, info: dict[str, Any] | None = None) -> None:
+        self.send(Ready(os.getpid(), info))
+
+    def failed(self, exc: BaseException) -> None:
+        """Report ``exc`` (call inside its ``except`` block)."""
+        self.send(Failed.of(exc))
+
+    def trainer_gone(self) -> bool:
+        """Whether the trainer died (this process was re-parented)."""
+        return os.getppid() != self.parent
+
+    def serve(self, handle: Callable[[Message], bool], poll_s: float = 0.5) -> bool:
+        """Handle requests until ``handle`` returns False (the trainer closed the link:
+        returns False) or the trainer is gone (returns True)."""
+        while True:
+            if not self.requests.poll(poll_s):
+                if self.trainer_gone():
+                    return True
+                continue
+            try:
+                msg = self.requests.recv()
+            except (EOFError, ConnectionError):
+                # the trainer closed its end, or died with replies unread (a socket
+                # then reports a reset instead of the end of the stream)
+                return True
+            if not handle(msg):
+                return False
+
+    def drain(self, handle: Callable[[Message], Any], kinds: Iterable[Kind]) -> None:
+        """After the trainer died: handle every request of ``kinds`` still in the pipe."""
+        want = set(kinds)
+        while True:
+            try:
+                if not self.requests.poll(0):
+                    return
+                raw = self.requests.recv_bytes()
+            except (EOFError, OSError):
+                return
+            try:
+                # apart from recv(): a message that cannot be rebuilt (a shared tensor whose
+                # owner is gone raises ConnectionRefusedError, an OSError) must not end the
+                # drain as if the pipe were closed; the requests behind it still count
+                msg = ForkingPickler.loads(raw)
+            except Exception:  # noqa: BLE001
+                continue
+            if getattr(msg, "kind", None) in want:
+                handle(msg)

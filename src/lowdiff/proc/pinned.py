@@ -1,0 +1,42 @@
+"""Page-locked shared host memory, so that device copies into it run asynchronously.
+
+Used for the record slots of LowDiff and LowDiff+ and for CheckFreq's snapshot buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+
+def pin(t: torch.Tensor) -> bool:
+    """Page-lock shared host memory so CUDA copies into it run asynchronously.
+
+    Returns whether the range was registered; a registered range must be given back with
+    :func:`unpin` before its memory is unmapped, or a later mapping at the same address
+    cannot be registered.
+    """
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    except Exception:
+        return False
+    if int(err) == 0:
+        return True
+    with contextlib.suppress(Exception):
+        cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it
+    warnings.warn(
+        "lowdiff: could not pin the snapshot buffers; copies will be synchronous",
+        stacklevel=3,
+    )
+    return False
+
+
+def unpin(t: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostUnregister(t.data_ptr())) != 0:
+            cudart.cudaGetLastError()

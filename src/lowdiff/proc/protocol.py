@@ -1,0 +1,142 @@
+"""The one protocol between a trainer and its background processes.
+
+Every message is a frozen dataclass whose class names its :class:`Kind`. A process's
+messages are defined next to the process (LowDiff's writer, LowDiff+'s replica, the
+baselines' processes); the messages every process shares are here:
+
+- :class:`Ready` (process -> trainer): started, holds its locks, takes requests.
+- :class:`Failed` (process -> trainer): an exception ended the process; the trainer
+  raises it again as :class:`lowdiff.CheckpointWorkerError` with the child's traceback.
+- :class:`Flush` / :class:`Flushed` and :class:`Close` / :class:`Closed`: make what was
+  handed over durable (and, for ``Close``, exit); the reply carries the durable step.
+
+Messages travel pickled through a ``multiprocessing`` pipe (shared-memory tensors by
+handle, as ``torch.multiprocessing`` sends them). A receiver dispatches on the message's
+class (``match msg: case Record(...)``) or on ``msg.kind``; an unknown message is an
+error, never ignored.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+STORAGE_ERRORS = frozenset(
+    c.__name__
+    for c in vars(builtins).values()
+    if isinstance(c, type) and issubclass(c, OSError) and not issubclass(c, ConnectionError)
+)
+"""Names of the errors that come from the storage (a full disk, an I/O error), as opposed
+to a bug or a lost process: OSError and its subclasses, except the ones a closed pipe
+between two processes raises."""
+
+
+class Kind(enum.Enum):
+    """Every kind of message, of every background process."""
+
+    # every process
+    READY = "ready"
+    FAILED = "failed"
+    FLUSH = "flush"
+    FLUSHED = "flushed"
+    CLOSE = "close"
+    CLOSED = "closed"
+    # LowDiff's checkpointing process (lowdiff.engine.writer)
+    RECORD = "record"
+    STAGE = "stage"
+    FULL = "full"
+    BATCH_SIZE = "batch_size"
+    DURABLE = "durable"
+    FULL_DONE = "full_done"
+    # LowDiff+'s replica (lowdiff.engine.replica_worker)
+    STEP = "step"
+    INIT = "init"
+    MERGED = "merged"
+    # CheckFreq's persist process
+    CF_STAGE = "cf_stage"
+    CF_PERSIST = "cf_persist"
+    CF_DONE = "cf_done"
+    # Naive DC's writer
+    NDC_SLOTS = "ndc_slots"
+    NDC_FULL = "ndc_full"
+    NDC_DIFF = "ndc_diff"
+    NDC_FREED = "ndc_freed"
+    NDC_WRITTEN = "ndc_written"
+    # Gemini's holder
+    GM_ATTACH = "gm_attach"
+    GM_ATTACHED = "gm_attached"
+    GM_REFUSED = "gm_refused"
+    GM_ALLOC = "gm_alloc"
+    GM_ALLOCED = "gm_alloced"
+    GM_DONE = "gm_done"
+    GM_PEER_DONE = "gm_peer_done"
+    GM_ACK = "gm_ack"
+    GM_RESUME = "gm_resume"
+    GM_RESUMED = "gm_resumed"
+    GM_PERSISTED = "gm_persisted"
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base of every message; ``kind`` names the subclass."""
+
+    kind: ClassVar[Kind]
+
+
+@dataclass(frozen=True)
+class Ready(Message):
+    kind: ClassVar[Kind] = Kind.READY
+    pid: int = field(default_factory=os.getpid)
+    info: dict[str, Any] | None = None
+    """What the process reports about itself (a holder's state, say)."""
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    kind: ClassVar[Kind] = Kind.FAILED
+    name: str
+    """The exception's class name."""
+    text: str
+    traceback: str
+
+    @staticmethod
+    def of(exc: BaseException) -> Failed:
+        """The message for ``exc`` (call inside its ``except`` block: takes its traceback)."""
+        return Failed(type(exc).__name__, str(exc), traceback.format_exc())
+
+    @property
+    def storage(self) -> bool:
+        """Whether the error came from the storage (see :data:`STORAGE_ERRORS`)."""
+        return self.name in STORAGE_ERRORS
+
+
+@dataclass(frozen=True)
+class Flush(Message):
+    kind: ClassVar[Kind] = Kind.FLUSH
+
+
+@dataclass(frozen=True)
+class Flushed(Message):
+    kind: ClassVar[Kind] = Kind.FLUSHED
+    durable: int = -1
+
+
+@dataclass(frozen=True)
+class Close(Message):
+    kind: ClassVar[Kind] = Kind.CLOSE
+
+
+@dataclass(frozen=True)
+class Closed(Message):
+    kind: ClassVar[Kind] = Kind.CLOSED
+    durable: int = -1
+
+
+def unexpected(msg: Any) -> RuntimeError:
+    """The error for a message its receiver does not handle."""
+    kind = getattr(msg, "kind", None)
+    return RuntimeError(f"unexpected message {kind.value if kind else type(msg).__name__!r}")

@@ -1,0 +1,196 @@
+"""Starting lowdiff's background processes: never a fork of the trainer.
+
+Every background process lowdiff starts (the checkpointing process, a LowDiff+ replica,
+the baselines' persist and holder processes) starts from a clean interpreter, never as a
+fork of a trainer that may hold CUDA contexts, OpenMP thread pools or locks taken by
+other threads. They start with multiprocessing's ``forkserver`` method
+(:func:`process_context`): one server process per trainer, a fresh interpreter that
+imports torch once (:data:`PRELOAD`) and touches no device and no thread pool, forks
+each new process. A new process then costs a fork instead of an interpreter start and
+an ``import torch`` (``docs/benchmarks.md``, "Starting a background process", has the
+figures). The trainer's environment is handed to each new process as it is when the
+process starts (:func:`run_in_env`), as ``spawn`` would. The harness's own child
+processes use plain ``spawn`` (:func:`spawn_context`).
+
+Like ``spawn``, both run the main script again in the new process (as the module
+``__mp_main__``) before they call the process's target, so:
+
+- the script must keep its training under ``if __name__ == "__main__":``. Without the
+  guard the new process would start training too; :func:`refuse_in_bootstrap` stops that
+  at the first ``Checkpointer`` with an error that says so, and the trainer's error for a
+  process that exited before it was ready says the same (:func:`exit_message`);
+- the main script must be a file the new process can read. A script piped into
+  ``python -`` is not: :func:`spawn_context` refuses it before anything starts.
+  ``python -c``, ``python -m`` and notebooks are fine (no file is run again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing import forkserver
+from typing import Any
+
+import torch.multiprocessing as tmp
+
+from lowdiff.errors import LowDiffError
+from lowdiff.format import atomic
+
+GUARD_HINT = (
+    'lowdiff starts its background processes with multiprocessing\'s "spawn" method, which '
+    "runs the main script{where} again in each new process: keep the script's training under "
+    '`if __name__ == "__main__":`'
+)
+
+
+def _main_script() -> str | None:
+    """The file ``spawn`` runs again in a new process, or None when it runs none."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return None  # python -m: the new process imports the module by name
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return None  # python -c, a notebook: nothing to run again
+    path = str(path)
+    origin = getattr(mp.process, "ORIGINAL_DIR", None)  # where spawn resolves a relative path
+    if not os.path.isabs(path) and origin is not None:
+        path = os.path.join(origin, path)
+    return path
+
+
+def guard_hint() -> str:
+    """The reminder about the ``__main__`` guard, naming this process's main script."""
+    path = _main_script()
+    return GUARD_HINT.format(where="" if path is None else f" ({path})")
+
+
+def spawn_context() -> Any:
+    """``torch.multiprocessing``'s spawn context, once the new process can run the main script.
+
+    Raises:
+        LowDiffError: If the main script is not a file (a script piped into ``python -``):
+            spawn could not run it again, and the new process would die at once.
+    """
+    path = _main_script()
+    if path is not None and not os.path.isfile(path):
+        raise LowDiffError(
+            f"the main script {path!r} is not a file: lowdiff starts its background "
+            "processes with multiprocessing's spawn method, which runs the main script again "
+            "in each new process. Save the training script to a file and run that (with its "
+            'training under `if __name__ == "__main__":`), or use `python -c` or a notebook.'
+        )
+    return tmp.get_context("spawn")
+
+
+PRELOAD = ("torch",)
+"""What the fork server imports once, before it forks any process: torch (most of an
+interpreter's start), and nothing that reads the environment at import."""
+
+
+def process_context() -> Any:
+    """The context lowdiff's background processes start in: ``forkserver`` with torch
+    preloaded (see the module docstring). The main script is not preloaded: each new
+    process runs it again itself, as with ``spawn``, so the ``__main__`` guard works the
+    same way.
+
+    Raises:
+        LowDiffError: If the main script is not a file (see :func:`spawn_context`).
+    """
+    spawn_context()  # the same check of the main script
+    ctx = tmp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _forget_inherited_server() -> None:
+    """In a process forked from a trainer: forget the trainer's fork server.
+
+    The server is the trainer's child, not this process's, so multiprocessing's check
+    of it (``waitpid``) would fail, and a request would reach a server whose processes
+    report to the trainer. The fork starts its own server when it needs one; its copy of
+    the descriptor that keeps the trainer's server alive is closed.
+    """
+    fs: Any = forkserver._forkserver
+    if getattr(fs, "_forkserver_pid", None) is None:
+        return
+    alive = getattr(fs, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+    fs._forkserver_address = None
+    fs._forkserver_alive_fd = None
+    fs._forkserver_pid = None
+    fs._inherited_fds = None
+    fs._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_server)
+
+
+def warm_up() -> None:
+    """Start the fork server now (if it is not running), so that its import of torch
+    overlaps the trainer's own work (building the model, reading a checkpoint) instead of
+    delaying the first background process. A main script that cannot be run again is
+    left for the start itself to refuse."""
+    with contextlib.suppress(LowDiffError):
+        process_context()
+        forkserver.ensure_running()
+
+
+def run_in_env(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """Run ``target(*args)`` with the trainer's environment ``env`` (a process forked by
+    the server would otherwise see the server's, taken when the server started)."""
+    os.environ.clear()
+    os.environ.update(env)
+    atomic.install_env_faults()  # read at import, which ran with the server's environment
+    target(*args)
+
+
+def refuse_in_bootstrap(what: str) -> None:
+    """Raise if this process is a spawned child still running the main script again.
+
+    That happens when the training script has no ``__main__`` guard: the new background
+    process would otherwise train (and take the checkpoint directory) itself.
+    """
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise LowDiffError(
+            f"{what} was created while a new process started by spawn was running the main "
+            f"script again, before its own work: {guard_hint()}"
+        )
+
+
+def exit_message(what: str, proc: Any, *, ready: bool) -> str:
+    """The message for a background process ``proc`` that exited without reporting an
+    error: before it reported ready (with the usual cause), or later."""
+    if ready:
+        # a process this trainer did not start (a holder it attached to) has no exit
+        # code it can read
+        code = "" if proc.exitcode is None else f" (exit code {proc.exitcode})"
+        return f"{what} (pid {proc.pid}) exited unexpectedly{code} without reporting an error"
+    return (
+        f"{what} (pid {proc.pid}) exited with code {proc.exitcode} while starting, before "
+        f"it was ready; its own error, if any, is on standard error. The usual cause: "
+        f"{guard_hint()}"
+    )
+
+
+WORKER_NICE = 10
+"""How much lower than the trainer's the priority of the checkpointing process is, LowDiff's
+and LowDiff+'s (``os.nice``; see :mod:`lowdiff.engine.worker` and :mod:`lowdiff.engine.replica_worker`)."""
+
+
+def detach_from_trainer_group() -> None:
+    """Leave the trainer's process group.
+
+    Launchers such as torchrun stop a worker by signalling its whole process group; the
+    checkpointing process must outlive its trainer to write what it was handed (and, for
+    LowDiff+, to keep the replica for a restarted trainer), so it takes a group of its
+    own. It still ends by itself: on its trainer's death it flushes and exits (LowDiff),
+    or waits ``idle_timeout`` for a new trainer (LowDiff+).
+    """
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)

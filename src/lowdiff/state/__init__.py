@@ -1,0 +1,1 @@
+"""Capture and restore of training state, and the record layout (below engine and recovery)."""

@@ -1,0 +1,111 @@
+"""The Checkpointer facade: typed properties, no attribute forwarding, one typed way in."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowdiff
+import lowdiff.checkpointer
+from lowdiff.engine.lowdiff import LowDiffStrategy
+from lowdiff.engine.lowdiff_plus import LowDiffPlusStrategy
+from lowdiff.engine.none import NoCheckpointStrategy
+from lowdiff.engine.options import EngineOptions
+
+
+def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_properties_are_the_strategys() -> None:
+    model, opt = _objects()
+    ck = lowdiff.Checkpointer(model, opt, None, strategy="none")
+    assert ck.model is model and ck.optimizer is opt and ck.scheduler is None
+    assert ck.strategy == "none" and isinstance(ck.strategy_impl, NoCheckpointStrategy)
+    assert ck.step_count == 0 and ck.durable_step == -1 and ck.plan_history == []
+    ck.close()
+
+
+def test_setting_an_unknown_attribute_fails_instead_of_passing_silently() -> None:
+    model, opt = _objects()
+    ck = lowdiff.Checkpointer(model, opt, None, strategy="none")
+    with pytest.raises(AttributeError):
+        ck.full_every = 5  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError):
+        ck.step_count = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        _ = ck.compressor  # type: ignore[attr-defined]
+    ck.close()
+
+
+def test_own_strategy_is_typed_and_refuses_a_baseline(tmp_path: Path) -> None:
+    model, opt = _objects()
+    ck = lowdiff.Checkpointer(model, opt, None, strategy="none")
+    impl = lowdiff.own_strategy(ck)
+    assert impl is ck.strategy_impl and impl.full_every == 30 and impl.worker_process is None
+    ck.close()
+    base = lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="torch-save")
+    with pytest.raises(TypeError, match="not a lowdiff strategy"):
+        lowdiff.own_strategy(base)
+    base.close()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "cls"),
+    [("lowdiff", LowDiffStrategy), ("lowdiff+", LowDiffPlusStrategy), ("none", NoCheckpointStrategy)],
+)
+def test_each_name_has_its_own_peer_class(strategy: str, cls: type) -> None:
+    assert lowdiff.checkpointer.strategy_class(strategy) is cls
+    assert cls.name == strategy
+
+
+def test_an_unknown_option_is_a_type_error_naming_it() -> None:
+    model, opt = _objects()
+    with pytest.raises(TypeError, match="fulll_every"):
+        lowdiff.Checkpointer(model, opt, None, strategy="none", fulll_every=3)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error"),
+    [
+        ("full_every", 0, ValueError),
+        ("full_every", "often", ValueError),
+        ("batch_size", 1.5, TypeError),
+        ("keep_full", 0, ValueError),
+        ("max_inflight", True, TypeError),
+        ("stall_timeout", 0, ValueError),
+        ("start_timeout", "soon", ValueError),
+        ("on_storage_error", "ignore", ValueError),
+        ("compressor", "topk", TypeError),
+    ],
+)
+def test_options_validate_themselves(option: str, value: object, error: type) -> None:
+    with pytest.raises(error, match=option):
+        EngineOptions(**{option: value})
+
+
+def test_options_are_frozen() -> None:
+    opts = EngineOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.full_every = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options", "match"),
+    [
+        ("lowdiff+", {"compressor": lowdiff.TopK(0.1)}, "without compression"),
+        ("lowdiff+", {"max_lag": 0}, "max_lag"),
+        ("lowdiff+", {"idle_timeout": -1}, "idle_timeout"),
+        ("lowdiff+", {"full_every": "auto"}, "'lowdiff' only"),
+        ("lowdiff+", {"on_storage_error": "warn"}, "'lowdiff' only"),
+        ("none", {"on_storage_error": "warn"}, "'lowdiff' only"),
+    ],
+)
+def test_rules_of_one_strategy(strategy: str, options: dict, match: str, tmp_path: Path) -> None:
+    model, opt = _objects()
+    with pytest.raises(ValueError, match=match):
+        lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy=strategy, **options)
