@@ -21,12 +21,20 @@ dense all-reduce would have reduced.
 ``plus_hook`` (LowDiff+) runs the usual averaging all-reduce and, as soon as a bucket's
 result is ready, hands the averaged slices of the parameters this rank owns to the
 gradient snapshotter: layer-wise reuse at bucket granularity.
+
+The callbacks both hooks chain to the collectives run on the process group's own
+worker thread, and that thread drops them after they return. They hold their hook
+state only weakly: a callback that held it strongly could be the last owner of the
+state, and through it of the process group, once the trainer has destroyed the group
+and its model; the group's destructor would then run on its own worker thread and
+abort the process when it joins that thread.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hooks' annotations
 # against the real ``dist.GradBucket`` and ``torch.futures.Future`` objects.
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -264,9 +272,14 @@ def lowdiff_hook(
     fv = dist.all_gather(v_all, v_local, group=group, async_op=True).get_future()  # type: ignore[union-attr]
     fi = dist.all_gather(i_all, i_local, group=group, async_op=True).get_future()  # type: ignore[union-attr]
 
+    owner = weakref.ref(state)  # weak: see the module docstring
+
     def merge(done: Any) -> torch.Tensor:
         for f in done.value():
             f.value()  # raises if a peer failed: never merge half-received buffers
+        state = owner()
+        if state is None:  # the model and its hook are gone: nobody takes the payloads
+            return buf
         with torch.no_grad():
             for j, (key, (a, b), g) in enumerate(zip(keys, spans, grads, strict=True)):
                 parts = [(v_all[r][a:b], lay.unpack(i_all[r], j)) for r in range(world)]
@@ -275,7 +288,7 @@ def lowdiff_hook(
                 state.put(step, key, state.merged.compress(dense, key, step, support=support))
                 g.copy_(dense.view_as(g))
         state.calls += 1
-        return bucket.buffer()
+        return buf
 
     return torch.futures.collect_all([fv, fi]).then(merge)
 
@@ -331,15 +344,22 @@ def plus_hook(state: PlusHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     buf = bucket.buffer()
     buf.div_(state.ctx.world_size)
     fut = dist.all_reduce(buf, group=state.ctx.group, async_op=True).get_future()  # type: ignore[union-attr]
-    params = bucket.parameters()
-    grads = bucket.gradients()
+    # the snapshotter's position of each owned slice, found now: the callback holds no
+    # parameter (their hooks lead to the state) and its state only weakly (module docstring)
+    owned = [
+        (k, g)
+        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
+        if (k := state.owned.get(id(p))) is not None
+    ]
+    owner = weakref.ref(state)
 
     def snap(f: Any) -> torch.Tensor:
         out = f.value()[0]
-        for p, g in zip(params, grads, strict=True):
-            k = state.owned.get(id(p))
-            if k is not None:
-                state.on_grad(k, g)
+        state = owner()
+        if state is None:  # the model and its hook are gone
+            return out
+        for k, g in owned:
+            state.on_grad(k, g)
         return out
 
     return fut.then(snap)
