@@ -66,9 +66,10 @@ print(json.dumps(out))
 def run(method: str, starts: int, overlap: float) -> list[float]:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "start.py"  # spawn needs a main script it can run again
-        script.write_text("if __name__ == '__main__':\n" + "".join(
-            f"    {line}\n" for line in CHILD.strip().splitlines()
-        ))
+        script.write_text(
+            "if __name__ == '__main__':\n"
+            + "".join(f"    {line}\n" for line in CHILD.strip().splitlines())
+        )
         res = subprocess.run(
             [sys.executable, str(script), method, str(starts), str(overlap)],
             capture_output=True, text=True, check=True,
@@ -97,7 +98,9 @@ def main() -> None:
     }
     for k, v in rows.items():
         ms = [x * 1e3 for x in v]
-        print(f"{names[k]:<28} {statistics.median(ms):10.0f} {min(ms):8.0f} {max(ms):8.0f}  {len(ms)}")
+        print(
+            f"{names[k]:<28} {statistics.median(ms):10.0f} {min(ms):8.0f} {max(ms):8.0f}  {len(ms)}"
+        )
 
 
 if __name__ == "__main__":

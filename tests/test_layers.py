@@ -80,7 +80,10 @@ def _imports(module: str, path: Path) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    + ([base] if base else [])
+                )
             if base.split(".")[0] != "lowdiff":
                 continue
             for a in node.names:
@@ -119,7 +122,9 @@ def test_recovery_imports_nothing_from_engine() -> None:
 
 
 def test_no_cycles() -> None:
-    edges = {m: sorted({d for d, _ in deps if d in MODULES and d != m}) for m, deps in GRAPH.items()}
+    edges = {
+        m: sorted({d for d, _ in deps if d in MODULES and d != m}) for m, deps in GRAPH.items()
+    }
     # a package's __init__ re-exporting its own submodules is not a cycle of logic
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
@@ -162,5 +167,9 @@ def test_harness_uses_no_private_library_names(area: str) -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lowdiff"):
                 if node.module.split(".")[1:2] == [area]:
                     continue
-                bad += [f"{m}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                bad += [
+                    f"{m}:{node.lineno} {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     assert bad == []

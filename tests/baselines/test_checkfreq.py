@@ -97,7 +97,8 @@ def test_constructor_and_bad_options(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "ok", strategy="checkfreq", full_every=4)
     assert (
-        isinstance(ck.strategy_impl, cf.CheckFreqCheckpointer) and ck.strategy_impl.interval == 4 == ck.strategy_impl.full_every
+        isinstance(ck.strategy_impl, cf.CheckFreqCheckpointer)
+        and ck.strategy_impl.interval == 4 == ck.strategy_impl.full_every
     )
     ck.close()
     bad: list[tuple[type[Exception], str, dict]] = [

@@ -107,8 +107,13 @@ def test_default_is_dcps_own_default_the_thread_saver_without_a_group(tmp_path: 
     # what async_save does when not told otherwise (and torchtitan's "async" mode)
     before = _children()
     ck, _, _ = harness.run(tmp_path / "ckpt", 0, 4, strategy="dcp-async", full_every=2)
-    assert ck.strategy_impl.async_mode == "thread" and ck.strategy_impl.requested_async_mode == "thread"
-    assert ck.stats["process_saver"] == 0.0 and ck.strategy_impl.staging["use_shared_memory"] is False
+    assert (
+        ck.strategy_impl.async_mode == "thread"
+        and ck.strategy_impl.requested_async_mode == "thread"
+    )
+    assert (
+        ck.stats["process_saver"] == 0.0 and ck.strategy_impl.staging["use_shared_memory"] is False
+    )
     assert ck.durable_step == 4 and _children() == before and not dist.is_initialized()
     assert layout.read_manifest(tmp_path / "ckpt")["dcp"]["async_mode"] == "thread"
 

@@ -56,7 +56,11 @@ def test_own_strategy_is_typed_and_refuses_a_baseline(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("strategy", "cls"),
-    [("lowdiff", LowDiffStrategy), ("lowdiff+", LowDiffPlusStrategy), ("none", NoCheckpointStrategy)],
+    [
+        ("lowdiff", LowDiffStrategy),
+        ("lowdiff+", LowDiffPlusStrategy),
+        ("none", NoCheckpointStrategy),
+    ],
 )
 def test_each_name_has_its_own_peer_class(strategy: str, cls: type) -> None:
     assert lowdiff.checkpointer.strategy_class(strategy) is cls

@@ -417,7 +417,11 @@ def test_environment_mtbf_reaches_the_tuner(tmp_path, monkeypatch):
     monkeypatch.setenv(MTBF_ENV, "42")
     objs = _build()
     ck = lowdiff.Checkpointer(objs[0], objs[1], tmp_path, batch_size="auto")
-    assert ck.strategy_impl.autoplan.tuner is not None and ck.strategy_impl.autoplan.tuner.mtbf == 42.0 and not ck.strategy_impl.autoplan.tuner.tune_f
+    assert (
+        ck.strategy_impl.autoplan.tuner is not None
+        and ck.strategy_impl.autoplan.tuner.mtbf == 42.0
+        and not ck.strategy_impl.autoplan.tuner.tune_f
+    )
     ck.close()
 
 

@@ -167,7 +167,10 @@ def test_checkpointing_process_killed_during_a_full_checkpoint(tmp_path, monkeyp
     monkeypatch.delenv(atomic.FAULT_ENV)
     with pytest.raises(lowdiff.CheckpointWorkerError, match="exit code -9"):
         _train(model, opt, ck, 3)  # the full of step 2 waits for the staging of step 1
-    assert ck.strategy_impl.worker_process is not None and ck.strategy_impl.worker_process.exitcode == -signal.SIGKILL
+    assert (
+        ck.strategy_impl.worker_process is not None
+        and ck.strategy_impl.worker_process.exitcode == -signal.SIGKILL
+    )
     with pytest.raises(lowdiff.CheckpointWorkerError):
         ck.close()
     assert lowdiff.restore(tmp_path / "ck", *_setup(tmp_path / "r")[:2]) >= 1

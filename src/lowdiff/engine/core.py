@@ -121,9 +121,7 @@ class EngineCore:
         if dist is not None:
             owner = assign_shards(self.numels, dist.world_size)
             self.shard = [i for i, r in enumerate(owner) if r == dist.rank]
-            self.foreign = {
-                info.name for info, _ in self.params if owner[info.index] != dist.rank
-            }
+            self.foreign = {info.name for info, _ in self.params if owner[info.index] != dist.rank}
         self.root: Path | None = None
         self.job_root: Path | None = None
         self.lock_fd: int | None = None
@@ -167,7 +165,9 @@ class EngineCore:
                 "torchrun (any number of ranks, 1 included), or read a step of it "
                 "with lowdiff.restore() / lowdiff export"
             )
-        self.lock_fd = self._lock(self.root, "; two trainers cannot write to one checkpoint directory")
+        self.lock_fd = self._lock(
+            self.root, "; two trainers cannot write to one checkpoint directory"
+        )
         self.rng_layout = st.RngLayout()
         self.rng_capture = st.RngCapture(self.rng_layout)
         buffers = [
@@ -277,7 +277,9 @@ class EngineCore:
             )
 
     # ------------------------------------------------------------------ recovered state
-    def adopt_recovered(self, stats: RecoveryStats, where: Path | str, durable: bool = True) -> None:
+    def adopt_recovered(
+        self, stats: RecoveryStats, where: Path | str, durable: bool = True
+    ) -> None:
         """The recovered state is loaded: take its step, durability and extra state."""
         self.recovery_stats = stats
         st.apply_extra(self.extra, stats.extra, f"{where} step {stats.step}")

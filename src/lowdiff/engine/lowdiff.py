@@ -129,9 +129,7 @@ class LowDiffStrategy(CheckpointingStrategy):
             raise
         nograd = grads.nograd
         self.handover.handover(
-            lambda: session.send(
-                Record(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra))
-            ),
+            lambda: session.send(Record(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra))),
             extra,
         )
         stats["slot_wait_s"] += t1 - t0

@@ -55,7 +55,9 @@ class RecordSlots:
     def rows(self) -> list[torch.Tensor]:
         return [self.tensor[i] for i in range(len(self.views))]
 
-    def take(self, wait: Callable[[Callable[[], bool], str], None], counters: Any, what: str) -> int:
+    def take(
+        self, wait: Callable[[Callable[[], bool], str], None], counters: Any, what: str
+    ) -> int:
         """A free slot: waits (through ``wait(ready, what)``) while all are in use."""
         n = len(self.views)
         if self.filled - int(counters[channel.SLOTS_DONE]) >= n:

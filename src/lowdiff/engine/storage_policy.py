@@ -92,4 +92,3 @@ class StoragePolicy:
                     self.session.stop()
                 self.warn_not_durable("a storage error")
             raise CheckpointingSuspended from None
-

@@ -124,6 +124,4 @@ def wait_until(
             )
         if deadline is not None and now > deadline:
             check()
-            raise CheckpointWorkerError(
-                f"{who} (pid {proc.pid}) did not answer {what} in time"
-            )
+            raise CheckpointWorkerError(f"{who} (pid {proc.pid}) did not answer {what} in time")

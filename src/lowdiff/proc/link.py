@@ -127,7 +127,9 @@ class ProcessLink:
         res_w.close()
         self.adopt(proc, req_w, res_r, counters)
 
-    def adopt(self, proc: Any, requests: Connection, results: Connection, counters: Any = None) -> None:
+    def adopt(
+        self, proc: Any, requests: Connection, results: Connection, counters: Any = None
+    ) -> None:
         """Take over a started process's pipes (``requests`` may be ``results``: duplex)."""
         self.proc, self.requests, self.results = proc, requests, results
         self.counters = None if counters is None else channel.view(counters)
