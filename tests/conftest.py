@@ -42,6 +42,21 @@ def torture_report() -> TortureReport:
     return _TORTURE
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under pytest-xdist, a worker hands its torture figures to the controller."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["lowdiff_torture"] = _TORTURE.to_json()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ARG001
+    """The controller adds up its workers' torture figures."""
+    got = getattr(node, "workeroutput", {}).get("lowdiff_torture")
+    if got is not None:
+        _TORTURE.merge(TortureReport.from_json(got))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ARG001
     r = _TORTURE
     if r.kills or r.corruptions or r.storage_faults or r.fuzz_inputs:

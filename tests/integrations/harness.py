@@ -3,10 +3,13 @@ its final state with an uninterrupted run."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import safetensors.torch
@@ -82,6 +85,22 @@ def diff_files(a: Path, b: Path) -> list[str]:
     return diff_states(safetensors.torch.load_file(str(a)), safetensors.torch.load_file(str(b)))
 
 
+_REFERENCES: dict[tuple[str, ...], tuple[list[str], Path]] = {}
+
+
+def reference_run(script: str, args: list[str]) -> tuple[list[str], Path]:
+    """The uninterrupted run of ``script`` with ``args``: its stdout lines and its final
+    state's file. Run once per test session: the tests that kill the same run at different
+    steps compare with the same reference."""
+    key = (script, *args)
+    if key not in _REFERENCES:
+        d = Path(tempfile.mkdtemp(prefix="lowdiff-ref-"))
+        atexit.register(shutil.rmtree, d, ignore_errors=True)
+        lines, _ = run(script, [*args, "--dir", str(d / "ck"), "--dump", str(d / "ref.st")])
+        _REFERENCES[key] = (lines, d / "ref.st")
+    return _REFERENCES[key]
+
+
 def kill_resume_compare(
     tmp_path: Path, script: str, args: list[str], kill_after: int
 ) -> tuple[int, dict[int, list[str]]]:
@@ -90,9 +109,7 @@ def kill_resume_compare(
 
     Returns the step the resumed run started from and the reference's step lines.
     """
-    ref_lines, _ = run(
-        script, [*args, "--dir", str(tmp_path / "ref"), "--dump", str(tmp_path / "ref.st")]
-    )
+    ref_lines, ref_state = reference_run(script, args)
     ck = str(tmp_path / "ck")
     _, reported = run(script, [*args, "--dir", ck, "--sleep", "0.05"], kill_after=kill_after)
     lines, _ = run(script, [*args, "--dir", ck, "--dump", str(tmp_path / "resumed.st")])
@@ -102,6 +119,6 @@ def kill_resume_compare(
     assert got, lines[-5:]
     assert min(got) == start + 1
     assert {s: got[s] for s in got} == {s: ref[s] for s in got}
-    diff = diff_files(tmp_path / "ref.st", tmp_path / "resumed.st")
+    diff = diff_files(ref_state, tmp_path / "resumed.st")
     assert diff == [], diff
     return start, ref

@@ -108,6 +108,16 @@ class TortureReport:
         out["ok"] = self.ok
         return out
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TortureReport:
+        """The report :meth:`to_json` wrote (its derived ``ok`` is recomputed, not read)."""
+        out = cls()
+        for name, value in vars(out).items():
+            if name in data:
+                got = data[name]
+                setattr(out, name, Counter(got) if isinstance(value, Counter) else got)
+        return out
+
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1, sort_keys=True)
 
