@@ -26,6 +26,7 @@ import importlib
 import json
 import os
 import shutil
+import stat
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -364,3 +365,16 @@ def _write_hf(tmp: Path, model: torch.nn.Module, entry: Mapping[str, Any]) -> No
             f"the recorded config of {entry['class']} does not fit the checkpoint's state: {e}"
         ) from None
     hf.save_pretrained(str(tmp))
+    _usual_file_modes(tmp)
+
+
+def _usual_file_modes(tmp: Path) -> None:
+    """Give every file under ``tmp`` the mode a new file gets here (``0o666`` less the
+    umask): the safetensors writer creates its files readable by their owner alone."""
+    probe = tmp / f".mode-{uuid.uuid4().hex[:8]}"
+    probe.touch()
+    mode = stat.S_IMODE(probe.stat().st_mode)
+    probe.unlink()
+    for f in tmp.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            f.chmod(mode)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import stat
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,11 @@ def test_hf_format_loads_with_from_pretrained(tmp_path):
         argv = ["export", str(d), "--step", str(step), "--format", "hf", "--out", str(dest)]
         assert main(argv) == 0
         assert (dest / "config.json").exists() and (dest / "model.safetensors").exists()
+        # every file gets the mode a new file gets here (safetensors alone would give 0600)
+        (tmp_path / f"probe-{step}").touch()
+        usual = stat.S_IMODE((tmp_path / f"probe-{step}").stat().st_mode)
+        modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in dest.iterdir()}
+        assert modes == dict.fromkeys(modes, usual), modes
         loaded = transformers.AutoModelForCausalLM.from_pretrained(dest)
         assert type(loaded).__name__ == "GPT2LMHeadModel"
         got = loaded.state_dict()
