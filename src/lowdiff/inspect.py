@@ -19,16 +19,20 @@ from lowdiff.exporting import rebuild as _rebuild
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
 from lowdiff.proc.holder import replica_status
-from lowdiff.recovery.job import generations, is_job_dir, scan_dirs
+from lowdiff.recovery.job import (
+    Generation,
+    generation_intervals,
+    generations,
+    is_job_dir,
+)
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import (
     FileInfo,
-    chain_from,
     make_plan,
+    merge_intervals,
     recoverable_intervals,
     recoverable_range,
     scan,
-    usable,
 )
 
 
@@ -116,6 +120,26 @@ class JobInfo:
     shards: list[DirectoryInfo]
     recoverable_intervals: list[tuple[int, int]]
     """Steps every shard can serve from a common full checkpoint (what a resume agrees on)."""
+    generations: list[Generation] = field(default_factory=list)
+    """The job's generations, oldest first: one per world size it ran at (see
+    :func:`lowdiff.recovery.job.generations`); ``shards`` lists theirs in this order."""
+
+    def shard_name(self, shard: DirectoryInfo) -> str:
+        """A shard's directory relative to the job's (``rank-00001``, ``gen-1/rank-00000``)."""
+        try:
+            rel = shard.root.relative_to(self.root)
+        except ValueError:
+            return shard.root.name
+        return rel.as_posix() if rel.parts else shard.root.name
+
+    def describe(self) -> str:
+        """``distributed job, 2 ranks``, or each generation's world size and first step."""
+        if len(self.generations) <= 1:
+            return f"distributed job, {_ranks(self.world_size)}"
+        gens = ", ".join(
+            f"{_ranks(g.world_size)} from step {g.start_step}" for g in self.generations
+        )
+        return f"distributed job, {len(self.generations)} generations: {gens}"
 
     @property
     def world_size(self) -> int:
@@ -125,6 +149,10 @@ class JobInfo:
     def recoverable(self) -> tuple[int, int] | None:
         iv = self.recoverable_intervals
         return (iv[0][0], iv[-1][1]) if iv else None
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def inspect_job(path: str | Path) -> JobInfo:
@@ -140,25 +168,10 @@ def inspect_job(path: str | Path) -> JobInfo:
     shards: list[DirectoryInfo] = []
     spans: list[tuple[int, int]] = []
     for g in gens:
-        if g.single:
-            info = inspect_dir(g.root)
-            shards.append(info)
-            spans.extend(info.recoverable_intervals)
-            continue
-        scans = scan_dirs(g.root, g.shard_dirs())
-        common = set.intersection(
-            *({f.first_step for f in sc.fulls if f.path not in usable(sc)} for sc in scans)
-        )
-        spans.extend((f, min(chain_from(sc, f)[0] for sc in scans)) for f in common)
-        shards.extend(inspect_dir(sc.root) for sc in scans)
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
+        spans.extend(generation_intervals(g))
+        shards.extend(inspect_dir(d) for d in g.shard_dirs())
     manifest = layout.read_manifest(gens[-1].root) if gens else layout.read_manifest(root)
-    return JobInfo(root, manifest, shards, merged)
+    return JobInfo(root, manifest, shards, merge_intervals(spans), gens)
 
 
 def is_job(path: str | Path) -> bool:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import lowdiff
+from lowdiff.cli.main import main
 from lowdiff.recovery.job import generations
 from lowdiff.state.capture import diff_states, snapshot_state
 from lowdiff.torture.ddp import JOB_MODULE, _free_port
@@ -73,7 +74,7 @@ def _check_resumed(old: Path, new: Path, step: int, old_world: int, new_world: i
         assert (new / f"final-rank{r}.pt").exists()  # and it trained on
 
 
-def test_two_ranks_resume_in_one(tmp_path):
+def test_two_ranks_resume_in_one(tmp_path, capsys):
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
     _job(2, ck, old, "--steps", "12", "--save-steps", "7,12")
     _job(1, ck, new, "--steps", "18", "--save-steps", "15")
@@ -90,6 +91,19 @@ def test_two_ranks_resume_in_one(tmp_path):
     _job(1, ck, again, "--steps", "20")
     assert (again / "resumed-18-rank0.pt").exists()
     assert len(generations(ck)) == 2
+    # a step no generation serves: the error names what each generation does serve
+    net = Net()
+    with pytest.raises(lowdiff.RecoveryError, match="step 40 is not recoverable in any") as e:
+        lowdiff.restore(ck, net, torch.optim.AdamW(net.parameters()), step=40)
+    msg = str(e.value)
+    assert "0..12 (generation 0, 2 ranks from step 0)" in msg, msg
+    assert "(generation 1, 1 rank from step 12)" in msg, msg
+    # inspect says so too, and names every shard by its own directory
+    assert main(["inspect", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert "(distributed job, 2 generations: 2 ranks from step 0, 1 rank from step 12)" in out
+    names = [ln.split()[0] for ln in out.splitlines() if ln.startswith("  ") and "params" in ln]
+    assert names == ["rank-00000", "rank-00001", "gen-1/rank-00000"], out
 
 
 def test_one_process_resumed_by_two_ranks(tmp_path):

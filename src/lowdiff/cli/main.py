@@ -140,11 +140,16 @@ def _inspect_job(args: argparse.Namespace) -> int:
             "directory": str(job.root),
             "strategy": job.manifest.get("strategy"),
             "world_size": job.world_size,
+            "generations": [
+                {"index": g.index, "world_size": g.world_size, "start_step": g.start_step}
+                for g in job.generations
+            ],
             "recoverable": list(job.recoverable) if job.recoverable else None,
             "recoverable_intervals": [list(i) for i in iv],
             "shards": [
                 {
                     "directory": str(s.root),
+                    "name": job.shard_name(s),
                     "parameters": s.n_parameters,
                     "recoverable_intervals": [list(i) for i in s.recoverable_intervals],
                     "full_checkpoints": len(s.full_checkpoints),
@@ -159,7 +164,7 @@ def _inspect_job(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1))
         return 0
-    print(f"directory    {job.root}  (distributed job, {job.world_size} ranks)")
+    print(f"directory    {job.root}  ({job.describe()})")
     print(f"strategy     {job.manifest.get('strategy')}")
     print(
         f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
@@ -169,7 +174,7 @@ def _inspect_job(args: argparse.Namespace) -> int:
     for s in job.shards:
         siv = ", ".join(f"{lo}..{hi}" for lo, hi in s.recoverable_intervals) or "nothing"
         line = (
-            f"  {s.root.name}  {s.n_parameters:>12,} params  recoverable {siv}  "
+            f"  {job.shard_name(s)}  {s.n_parameters:>12,} params  recoverable {siv}  "
             f"{len(s.full_checkpoints)} full ({fmt_bytes(s.bytes_per_full)} each)  "
             f"{s.n_records} records ({fmt_bytes(s.bytes_per_record)} each)"
         )

@@ -59,7 +59,9 @@ from lowdiff.recovery.scan import (
     abandoned,
     chain_from,
     make_plan,
+    merge_intervals,
     passed_over,
+    recoverable_intervals,
     scan,
     search_chain,
     usable,
@@ -391,6 +393,31 @@ def _check_serves(g: Generation, step: int | None) -> None:
         plan_sharded(scan_dirs(g.root, g.shard_dirs()), step)
 
 
+def generation_intervals(g: Generation) -> list[tuple[int, int]]:
+    """The steps generation ``g`` serves, as sorted, disjoint inclusive intervals (by the
+    headers; for a sharded generation, the steps every shard serves)."""
+    if g.single:
+        return recoverable_intervals(scan(g.root))
+    scans = scan_dirs(g.root, g.shard_dirs())
+    common = set.intersection(
+        *({f.first_step for f in sc.fulls if f.path not in usable(sc)} for sc in scans)
+    )
+    return merge_intervals((f, min(chain_from(sc, f)[0] for sc in scans)) for f in common)
+
+
+def _describe_generations(gens: list[Generation]) -> str:
+    """Each generation's recoverable steps, for an error that names them all."""
+    parts = []
+    for g in gens:
+        try:
+            iv = ", ".join(f"{lo}..{hi}" for lo, hi in generation_intervals(g)) or "nothing"
+        except (RecoveryError, NotACheckpointDirectoryError, CorruptCheckpointError) as e:
+            iv = f"unreadable ({e})"
+        ranks = f"{g.world_size} rank{'s' if g.world_size != 1 else ''}"
+        parts.append(f"{iv} (generation {g.index}, {ranks} from step {g.start_step})")
+    return "; ".join(parts)
+
+
 def serving_generation(
     root: Path, step: int | None, agree_min: Callable[[int], int] | None = None
 ) -> Generation:
@@ -413,9 +440,13 @@ def serving_generation(
                 errors.append(e)
         if (agree_min(ok) if agree_min is not None else ok) == 1:
             return g
-    if errors:
+    if errors and not (len(gens) > 1 and type(errors[0]) is RecoveryError):
         raise errors[0]
-    raise RecoveryError(f"{root}: no generation of the job serves step {step}")
+    # several generations, none serves the step: name what each of them does serve
+    raise RecoveryError(
+        f"{root}: step {step} is not recoverable in any generation of the job; recoverable: "
+        f"{_describe_generations(gens)}"
+    )
 
 
 def _recover_any(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,8 +354,13 @@ def recoverable_intervals(
         for f in s.fulls
         if f.path not in exclude
     )
+    return merge_intervals(spans)
+
+
+def merge_intervals(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Inclusive step intervals as sorted, disjoint ones (adjacent ones joined)."""
     merged: list[tuple[int, int]] = []
-    for lo, hi in spans:
+    for lo, hi in sorted(spans):
         if merged and lo <= merged[-1][1] + 1:
             merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
         else:
