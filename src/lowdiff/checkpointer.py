@@ -199,7 +199,8 @@ class Checkpointer:
         """Newest step whose state is recoverable from disk (-1 before the first write).
 
         Under DDP: the newest step every rank's shard has made durable, as of the previous
-        ``step()`` (it never runs ahead of any shard).
+        ``step()`` (it never runs ahead of any shard); after ``flush()`` or ``close()`` on
+        every rank, the job's last step.
         """
         return self._impl.durable_step
 

@@ -163,13 +163,17 @@ class JobMin:
 
     def settle(self, timeout: float = 5.0) -> None:
         """Collect the all-reduce in flight if it completes within ``timeout`` seconds
-        (at close: a peer that died before starting it must not hang this rank)."""
+        (at close: a peer that died, before or while taking part, must not hang or fail
+        this rank; :attr:`value` then stays what it was)."""
         import time
 
         deadline = time.monotonic() + timeout
         while self._work is not None and time.monotonic() < deadline:
             if self._work.is_completed():
-                self._collect()
+                try:
+                    self._collect()
+                except RuntimeError:  # the exchange failed (a peer died): keep the value
+                    self._work = self._t = None
                 return
             time.sleep(0.01)
         self._work = self._t = None

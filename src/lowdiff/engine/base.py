@@ -191,6 +191,7 @@ class EngineStrategy(Strategy):
         Under DDP: the newest step that every rank's shard has made durable, as of the
         previous ``step()`` (the ranks exchange it in the background once per step, so it
         may trail this rank's own progress by a step; it never runs ahead of any shard).
+        ``flush()`` and ``close()``, called by every rank, bring it up to the job's last step.
         """
         self._poll()
         return self.core.durable_step()
@@ -297,14 +298,21 @@ class EngineStrategy(Strategy):
         for fn in self._on_close:
             fn()
         core.closed = self.handover.closed = True
+        closed = False
         try:
             if core.started:
                 self.handover.finish()  # steps driven by the optimizer's hooks
             self._close_session()
+            closed = self.policy.suspended is None
         except CheckpointingSuspended:
             pass
         finally:
             if core.job is not None:
+                if closed:
+                    # every step of this shard is durable now: exchange that once more, so
+                    # that durable_step says the job's final step (settle() gives up on a
+                    # rank that never closes, and durable_step keeps the older value)
+                    core.job.refresh(core.durable)
                 core.job.settle()
             if self.session is not None:
                 self.session.join()

@@ -1,0 +1,73 @@
+"""Under DDP, ``durable_step`` after ``close()`` is the job's final durable step.
+
+During training the ranks exchange their durable steps in the background, so the job-wide
+value trails by a step; ``close()`` makes every step durable, and then says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lowdiff
+
+WORLD, STEPS = 2, 10
+
+
+def _rank(rank: int, job: Path, out: Path, store: Path, strategy: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"compressor": lowdiff.TopK(0.5)} if strategy == "lowdiff" else {}
+    # records are written in batches of 4: steps 9 and 10 wait for close()
+    ck = lowdiff.Checkpointer(
+        model, opt, job, strategy=strategy, full_every=100, batch_size=4, **kw
+    )
+    ck.resume()
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(31 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        ((model(x) - y) ** 2).mean().backward()
+        ck.step()
+        opt.zero_grad()
+    before = ck.durable_step
+    ck.close()
+    (out / f"rank{rank}.txt").write_text(f"{before} {ck.durable_step}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_durable_step_after_close_is_the_last_step(tmp_path: Path, strategy: str) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = tmp.get_context("spawn")
+    args = (tmp_path / "ck", out, tmp_path / "store", strategy)
+    procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * WORLD
+    got = [tuple(map(int, (out / f"rank{r}.txt").read_text().split())) for r in range(WORLD)]
+    for before, after in got:
+        assert before < STEPS  # the last steps were not durable before close() ...
+        assert after == STEPS  # ... and close() made them durable, and says so
