@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import lowdiff
+from lowdiff.format import layout
 from lowdiff.proc import holder as rp
 
-from .test_sigkill_recovery import _equal_states, _losses, _run
+from .test_sigkill_recovery import SCRIPT, _env, _equal_states, _losses, _run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -154,3 +158,41 @@ def test_orphaned_replica_persists_and_exits_after_idle_timeout(tmp_path):
     # its final merged state was persisted before it exited
     assert info.recoverable is not None and info.recoverable[1] >= reported - 1
     assert rp.read_descriptor(ckdir) is None
+
+
+def test_killed_trainer_returns_to_a_launcher_that_captures_its_output(tmp_path):
+    """A launcher that reads the trainer's stdout and stderr to the end (as
+    ``subprocess.run(capture_output=True)``, CI runners and schedulers do) sees a SIGKILLed
+    trainer end at once, while its replica lives on for the next trainer."""
+    ckdir = tmp_path / "ck"
+    cfg = {"dir": str(ckdir), "steps": 60, "strategy": "lowdiff+", "sleep": 0.02}
+    cfg["idle_timeout"] = 120
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step ") and int(line.split()[1]) >= 9:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        # both pipes reach their end: no survivor holds them (else this waits idle_timeout)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    # the replica did survive the trainer: it is there for a new one ...
+    d = rp.read_descriptor(ckdir)
+    assert d is not None and rp.pid_alive(d.pid)
+    assert (ckdir / layout.REPLICA_LOG).exists()  # ... and writes to the directory now
+    os.kill(d.pid, signal.SIGTERM)  # released: it persists, cleans up and exits
+    deadline = time.monotonic() + 60
+    while rp.pid_alive(d.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not rp.pid_alive(d.pid)

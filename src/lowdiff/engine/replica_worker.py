@@ -48,7 +48,7 @@ from lowdiff.proc.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
 from lowdiff.proc.link import ChildEnd
 from lowdiff.proc.locks import acquire_flock
 from lowdiff.proc.protocol import Close, Closed, Failed, Flush, Flushed, Kind, Message, unexpected
-from lowdiff.proc.spawn import WORKER_NICE, detach_from_trainer_group
+from lowdiff.proc.spawn import WORKER_NICE, detach_from_trainer_group, release_trainer_stdio
 from lowdiff.state.record import RecordLayout
 
 
@@ -478,6 +478,7 @@ class _ReplicaProcess:
         self.end.drain(self.handle, (Kind.STEP, Kind.STAGE, Kind.INIT))
         if rep.opt is None:
             return
+        release_trainer_stdio(self.root / layout.REPLICA_LOG)
         rep.publish(rp.STATE_ORPHANED)
         if persister.persisted < rep.step:
             persister.snapshot(rep)

@@ -34,6 +34,9 @@ RECORDS_DIR = "records"
 QUARANTINE_DIR = "quarantine"
 LOCK_FILE = ".lowdiff.lock"
 WRITER_LOCK_FILE = ".lowdiff.writer.lock"
+REPLICA_LOG = ".lowdiff.replica.log"
+"""Where a LowDiff+ replica whose trainer died writes what it prints (see
+:func:`lowdiff.proc.spawn.release_trainer_stdio`)."""
 
 _FULL_RE = re.compile(r"^full-(\d{12})\.safetensors$")
 _REC_RE = re.compile(r"^rec-(\d{12})-(\d{12})\.safetensors$")

@@ -32,7 +32,8 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as tmp
@@ -117,15 +118,22 @@ def _forget_inherited_server() -> None:
     fs: Any = forkserver._forkserver
     if getattr(fs, "_forkserver_pid", None) is None:
         return
+    _close_server_alive_fd()
+    fs._forkserver_address = None
+    fs._forkserver_pid = None
+    fs._inherited_fds = None
+    fs._lock = threading.Lock()
+
+
+def _close_server_alive_fd() -> None:
+    """Close this process's copy of the descriptor that keeps a fork server running (the
+    server exits once no process holds it)."""
+    fs: Any = forkserver._forkserver
     alive = getattr(fs, "_forkserver_alive_fd", None)
     if alive is not None:
         with contextlib.suppress(OSError):
             os.close(alive)
-    fs._forkserver_address = None
     fs._forkserver_alive_fd = None
-    fs._forkserver_pid = None
-    fs._inherited_fds = None
-    fs._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_inherited_server)
@@ -181,6 +189,44 @@ def exit_message(what: str, proc: Any, *, ready: bool) -> str:
 WORKER_NICE = 10
 """How much lower than the trainer's the priority of the checkpointing process is, LowDiff's
 and LowDiff+'s (``os.nice``; see :mod:`lowdiff.engine.worker` and :mod:`lowdiff.engine.replica_worker`)."""
+
+
+def release_trainer_stdio(log: Path) -> None:
+    """Let go of the trainer's standard streams, in a background process that outlives it.
+
+    A launcher that captures the trainer's output (``subprocess.run(capture_output=True)``,
+    a CI runner, a scheduler) sees the trainer end only when every holder of its pipes has
+    closed them: a survivor that kept them would hold the launcher until the survivor
+    exits. From here on this process writes to ``log`` (appended; ``/dev/null`` if it
+    cannot be opened) and reads nothing. It also lets go of the fork server and of
+    multiprocessing's resource tracker, which the trainer started with the same streams
+    and which run while any process holds their pipes (lowdiff's own shared memory is
+    not registered with the tracker).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:
+        out = os.open(os.devnull, os.O_WRONLY)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+    finally:
+        os.close(out)
+        os.close(null)
+    # a process forked by the server holds what keeps the server (started by the trainer,
+    # with its streams) running, so that it could start processes of its own: let it go
+    _close_server_alive_fd()
+    tracker: Any = resource_tracker._resource_tracker
+    fd = getattr(tracker, "_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        tracker._fd = tracker._pid = None  # started again if this process needs one
 
 
 def detach_from_trainer_group() -> None:

@@ -101,7 +101,12 @@ def is_empty_dir(root: Path) -> bool:
     if not root.exists():
         return True
     # lock files, and a replica descriptor (LowDiff+ checks and cleans it up on resume)
-    ignorable = {layout.LOCK_FILE, layout.WRITER_LOCK_FILE, ".lowdiff.replica.json"}
+    ignorable = {
+        layout.LOCK_FILE,
+        layout.WRITER_LOCK_FILE,
+        layout.REPLICA_LOG,
+        ".lowdiff.replica.json",
+    }
     entries = list(root.iterdir())
     if all(_unused_subdir(p) for p in entries if p.name in (layout.FULL_DIR, layout.RECORDS_DIR)):
         # a manifest and no checkpoint file: the trainer that created the directory died
