@@ -32,11 +32,16 @@ def _env() -> dict[str, str]:
 
 
 def run(
-    script: str, args: list[str], kill_after: int | None = None, timeout: float = 120
+    script: str,
+    args: list[str],
+    kill_after: int | None = None,
+    timeout: float = 120,
+    stderr: list[str] | None = None,
 ) -> tuple[list[str], int]:
     """Run ``examples/<script>``; with ``kill_after``, SIGKILL it once it printed that step.
 
-    Returns its stdout lines and the last step it printed.
+    Returns its stdout lines and the last step it printed; its stderr is appended to
+    ``stderr`` when given.
     """
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLES / script), *args],
@@ -65,6 +70,8 @@ def run(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    if stderr is not None:
+        stderr.append(err)
     if kill_after is None:
         assert proc.returncode == 0, (lines[-5:], err[-3000:])
     else:
@@ -102,17 +109,24 @@ def reference_run(script: str, args: list[str]) -> tuple[list[str], Path]:
 
 
 def kill_resume_compare(
-    tmp_path: Path, script: str, args: list[str], kill_after: int
+    tmp_path: Path,
+    script: str,
+    args: list[str],
+    kill_after: int,
+    resumed_stderr: list[str] | None = None,
 ) -> tuple[int, dict[int, list[str]]]:
     """The whole check: uninterrupted run, killed run, resumed run; the final states must be
     bit-identical and every step the resumed run printed must match the reference's line.
 
-    Returns the step the resumed run started from and the reference's step lines.
+    Returns the step the resumed run started from and the reference's step lines; the
+    resumed run's stderr is appended to ``resumed_stderr`` when given.
     """
     ref_lines, ref_state = reference_run(script, args)
     ck = str(tmp_path / "ck")
     _, reported = run(script, [*args, "--dir", ck, "--sleep", "0.05"], kill_after=kill_after)
-    lines, _ = run(script, [*args, "--dir", ck, "--dump", str(tmp_path / "resumed.st")])
+    lines, _ = run(
+        script, [*args, "--dir", ck, "--dump", str(tmp_path / "resumed.st")], stderr=resumed_stderr
+    )
     start = resumed_at(lines)
     assert 0 < start <= reported + 1, (start, reported)
     ref, got = steps(ref_lines), steps(lines)

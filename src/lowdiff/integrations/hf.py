@@ -180,14 +180,27 @@ class LowDiffCallback(TrainerCallback):
         return str(out)
 
     def _save_weights(self, out: Path) -> None:
+        """The weights the Trainer insists on loading from a resume point (lowdiff restores
+        the model itself afterwards). Every key is written, tied weights too: the Trainer
+        loads the file non-strictly and warns about each key it lacks, and
+        ``save_pretrained`` leaves tied weights out."""
         import safetensors.torch
 
         assert self._model is not None
         save = getattr(self._model, "save_pretrained", None)
         if callable(save):
-            save(str(out), safe_serialization=True)
-        else:
-            safetensors.torch.save_model(self._model, str(out / "model.safetensors"))
+            save(str(out), safe_serialization=True)  # config.json and the rest beside it
+        seen: set[int] = set()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in self._model.state_dict().items():
+            t = t.detach()
+            key = t.untyped_storage().data_ptr()
+            # safetensors refuses tensors that share memory: a tied weight gets its own copy
+            tensors[name] = t.clone() if key in seen else t.contiguous()
+            seen.add(key)
+        safetensors.torch.save_file(
+            tensors, str(out / "model.safetensors"), metadata={"format": "pt"}
+        )
 
     # ------------------------------------------------------------------ Trainer events
     def on_init_end(
