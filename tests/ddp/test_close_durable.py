@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
+from tests.ddp.spawned import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,17 +56,8 @@ def _rank(rank: int, job: Path, out: Path, store: Path, strategy: str) -> None:
 def test_durable_step_after_close_is_the_last_step(tmp_path: Path, strategy: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    ctx = tmp.get_context("spawn")
-    args = (tmp_path / "ck", out, tmp_path / "store", strategy)
-    procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * WORLD
+    codes = run_ranks(_rank, WORLD, tmp_path / "ck", out, tmp_path / "store", strategy)
+    assert codes == [0] * WORLD
     got = [tuple(map(int, (out / f"rank{r}.txt").read_text().split())) for r in range(WORLD)]
     for before, after in got:
         assert before < STEPS  # the last steps were not durable before close() ...

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
+from tests.ddp.spawned import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -240,17 +240,7 @@ def _rank(rank: int, job: Path, out: Path, store: Path, phase: str) -> None:
 
 
 def _run(job: Path, out: Path, store: Path, phase: str) -> list[int | None]:
-    ctx = tmp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, job, out, store, phase)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
+    return run_ranks(_rank, WORLD, job, out, store, phase)
 
 
 @pytest.mark.multiprocess
