@@ -16,7 +16,7 @@ import lowdiff
 from lowdiff.format import layout
 from lowdiff.proc import holder as rp
 
-from .test_sigkill_recovery import SCRIPT, _env, _equal_states, _losses, _run
+from .test_sigkill_recovery import _equal_states, _losses, _run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -74,9 +74,6 @@ def test_training_crash_recovers_from_memory_exactly(tmp_path):
 
 def _kill_both_at(cfg: dict, kill_after: int, ckdir: Path) -> tuple[int, rp.Descriptor]:
     """Hardware failure: SIGKILL the checkpointing process, then the trainer, at once."""
-    import json
-    import subprocess
-    import sys
 
     from .test_sigkill_recovery import SCRIPT, _env
 
@@ -167,26 +164,9 @@ def test_killed_trainer_returns_to_a_launcher_that_captures_its_output(tmp_path)
     ckdir = tmp_path / "ck"
     cfg = {"dir": str(ckdir), "steps": 60, "strategy": "lowdiff+", "sleep": 0.02}
     cfg["idle_timeout"] = 120
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), json.dumps(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("step ") and int(line.split()[1]) >= 9:
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-        # both pipes reach their end: no survivor holds them (else this waits idle_timeout)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    # both pipes are read to their end after the kill: no survivor may hold them (else
+    # this would wait for the replica's idle_timeout)
+    _run(cfg, kill_after=9, read_to_end=True)
     # the replica did survive the trainer: it is there for a new one ...
     d = rp.read_descriptor(ckdir)
     assert d is not None and rp.pid_alive(d.pid)

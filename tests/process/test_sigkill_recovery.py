@@ -28,11 +28,19 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cfg: dict, kill_after: int | None = None) -> tuple[list[str], int]:
-    """Run the job; with ``kill_after``, SIGKILL it once it reports that many steps."""
+def _run(
+    cfg: dict, kill_after: int | None = None, read_to_end: bool = False
+) -> tuple[list[str], int]:
+    """Run the job; with ``kill_after``, SIGKILL it once it reports that many steps.
+
+    With ``read_to_end``, stderr is captured too and both pipes are read to their end
+    after the kill, as ``subprocess.run(capture_output=True)`` does: that returns only
+    once no process holds them any more.
+    """
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), json.dumps(cfg)],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if read_to_end else None,
         text=True,
         env=_env(),
     )
@@ -47,7 +55,10 @@ def _run(cfg: dict, kill_after: int | None = None) -> tuple[list[str], int]:
                 if kill_after is not None and reported >= kill_after:
                     os.kill(proc.pid, signal.SIGKILL)
                     break
-        proc.wait(timeout=120)
+        if read_to_end:
+            proc.communicate(timeout=60)
+        else:
+            proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
