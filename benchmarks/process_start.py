@@ -5,12 +5,14 @@ config and slots as a real session) and times ``ProcessLink.start`` (from the re
 the process's ``Ready``):
 
 - ``spawn``: a fresh interpreter per process, which imports torch itself;
-- ``forkserver, cold``: the first start of a trainer, which also starts the fork server
-  (the server imports torch once);
-- ``forkserver, warm``: every later start of the same trainer (a fork of the server);
-- ``forkserver, warmed up``: the first start after :func:`lowdiff.proc.spawn.warm_up`
-  ran ``--overlap`` seconds earlier (as a Checkpointer does at construction, while the
-  trainer resumes).
+- ``forkserver``, its server a fork of the trainer (lowdiff's default,
+  :mod:`lowdiff.proc.server`): ``cold`` is a trainer's first start, which forks the
+  server too; ``warm`` every later start of the same trainer;
+- ``forkserver``, its server a new interpreter (``LOWDIFF_PROCESS_START=interpreter``,
+  multiprocessing's own start: the server imports torch once, and each new process runs
+  the main script again): ``cold``, ``warm``, and ``warmed up``, the first start after
+  :func:`lowdiff.proc.spawn.warm_up` ran ``--overlap`` seconds earlier (as ``resume()``
+  does, while the trainer reads a checkpoint).
 
 Run: ``python benchmarks/process_start.py [--repeats 5] [--overlap 3]``. Each cold
 figure is taken in a new interpreter, so every start method begins from the same state.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -63,7 +66,7 @@ print(json.dumps(out))
 """
 
 
-def run(method: str, starts: int, overlap: float) -> list[float]:
+def run(method: str, starts: int, overlap: float, server: str = "fork") -> list[float]:
     with tempfile.TemporaryDirectory() as d:
         script = Path(d) / "start.py"  # spawn needs a main script it can run again
         script.write_text(
@@ -73,6 +76,7 @@ def run(method: str, starts: int, overlap: float) -> list[float]:
         res = subprocess.run(
             [sys.executable, str(script), method, str(starts), str(overlap)],
             capture_output=True, text=True, check=True,
+            env=dict(os.environ, LOWDIFF_PROCESS_START=server),
         )  # fmt: skip
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -82,25 +86,28 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--overlap", type=float, default=3.0)
     a = p.parse_args()
-    rows: dict[str, list[float]] = {k: [] for k in ("spawn", "cold", "warm", "warmed")}
-    for _ in range(a.repeats):
-        rows["spawn"] += run("spawn", 1, 0)
-        first, *later = run("forkserver", 3, 0)
-        rows["cold"].append(first)
-        rows["warm"] += later
-        rows["warmed"] += run("warmed", 1, a.overlap)
-    print(f"{'start':<28} {'median ms':>10} {'min ms':>8} {'max ms':>8}  n")
     names = {
         "spawn": "spawn",
-        "cold": "forkserver, cold",
-        "warm": "forkserver, warm",
-        "warmed": f"forkserver, warmed up {a.overlap:g} s",
+        "fork-cold": "forked server, cold",
+        "fork-warm": "forked server, warm",
+        "interp-cold": "interpreter server, cold",
+        "interp-warm": "interpreter server, warm",
+        "interp-warmed": f"interpreter server, warmed up {a.overlap:g} s",
     }
+    rows: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(a.repeats):
+        rows["spawn"] += run("spawn", 1, 0)
+        for server, key in (("fork", "fork"), ("interpreter", "interp")):
+            first, *later = run("forkserver", 3, 0, server)
+            rows[f"{key}-cold"].append(first)
+            rows[f"{key}-warm"] += later
+        rows["interp-warmed"] += run("warmed", 1, a.overlap, "interpreter")
+    width = max(map(len, names.values())) + 2
+    print(f"{'start':<{width}} {'median ms':>10} {'min ms':>8} {'max ms':>8}  n")
     for k, v in rows.items():
         ms = [x * 1e3 for x in v]
-        print(
-            f"{names[k]:<28} {statistics.median(ms):10.0f} {min(ms):8.0f} {max(ms):8.0f}  {len(ms)}"
-        )
+        med, lo, hi = statistics.median(ms), min(ms), max(ms)
+        print(f"{names[k]:<{width}} {med:10.0f} {lo:8.0f} {hi:8.0f}  {len(ms)}")
 
 
 if __name__ == "__main__":

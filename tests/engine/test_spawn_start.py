@@ -1,10 +1,15 @@
-"""Background processes started by spawn: a training script without a ``__main__`` guard,
+"""How background processes start.
+
+With the fork server started as a fork of the trainer (the default), a new process does
+not run the main script again, so a training script without a ``__main__`` guard works.
+With ``LOWDIFF_PROCESS_START=interpreter`` (a new interpreter, as ``spawn``) such a script,
 or one piped into ``python -``, gets an error that names the cause instead of a bare exit
-code, and nothing trains in the spawned process."""
+code, and nothing trains in the new process."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,23 +46,42 @@ GUARDED = (
 )
 
 
-def _run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def _run(
+    args: list[str], stdin: str | None = None, start: str = "fork"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args],
         input=stdin,
         capture_output=True,
         text=True,
         timeout=240,
+        env=dict(os.environ, LOWDIFF_PROCESS_START=start),
     )
 
 
+STRATEGIES = ["lowdiff", "lowdiff+", "checkfreq", "naive-dc", "gemini"]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+", "checkfreq", "naive-dc", "gemini"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_script_without_main_guard_trains_with_the_forked_server(
+    tmp_path: Path, strategy: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    r = _run([str(script), strategy, str(tmp_path / "ck")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    # the script ran once: the new processes are forks that hold its main module already
+    assert r.stdout.count("MAIN RAN") == 1 and "TRAINED" in r.stdout, r.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_script_without_main_guard_fails_with_the_cause(tmp_path: Path, strategy: str) -> None:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     ckdir = tmp_path / "ck"
-    r = _run([str(script), strategy, str(ckdir)])
+    r = _run([str(script), strategy, str(ckdir)], start="interpreter")
     assert r.returncode != 0, r.stdout + r.stderr
     # the script ran twice: in the trainer and again in the spawned process
     assert r.stdout.count("MAIN RAN") == 2, r.stdout
@@ -74,7 +98,7 @@ def test_script_without_main_guard_fails_with_the_cause(tmp_path: Path, strategy
         return  # the baselines' guarded runs are their own tests
     # with the guard, the same script trains in the same directory
     script.write_text(GUARDED)
-    r = _run([str(script), strategy, str(ckdir)])
+    r = _run([str(script), strategy, str(ckdir)], start="interpreter")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("MAIN RAN") == 1 and "TRAINED" in r.stdout
 

@@ -1,27 +1,30 @@
-"""Starting lowdiff's background processes: never a fork of the trainer.
+"""Starting lowdiff's background processes.
 
 Every background process lowdiff starts (the checkpointing process, a LowDiff+ replica,
-the baselines' persist and holder processes) starts from a clean interpreter, never as a
-fork of a trainer that may hold CUDA contexts, OpenMP thread pools or locks taken by
-other threads. They start with multiprocessing's ``forkserver`` method
-(:func:`process_context`): one server process per trainer, a fresh interpreter that
-imports torch once (:data:`PRELOAD`) and touches no device and no thread pool, forks
-each new process. A new process then costs a fork instead of an interpreter start and
-an ``import torch`` (``docs/benchmarks.md``, "Starting a background process", has the
-figures). The trainer's environment is handed to each new process as it is when the
-process starts (:func:`run_in_env`), as ``spawn`` would. The harness's own child
-processes use plain ``spawn`` (:func:`spawn_context`).
+the baselines' persist and holder processes) starts with multiprocessing's
+``forkserver`` method (:func:`process_context`): one server process per trainer forks
+each new process. By default the server is itself a fork of the trainer, taken when the
+first process is needed and cleaned of what it could carry over (descriptors, locks,
+signal handlers, thread pools: :mod:`lowdiff.proc.server`), so a new process costs two
+forks and holds torch, lowdiff and the trainer's main module from the start
+(``docs/benchmarks.md``, "Starting a background process", has the figures). The
+trainer's environment is handed to each new process as it is when the process starts
+(:func:`run_in_env`). The harness's own child processes use plain ``spawn``
+(:func:`spawn_context`).
 
-Like ``spawn``, both run the main script again in the new process (as the module
-``__mp_main__``) before they call the process's target, so:
+With ``LOWDIFF_PROCESS_START=interpreter`` the server is a new interpreter that imports
+torch once (:data:`PRELOAD`) and touches no device and no thread pool. Then, as with
+``spawn``, each new process runs the main script again (as the module ``__mp_main__``)
+before it calls the process's target, so:
 
 - the script must keep its training under ``if __name__ == "__main__":``. Without the
   guard the new process would start training too; :func:`refuse_in_bootstrap` stops that
   at the first ``Checkpointer`` with an error that says so, and the trainer's error for a
-  process that exited before it was ready says the same (:func:`exit_message`);
-- the main script must be a file the new process can read. A script piped into
-  ``python -`` is not: :func:`spawn_context` refuses it before anything starts.
-  ``python -c``, ``python -m`` and notebooks are fine (no file is run again).
+  process that exited before it was ready says the same (:func:`exit_message`).
+
+Either way the main script must be a file (or absent): a script piped into ``python -``
+is refused before anything starts (:func:`spawn_context`), since multiprocessing asks
+each new process to run it again. ``python -c``, ``python -m`` and notebooks are fine.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.multiprocessing as tmp
 
 from lowdiff.errors import LowDiffError
 from lowdiff.format import atomic
+from lowdiff.proc import server
 
 GUARD_HINT = (
     'lowdiff starts its background processes with multiprocessing\'s "spawn" method, which '
@@ -93,17 +97,17 @@ interpreter's start), and nothing that reads the environment at import."""
 
 
 def process_context() -> Any:
-    """The context lowdiff's background processes start in: ``forkserver`` with torch
-    preloaded (see the module docstring). The main script is not preloaded: each new
-    process runs it again itself, as with ``spawn``, so the ``__main__`` guard works the
-    same way.
+    """The context lowdiff's background processes start in: ``forkserver``, its server
+    running (see the module docstring and :mod:`lowdiff.proc.server`).
 
     Raises:
         LowDiffError: If the main script is not a file (see :func:`spawn_context`).
+        ValueError: If ``LOWDIFF_PROCESS_START`` holds no known start method.
     """
     spawn_context()  # the same check of the main script
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
+    server.ensure_running()
     return ctx
 
 
@@ -146,7 +150,6 @@ def warm_up() -> None:
     left for the start itself to refuse."""
     with contextlib.suppress(LowDiffError):
         process_context()
-        forkserver.ensure_running()
 
 
 def run_in_env(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
