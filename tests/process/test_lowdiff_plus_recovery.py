@@ -72,6 +72,63 @@ def test_training_crash_recovers_from_memory_exactly(tmp_path):
     assert rp.read_descriptor(ckdir) is None
 
 
+def _process_line(lines: list[str]) -> tuple[int, int]:
+    """(the checkpointing process's pid, the pid of the process taken over or -1)."""
+    parts = next(ln for ln in lines if ln.startswith("process ")).split()
+    return int(parts[1]), int(parts[3])
+
+
+def test_next_trainer_takes_the_surviving_process_over(tmp_path):
+    """Two crashes in a row: each next trainer takes over the replica's process that
+    outlived the last one (no new process), and the run ends bit-identical."""
+    steps = 30
+    ckdir = tmp_path / "ck"
+    base = {"dir": str(ckdir), "steps": steps, "strategy": "lowdiff+", "idle_timeout": 120}
+    first, _ = _run(dict(base, sleep=0.02), kill_after=9)
+    started, adopted = _process_line(first)
+    assert adopted == -1 and started > 0
+    survivor = rp.read_descriptor(ckdir)
+    assert survivor is not None and survivor.pid == started and rp.pid_alive(started)
+
+    second, _ = _run(dict(base, sleep=0.02), kill_after=19)
+    assert _recovery_line(second) == ("memory", 0)
+    assert _process_line(second) == (started, started)  # taken over, not started anew
+    assert rp.pid_alive(started)
+
+    last, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    assert _recovery_line(last) == ("memory", 0)
+    assert _process_line(last) == (started, started)
+    ref, _ = _run(
+        {"dir": str(tmp_path / "u"), "steps": steps, "strategy": "none", "uncompressed": True,
+         "dump_at": {steps: str(tmp_path / "ref.safetensors")}}
+    )  # fmt: skip
+    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
+    assert _losses(last) == {s: v for s, v in _losses(ref).items() if s in _losses(last)}
+    # closed: the process persisted the last step and exited, leaving nothing in memory
+    deadline = time.monotonic() + 30
+    while rp.pid_alive(started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rp.pid_alive(started)
+    assert lowdiff.inspect_dir(ckdir).recoverable[1] == steps
+    assert rp.read_descriptor(ckdir) is None
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"lowdiff-{survivor.run_id[:16]}")]
+
+
+def test_a_trainer_of_another_job_is_refused_and_starts_its_own_process(tmp_path):
+    """A survivor that does not match the new trainer (here: another ``keep_full``) is
+    not taken over: it persists what it holds and exits, and the trainer recovers from
+    its memory with a new process."""
+    ckdir = tmp_path / "ck"
+    base = {"dir": str(ckdir), "steps": 20, "strategy": "lowdiff+", "idle_timeout": 120}
+    first, _ = _run(dict(base, sleep=0.02), kill_after=8)
+    started, _ = _process_line(first)
+    lines, _ = _run(dict(base, keep_full=3))
+    assert _recovery_line(lines)[0] == "memory"
+    pid, adopted = _process_line(lines)
+    assert adopted == -1 and pid != started
+    assert not rp.pid_alive(started)
+
+
 def _kill_both_at(cfg: dict, kill_after: int, ckdir: Path) -> tuple[int, rp.Descriptor]:
     """Hardware failure: SIGKILL the checkpointing process, then the trainer, at once."""
 

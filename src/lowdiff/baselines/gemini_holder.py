@@ -26,14 +26,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +59,7 @@ from lowdiff.baselines.gemini_protocol import (
 from lowdiff.format import codec, layout
 from lowdiff.format.sfile import view_tensors
 from lowdiff.proc import holder as rp
+from lowdiff.proc.adopt import AdoptionListener
 from lowdiff.proc.link import ChildEnd
 from lowdiff.proc.locks import acquire_flock
 from lowdiff.proc.protocol import Close, Closed, Flush, Flushed, Kind, Message, unexpected
@@ -69,8 +67,6 @@ from lowdiff.proc.spawn import detach_from_trainer_group
 
 _POLL_S = 0.2
 """How often an idle holder looks at its trainer, its persist thread and newcomers."""
-_ATTACH_WAIT_S = 10.0
-"""How long a connection to the holder's socket has to send its GmAttach."""
 
 
 def _due(step: int, full_every: int, persist_every: int) -> bool:
@@ -109,41 +105,6 @@ def _state_from(
     }
 
 
-def _unlink_and_close(shm: Any) -> None:
-    rp.unlink_segment(shm.name)
-    with contextlib.suppress(Exception):
-        shm.close()
-
-
-class _TrainerEnd(ChildEnd):
-    """The holder's end of one trainer's link.
-
-    :meth:`ChildEnd.serve` asks :meth:`trainer_gone` whenever no request came for a
-    while. Here the answer is also yes when the holder has its own reason to stop
-    serving (``idle``, see :meth:`_Holder.idle`), and the trainer is watched by its pid:
-    a trainer that attached later is not the holder's parent.
-    """
-
-    def __init__(
-        self,
-        requests: Connection,
-        results: Connection,
-        trainer_pid: int,
-        idle: Callable[[], bool],
-    ) -> None:
-        super().__init__(requests, results)
-        self.trainer_pid = trainer_pid
-        self._idle = idle
-
-    def trainer_gone(self) -> bool:
-        return self._idle() or not rp.pid_alive(self.trainer_pid)
-
-    def close(self) -> None:
-        for c in (self.requests, self.results):
-            with contextlib.suppress(Exception):
-                c.close()
-
-
 class _Holder:
     """The holder's state: buffers, the newest complete checkpoints, the persist thread."""
 
@@ -161,7 +122,7 @@ class _Holder:
         self.peer: dict[str, Any] | None = None
         """The predecessor's newest complete checkpoint (DDP), as the control block shows it."""
         self.persisted = cfg.persisted
-        self.end: _TrainerEnd | None = None
+        self.end: ChildEnd | None = None
         """The attached trainer (None while orphaned)."""
         self.writer: threading.Thread | None = None
         self.write_error: BaseException | None = None
@@ -170,33 +131,20 @@ class _Holder:
         self.closed = False
         """Set by the trainer's ``Close``."""
         self.ctl: rp.ControlBlock | None = None
-        self.listener: Listener | None = None
-        self.incoming: queue.Queue[Connection] = queue.Queue()
+        self.listener: AdoptionListener | None = None
 
     # -- setup and teardown -------------------------------------------------------------------
     def open(self) -> None:
         ctl_name = f"lowdiff-{self.cfg.run_id[:16]}-ctl"
         self.ctl = rp.ControlBlock(rp.create_segment(ctl_name, rp.CTL_BYTES))
         self.publish(rp.STATE_INIT)
-        self.listener = Listener("\0" + self.cfg.address, "AF_UNIX", authkey=self.cfg.authkey)
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.listener = AdoptionListener(self.cfg.address, self.cfg.authkey)
         rp.write_descriptor(
             self.root,
             rp.Descriptor(
                 os.getpid(), socket.gethostname(), self.cfg.run_id, ctl_name, self.cfg.layout_id
             ),
         )
-
-    def _accept(self) -> None:
-        """(thread) Queue the authenticated connections to the socket."""
-        assert self.listener is not None
-        while True:
-            try:
-                self.incoming.put(self.listener.accept())
-            except (AuthenticationError, EOFError):
-                continue
-            except OSError:
-                return  # closed
 
     def close(self) -> None:
         if self.ctl is not None:
@@ -207,9 +155,9 @@ class _Holder:
                 self.listener.close()
         for shm in self.shms:
             if shm is not None:
-                _unlink_and_close(shm)
+                rp.unlink_and_close(shm)
         if self.ctl is not None:
-            _unlink_and_close(self.ctl.shm)
+            rp.unlink_and_close(self.ctl.shm)
         rp.remove_descriptor(self.root, self.cfg.run_id)
 
     def release(self, *_: Any) -> None:
@@ -279,7 +227,7 @@ class _Holder:
         if b == self.cur or (self.peer is not None and b == self.peer["buffer"]):
             raise RuntimeError(f"buffer {b} holds a complete checkpoint; it is not reallocated")
         if self.shms[b] is not None:
-            _unlink_and_close(self.shms[b])
+            rp.unlink_and_close(self.shms[b])
             self.shms[b] = None
         self.gen += 1
         cap = max(1, nbytes + nbytes // 8)  # slack: optimizer state appears after step 1
@@ -360,10 +308,10 @@ class _Holder:
             self.write_error = e
 
     # -- trainers -------------------------------------------------------------------------------
-    def run(self, first: _TrainerEnd) -> None:
+    def run(self, first: ChildEnd) -> None:
         """Serve trainers until one closes the holder, it is released, or no trainer
         comes for ``idle_timeout`` seconds after the last one died."""
-        end: _TrainerEnd | None = first
+        end: ChildEnd | None = first
         while end is not None:
             self.end = end
             try:
@@ -389,30 +337,24 @@ class _Holder:
         return self.released
 
     def _refuse_newcomers(self) -> None:
-        while True:
-            try:
-                c = self.incoming.get_nowait()
-            except queue.Empty:
-                return
-            with contextlib.suppress(Exception):
-                c.send(GmRefused("another trainer is attached to this holder"))
-                c.close()
+        assert self.listener is not None
+        self.listener.refuse_waiting(GmRefused("another trainer is attached to this holder"))
 
-    def orphaned(self, end: _TrainerEnd) -> None:
+    def orphaned(self, end: ChildEnd) -> None:
         """The trainer died: take every checkpoint it finished handing over."""
         self.end = None
         end.drain(self.handle, (Kind.GM_DONE, Kind.GM_PEER_DONE))
         end.close()
 
-    def wait_for_trainer(self) -> _TrainerEnd | None:
+    def wait_for_trainer(self) -> ChildEnd | None:
         """Offer the checkpoint to a new trainer for ``idle_timeout`` seconds (None: none
         came, or the holder was released)."""
         self.publish(rp.STATE_ORPHANED)
         deadline = time.monotonic() + self.cfg.idle_timeout
         while not self.released and time.monotonic() < deadline:
-            try:
-                c = self.incoming.get(timeout=_POLL_S)
-            except queue.Empty:
+            assert self.listener is not None
+            c = self.listener.get(timeout=_POLL_S)
+            if c is None:
                 if self.write_error is not None:
                     self.wait_persist()
                 continue
@@ -421,17 +363,18 @@ class _Holder:
                 return end
         return None
 
-    def _attach(self, c: Connection) -> _TrainerEnd | None:
+    def _attach(self, c: Connection) -> ChildEnd | None:
         """Serve the trainer on ``c`` if it asks to attach with this model."""
+        assert self.listener is not None
+        msg = self.listener.request(c)
+        if msg is None:
+            return None
         try:
-            if not c.poll(_ATTACH_WAIT_S):
-                raise EOFError
-            msg = c.recv()
             if not isinstance(msg, GmAttach) or msg.layout_id != self.cfg.layout_id:
                 c.send(GmRefused("not an attach request of this model"))
                 c.close()
                 return None
-            end = _TrainerEnd(c, c, msg.pid, self.idle)
+            end = ChildEnd(c, c, msg.pid, self.idle)
             self.end = end
             self.publish(rp.STATE_RUNNING)
             c.send(GmAttached(self.state()))
@@ -451,7 +394,7 @@ def holder_main(cfg: HolderConfig, requests: Connection, results: Connection) ->
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
     h = _Holder(cfg)
     signal.signal(signal.SIGTERM, h.release)
-    first = _TrainerEnd(requests, results, cfg.trainer_pid, h.idle)
+    first = ChildEnd(requests, results, cfg.trainer_pid, h.idle)
     h.end = first
     lock_fd = None
     try:

@@ -25,8 +25,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,6 +49,7 @@ from lowdiff.baselines.gemini_protocol import (
 )
 from lowdiff.errors import CheckpointWorkerError, LowDiffError
 from lowdiff.format import layout
+from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
 from lowdiff.proc.link import ProcessLink
 from lowdiff.proc.locks import acquire_flock, lock_holder, wait_for_writer
@@ -202,12 +202,8 @@ class HolderLink:
             self.miss_reason = why
             return None
         try:
-            conn = Client(
-                "\0" + str(live.doc["address"]),
-                "AF_UNIX",
-                authkey=bytes.fromhex(str(live.doc["authkey"])),
-            )
-        except (OSError, EOFError, AuthenticationError, KeyError, ValueError) as e:
+            conn = adopt.connect(live.doc)
+        except OSError as e:
             live.close()
             self.miss_reason = f"the holder process does not answer ({e})"
             return None

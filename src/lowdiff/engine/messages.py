@@ -2,8 +2,8 @@
 
 LowDiff's writer (:mod:`lowdiff.engine.worker`) takes :class:`Record`, :class:`Stage`,
 :class:`Full`, :class:`BatchSize`, ``Flush`` and ``Close``; LowDiff+'s replica
-(:mod:`lowdiff.engine.replica_worker`) takes :class:`Step`, :class:`Stage`, :class:`Init`,
-``Flush`` and ``Close``. Both answer with the shared replies of
+(:mod:`lowdiff.engine.replica_process`) takes :class:`Step`, :class:`Stage`, :class:`Init`,
+``Flush`` and ``Close``, and, once its trainer is gone, :class:`Adopt` from the next one. Both answer with the shared replies of
 :mod:`lowdiff.proc.protocol` and :class:`Durable`, :class:`FullDone`, :class:`Merged`.
 Most progress (slots consumed, records written, the durable step) goes through the
 shared counters of :mod:`lowdiff.proc.channel` instead, with no message at all.
@@ -103,3 +103,23 @@ class Merged(Message):
     kind: ClassVar[Kind] = Kind.MERGED
     step: int
     seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Adopt(Message):
+    """LowDiff+, to a replica whose trainer died: this trainer takes the process over.
+
+    The trainer has copied the replica's state at ``step`` (``ORPHANED`` in its control
+    block). The replica checks that ``cfg`` (a ``ReplicaConfig``) is its own run, layout,
+    directory, optimizer, shard and retention, makes ``slots`` new snapshot slots and new
+    counters in named shared memory, takes the trainer's environment, and answers
+    ``Ready`` with their names (or ``Refused``, and why)."""
+
+    kind: ClassVar[Kind] = Kind.ADOPT
+    pid: int
+    step: int
+    slots: int
+    cfg: Any
+    env: dict[str, str]
+    """The trainer's environment, which the process takes as its own (as a process the
+    trainer starts does)."""

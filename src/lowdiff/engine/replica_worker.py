@@ -1,54 +1,27 @@
-"""The checkpointing process of ``strategy="lowdiff+"``: a CPU replica, merged every step.
+"""The CPU replica of ``strategy="lowdiff+"``: model and optimizer state in a shared
+arena, merged every step, and its background persist.
 
-Call sequence:
-
-0) (trainer) starts this process with the shared snapshot slots and two pipes.
-1) (checkpointing) takes the writer lock, creates the control block, publishes the
-   replica descriptor.
-2) (trainer, once per session) stages its whole state and sends
-   :class:`~lowdiff.engine.messages.Init`; the
-   replica is built from it in a named shared-memory arena and persisted right away.
-3) (trainer, every step) fills a slot with the step's gradients (snapshotted layer by
-   layer during backward), buffers and RNG states and sends
-   :class:`~lowdiff.engine.messages.Step`.
-   (checkpointing) applies the same optimizer update to the replica (PyTorch's own CPU
-   kernels: the optimizer class and its foreach/fused flags are the trainer's), copies
-   buffers and RNG, publishes the new metadata in the control block, frees the slot,
-   and starts a background persist when one is due.
-4) (trainer) ``Flush`` / ``Close``: persist the current step and answer with it.
-
-When the trainer dies, the process merges every step it received completely, marks
-the replica ORPHANED (a new trainer may attach and copy it from memory), persists it,
-and waits for a new trainer or for ``idle_timeout``. A new trainer that has copied the
-replica sends SIGTERM; the process then unlinks its segments and exits.
+:class:`Replica` is what LowDiff+'s checkpointing process
+(:mod:`lowdiff.engine.replica_process`) holds: the replica's tensors are views into a
+named shared-memory arena (:mod:`lowdiff.proc.holder`), updated in place by every merge,
+so that a new trainer can copy them after a crash. :class:`Persister` writes exact
+snapshots of it as full checkpoints.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lowdiff.engine.messages import Init, Merged, Stage, Step
 from lowdiff.engine.replica_optim import ShardedOptimizer, optimizer_class
 from lowdiff.engine.worker import FullWriter
-from lowdiff.format import codec, layout, sfile
+from lowdiff.format import codec, sfile
 from lowdiff.format.sfile import plan, view_tensors
 from lowdiff.proc import holder as rp
-from lowdiff.proc.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
-from lowdiff.proc.link import ChildEnd
-from lowdiff.proc.locks import acquire_flock
-from lowdiff.proc.protocol import Close, Closed, Failed, Flush, Flushed, Kind, Message, unexpected
-from lowdiff.proc.spawn import WORKER_NICE, detach_from_trainer_group, release_trainer_stdio
 from lowdiff.state.record import RecordLayout
 
 
@@ -110,6 +83,9 @@ class Replica:
         self._rng: Any = None
         self._grads_bound: int | None = None
         """The slot (by address) whose gradient views the parameters' ``.grad`` hold."""
+        self.adoption: dict[str, str] = {}
+        """How a new trainer reaches the process to take it over (published with the
+        state; :mod:`lowdiff.proc.adopt`)."""
 
     # -- arena ------------------------------------------------------------------------------
     def _allocate(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -127,7 +103,7 @@ class Replica:
         self._state_json = None
         self._arena_moved = True
         if old is not None:
-            _unlink_and_close(old)
+            rp.unlink_and_close(old)
 
     def _adopt_optimizer_state(self, full: bool = False) -> None:
         """Move optimizer state that lives outside the arena into it.
@@ -267,6 +243,14 @@ class Replica:
         else:
             self.ctl.set_step(rp.STATE_RUNNING, self.step)
 
+    def forget_slots(self) -> None:
+        """The snapshot slots are replaced (a new trainer took the process over): drop
+        every view into the old ones."""
+        self._row_views.clear()
+        self._grads_bound = None
+        for p in self.params:
+            p.grad = None
+
     def sync(self) -> None:
         """Make the arena hold every optimizer state tensor (before anything reads it)."""
         self._adopt_optimizer_state(full=True)
@@ -337,7 +321,12 @@ class Replica:
             self._entries_json = json.dumps(rp.entries_to_json(self.entries), separators=(",", ":"))
         meta = self.metadata()
         head = json.dumps(
-            {"run_id": self.cfg.run_id, "layout_id": self.rl.layout_id, "arena": self.arena.name},
+            {
+                "run_id": self.cfg.run_id,
+                "layout_id": self.rl.layout_id,
+                "arena": self.arena.name,
+                **self.adoption,
+            },
             separators=(",", ":"),
         )
         raw = f'{head[:-1]},"entries":{self._entries_json},"meta":{json.dumps(meta, separators=(",", ":"))}}}'
@@ -349,17 +338,10 @@ class Replica:
         if self.opt is not None:
             self.opt.close()
         if self.arena is not None:
-            _unlink_and_close(self.arena)
+            rp.unlink_and_close(self.arena)
 
 
-def _unlink_and_close(shm: Any) -> None:
-    # unlink first: close() refuses while tensors still view the buffer
-    rp.unlink_segment(shm.name)
-    with contextlib.suppress(Exception):
-        shm.close()
-
-
-class _Persister(FullWriter):
+class Persister(FullWriter):
     """Writes exact snapshots of the replica in a background thread, one at a time."""
 
     def __init__(self, root: Path, keep_full: int | None, send: Any, progress: Any = None) -> None:
@@ -377,164 +359,3 @@ class _Persister(FullWriter):
         # merging continues while the copy is written, so the file holds exactly this step
         self.buf[:size].copy_(rp.segment_tensor(rep.arena, size))
         self.start(rep.step, list(rep.entries), self.buf[:size], rep.metadata())
-
-
-def _warm_up(optimizer_path: str) -> None:
-    """Run the optimizer once on a scratch tensor: its first step imports and initialises
-    machinery that would otherwise stall the first merge (and so the trainer)."""
-    with contextlib.suppress(Exception):
-        p = torch.nn.Parameter(torch.zeros(8))
-        p.grad = torch.zeros(8)
-        optimizer_class(optimizer_path)([p]).step()  # type: ignore[call-arg]
-
-
-class _ReplicaProcess:
-    """The replica process's main loop: requests in, merges and persists out."""
-
-    def __init__(self, cfg: ReplicaConfig, slots: torch.Tensor, ctr: Counters, end: ChildEnd):
-        self.cfg, self.slots, self.ctr, self.end = cfg, slots, ctr, end
-        self.root = Path(cfg.root)
-        self.released = False
-        """Set by SIGTERM: a new trainer copied the replica (a flag, set from a handler)."""
-        self.rep: Replica | None = None
-        self.persister: _Persister | None = None
-        self.staging: torch.Tensor | None = None
-        self.ctl_shm: Any = None
-
-    def on_sigterm(self, *_: Any) -> None:
-        self.released = True
-
-    def start(self) -> None:
-        """Create the control block, publish the descriptor, build the (empty) replica."""
-        cfg = self.cfg
-        layout_id = RecordLayout.from_json(cfg.layout).layout_id
-        ctl_name = f"lowdiff-{cfg.run_id[:16]}-ctl"
-        self.ctl_shm = rp.create_segment(ctl_name, rp.CTL_BYTES)
-        ctl = rp.ControlBlock(self.ctl_shm)
-        ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id, "layout_id": layout_id})
-        rp.write_descriptor(
-            self.root,
-            rp.Descriptor(os.getpid(), socket.gethostname(), cfg.run_id, ctl_name, layout_id),
-        )
-        _warm_up(cfg.optimizer)
-        self.rep = Replica(cfg, ctl)
-        self.persister = _Persister(
-            self.root, cfg.keep_full, self.end.send, progress=lambda _n: self.ctr.add(BEAT)
-        )
-
-    def maybe_persist(self) -> None:
-        rep, persister = self.rep, self.persister
-        assert rep is not None and persister is not None
-        if persister.error is not None:
-            persister.wait()
-        persist_every = self.cfg.persist_every
-        if persist_every == "auto":
-            # as often as the disk keeps up, but writing at most half of the time
-            if not persister.busy and time.monotonic() >= persister.next_auto:
-                persister.snapshot(rep)
-        elif isinstance(persist_every, int) and rep.step % persist_every == 0:
-            persister.snapshot(rep)
-
-    def handle(self, msg: Message) -> bool:
-        """Handle one request; False when the process should stop."""
-        rep, persister = self.rep, self.persister
-        assert rep is not None and persister is not None
-        match msg:
-            case Step(slot=slot, step=step, meta=meta):
-                t0 = time.perf_counter()
-                rep.merge(self.slots[slot], step, codec.loads(meta))
-                self.ctr.add(SLOTS_DONE)
-                self.ctr.add(BEAT)
-                self.end.send(Merged(rep.step, time.perf_counter() - t0))
-                self.maybe_persist()
-            case Stage(buffer=buffer):
-                self.staging = buffer
-            case Init(step=step, entries=entries, meta=meta):
-                assert self.staging is not None
-                rep.init_from(self.staging, step, entries, meta)
-                self.staging = None  # the replica holds the state now: unmap the staging copy
-                self.ctr.add(STAGING_DONE)
-                self.ctr.add(BEAT)
-                self.end.send(Merged(rep.step))
-                persister.snapshot(rep)
-            case Flush() | Close():
-                persister.wait()
-                if persister.persisted < rep.step:
-                    persister.snapshot(rep)
-                    persister.wait()
-                if isinstance(msg, Close):
-                    self.end.send(Closed(persister.persisted))
-                    return False
-                self.end.send(Flushed(persister.persisted))
-            case _:
-                raise unexpected(msg)
-        return True
-
-    def orphaned(self) -> None:
-        """The trainer died: merge every step that arrived completely, then offer the
-        replica to a new trainer until one copies it or ``idle_timeout`` passes."""
-        rep, persister = self.rep, self.persister
-        assert rep is not None and persister is not None
-        self.end.drain(self.handle, (Kind.STEP, Kind.STAGE, Kind.INIT))
-        if rep.opt is None:
-            return
-        release_trainer_stdio(self.root / layout.REPLICA_LOG)
-        rep.publish(rp.STATE_ORPHANED)
-        if persister.persisted < rep.step:
-            persister.snapshot(rep)
-        deadline = time.monotonic() + self.cfg.idle_timeout
-        while not self.released and time.monotonic() < deadline:
-            time.sleep(0.05)
-        persister.wait()
-
-    def teardown(self) -> None:
-        if self.rep is not None:
-            with contextlib.suppress(Exception):
-                self.rep.ctl.set_state(rp.STATE_CLOSED)
-            self.rep.close()
-        if self.ctl_shm is not None:
-            _unlink_and_close(self.ctl_shm)
-        rp.remove_descriptor(self.root, self.cfg.run_id)
-
-
-def replica_worker_main(
-    cfg: ReplicaConfig,
-    slots: torch.Tensor,
-    counters: torch.Tensor,
-    requests: Connection,
-    results: Connection,
-) -> None:
-    """Entry point of the LowDiff+ checkpointing process."""
-    detach_from_trainer_group()
-    # replica_threads is the number of parallel shards, each stepped by one thread: no
-    # intra-op threads on top of them (they would oversubscribe the cores)
-    torch.set_num_threads(1)
-    # The lower priority of LowDiff's checkpointing process (WORKER_NICE), for the same
-    # reason: where training keeps every core busy, the replica's update would preempt a
-    # trainer thread, and every other thread of its OpenMP team then waits at the next
-    # barrier (docs/benchmarks.md, "The checkpointing process's priority"). Where cores
-    # are free (GPU training) it changes nothing.
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICE)
-    end = ChildEnd(requests, results)
-    proc = _ReplicaProcess(cfg, slots, Counters(counters), end)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
-    signal.signal(signal.SIGTERM, proc.on_sigterm)
-    lock_fd = None
-    try:
-        lock_fd = acquire_flock(proc.root / layout.WRITER_LOCK_FILE, blocking=True)
-        proc.start()
-        end.ready()
-        if end.serve(proc.handle):
-            proc.orphaned()
-    except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
-        failed = Failed.of(e)
-        if proc.persister is not None:  # finish (or clean up) the write in flight first
-            with contextlib.suppress(BaseException):
-                proc.persister.wait()
-        end.send(failed)
-        raise SystemExit(1) from None
-    finally:
-        proc.teardown()
-        if lock_fd is not None:
-            os.close(lock_fd)

@@ -9,15 +9,19 @@ which raises what the process reported, or that it is gone, or that it stalled.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from lowdiff.engine.core import EngineCore
 from lowdiff.engine.messages import Durable, FullDone, Merged
 from lowdiff.engine.slots import RecordSlots
-from lowdiff.proc import channel
+from lowdiff.proc import adopt, channel
+from lowdiff.proc import holder as rp
 from lowdiff.proc.link import ProcessLink
-from lowdiff.proc.protocol import Closed, Flushed, Kind, Message
+from lowdiff.proc.protocol import Closed, Flushed, Kind, Message, Ready, Refused
 
 WHAT = "the checkpointing process"
 
@@ -53,6 +57,8 @@ class ProcessSession:
         """Raises what the process reported; the storage-error policy may replace it."""
         self.slots: RecordSlots | None = None
         self.counters: Any = None
+        self.segments: tuple[Any, ...] = ()
+        """The named shared memory of a process this trainer took over (slots, counters)."""
         self._records_seen = (0, 0, 0, 0)
 
     # ------------------------------------------------------------------ start
@@ -61,6 +67,7 @@ class ProcessSession:
         until it is ready."""
         if self.slots is not None:
             self.slots.release()
+        self._drop_segments()
         self.slots = RecordSlots(self.core, n_slots)
         ctr = channel.new_counters()
         self.counters = channel.view(ctr)
@@ -68,6 +75,46 @@ class ProcessSession:
         self.link.start(
             target, (cfg, self.slots.tensor, ctr), name="lowdiff-checkpointing", counters=ctr
         )
+
+    def adopt(self, published: dict[str, Any], request: Message) -> str:
+        """Take over a checkpointing process that outlived its trainer
+        (:mod:`lowdiff.proc.adopt`): connect with what its control block ``published``,
+        send ``request`` and, when it answers ``Ready``, use the slots and counters it made.
+
+        Returns:
+            '' once the process serves this trainer; otherwise why not (the process
+            did not answer, or refused), and nothing changed here.
+        """
+        try:
+            conn = adopt.connect(published)
+        except OSError as e:
+            return f"it does not answer ({e})"
+        try:
+            conn.send(request)
+            if not conn.poll(self.link.start_timeout):
+                raise EOFError(f"no answer within {self.link.start_timeout:g} s")
+            reply = conn.recv()
+            if isinstance(reply, Refused):
+                raise EOFError(f"it refused: {reply.reason}")
+            if not isinstance(reply, Ready) or not reply.info:
+                raise EOFError(f"it answered {type(reply).__name__}")
+            info = reply.info
+            slots_shm = rp.attach_segment(str(info["slots"]))
+            ctr_shm = rp.attach_segment(str(info["counters"]))
+        except (EOFError, OSError, KeyError, ValueError) as e:
+            adopt.close_quietly(conn)  # a process that said yes is orphaned again
+            return str(e)
+        n, row = int(info["n_slots"]), int(info["row_bytes"])
+        if self.slots is not None:
+            self.slots.release()
+        self._drop_segments()
+        self.slots = RecordSlots(self.core, n, rp.segment_tensor(slots_shm, n * row).view(n, row))
+        ctr = torch.frombuffer(ctr_shm.buf, dtype=torch.int64, count=channel.N_COUNTERS)
+        self.segments = (slots_shm, ctr_shm)
+        self.counters = channel.view(ctr)
+        self._records_seen = (0, 0, 0, 0)
+        self.link.attach(reply.pid, conn, info, counters=ctr)
+        return ""
 
     @property
     def started(self) -> bool:
@@ -172,3 +219,10 @@ class ProcessSession:
         if self.slots is not None:
             self.slots.release()
         self.link.close_pipes()
+        self._drop_segments()
+
+    def _drop_segments(self) -> None:
+        for shm in self.segments:
+            with contextlib.suppress(Exception):
+                shm.close()  # the process unlinks them; a view still held keeps its mapping
+        self.segments = ()

@@ -31,14 +31,22 @@ class RecordSlots:
     Args:
         core: the session's training objects and record layout.
         n: the number of slots.
+        tensor: shared memory for them, ``(n, row_bytes)`` bytes, made by the process
+            (one that a new trainer took over); by default new shared memory.
     """
 
-    def __init__(self, core: EngineCore, n: int) -> None:
+    def __init__(self, core: EngineCore, n: int, tensor: torch.Tensor | None = None) -> None:
         assert core.layout is not None
         self.core = core
         self.layout: RecordLayout = core.layout
-        rp.ensure_shm_space(n * self.layout.row_bytes, "the record slots")
-        self.tensor = torch.zeros((n, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
+        if tensor is None:
+            rp.ensure_shm_space(n * self.layout.row_bytes, "the record slots")
+            tensor = torch.zeros((n, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
+        if tuple(tensor.shape) != (n, self.layout.row_bytes):
+            raise ValueError(
+                f"record slots of shape {tuple(tensor.shape)}, expected {(n, self.layout.row_bytes)}"
+            )
+        self.tensor = tensor
         self.pinned = core.record_device is not None and pin(self.tensor)
         """Whether a device copies records straight into these slots (asynchronously):
         the checkpointing process never depends on the trainer's device memory."""

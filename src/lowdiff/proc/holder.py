@@ -38,6 +38,7 @@ from lowdiff.errors import LowDiffError
 from lowdiff.format.atomic import write_bytes_atomic
 from lowdiff.format.dtypes import dtype_from_name, dtype_name
 from lowdiff.format.sfile import TensorEntry, view_tensors
+from lowdiff.proc.link import pid_alive
 
 DESCRIPTOR = ".lowdiff.replica.json"
 _MAGIC = b"LDREPL01"
@@ -97,6 +98,14 @@ def unlink_segment(name: str) -> None:
 
     with contextlib.suppress(FileNotFoundError, OSError):
         _posixshmem.shm_unlink("/" + name.lstrip("/"))
+
+
+def unlink_and_close(shm: shared_memory.SharedMemory) -> None:
+    """Unlink a segment, then close this process's mapping (unlinked first: ``close()``
+    refuses while tensors still view the buffer, and the mapping then goes with them)."""
+    unlink_segment(shm.name)
+    with contextlib.suppress(Exception):
+        shm.close()
 
 
 def segment_tensor(shm: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor:
@@ -211,16 +220,6 @@ def remove_descriptor(root: Path, run_id: str | None = None) -> None:
     if d is not None and (run_id is None or d.run_id == run_id):
         with contextlib.suppress(FileNotFoundError):
             (root / DESCRIPTOR).unlink()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

@@ -30,10 +30,9 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from lowdiff.errors import CheckpointWorkerError, DurabilityWarning
-from lowdiff.format.atomic import PARENT_ENV
 from lowdiff.proc import channel
 from lowdiff.proc.protocol import Failed, Kind, Message, Ready
-from lowdiff.proc.spawn import exit_message, process_context, run_in_env
+from lowdiff.proc.spawn import exit_message, process_context, run_in_env, trainer_env
 
 
 class ProcessLink:
@@ -106,7 +105,7 @@ class ProcessLink:
         proc = ctx.Process(
             target=run_in_env,
             args=(
-                dict(os.environ, **{PARENT_ENV: str(os.getpid())}),
+                trainer_env(),
                 target,
                 *args,
                 req_r,
@@ -141,7 +140,13 @@ class ProcessLink:
         self._poller.register(self._sentinel, select.POLLIN)
         self._maybe_gone = False
 
-    def attach(self, pid: int, conn: Connection, info: dict[str, Any] | None = None) -> None:
+    def attach(
+        self,
+        pid: int,
+        conn: Connection,
+        info: dict[str, Any] | None = None,
+        counters: Any = None,
+    ) -> None:
         """Take over a duplex connection to a running process that this one did not start,
         as a ready process (one that outlived the trainer that started it, reached through
         its socket, which has already answered ``info`` about itself).
@@ -152,7 +157,7 @@ class ProcessLink:
         Raises:
             ProcessLookupError: the process is gone.
         """
-        self.adopt(RunningProcess(pid), conn, conn)
+        self.adopt(RunningProcess(pid), conn, conn, counters)
         self.replies[Kind.READY] += 1
         self.info = info
 
@@ -307,6 +312,17 @@ class ProcessLink:
         self.requests = self.results = None
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RunningProcess:
     """A running process that this one did not start, watched the way a
     ``multiprocessing.Process`` child is: :attr:`sentinel` (a pidfd) turns readable when
@@ -345,12 +361,27 @@ class ChildEnd:
 
     :meth:`send` may be called from any thread of the process (a writer thread reports
     while the main thread serves requests); a trainer that is gone is not an error here.
+
+    Args:
+        requests, results: the connection (one duplex connection may be both).
+        trainer_pid: the trainer, when it is not this process's parent (a trainer that
+            took the process over: :mod:`lowdiff.proc.adopt`); it is watched by its pid.
+        idle: asked whenever no request came for a while; True ends :meth:`serve` as if
+            the trainer were gone (the process has its own reason to stop serving).
     """
 
-    def __init__(self, requests: Connection, results: Connection) -> None:
+    def __init__(
+        self,
+        requests: Connection,
+        results: Connection,
+        trainer_pid: int | None = None,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
         self.requests = requests
         self.results = results
         self.parent = os.getppid()
+        self.trainer_pid = trainer_pid
+        self._idle = idle
         self._lock = threading.Lock()
 
     def send(self, msg: Message) -> None:
@@ -365,8 +396,18 @@ class ChildEnd:
         self.send(Failed.of(exc))
 
     def trainer_gone(self) -> bool:
-        """Whether the trainer died (this process was re-parented)."""
+        """Whether the trainer died (this process was re-parented, or the trainer that
+        took it over is gone), or :attr:`idle` says to stop serving."""
+        if self._idle is not None and self._idle():
+            return True
+        if self.trainer_pid is not None:
+            return not pid_alive(self.trainer_pid)
         return os.getppid() != self.parent
+
+    def close(self) -> None:
+        for c in (self.requests, self.results):
+            with contextlib.suppress(Exception):
+                c.close()
 
     def serve(self, handle: Callable[[Message], bool], poll_s: float = 0.5) -> bool:
         """Handle requests until ``handle`` returns False (the trainer closed the link:

@@ -9,6 +9,8 @@ baselines' processes); the messages every process shares are here:
   raises it again as :class:`lowdiff.CheckpointWorkerError` with the child's traceback.
 - :class:`Flush` / :class:`Flushed` and :class:`Close` / :class:`Closed`: make what was
   handed over durable (and, for ``Close``, exit); the reply carries the durable step.
+- :class:`Refused` (process -> trainer): the answer of a process that outlived its
+  trainer to a new trainer that may not take it over (:mod:`lowdiff.proc.adopt`).
 
 Messages travel pickled through a ``multiprocessing`` pipe (shared-memory tensors by
 handle, as ``torch.multiprocessing`` sends them). A receiver dispatches on the message's
@@ -45,6 +47,7 @@ class Kind(enum.Enum):
     FLUSHED = "flushed"
     CLOSE = "close"
     CLOSED = "closed"
+    REFUSED = "refused"
     # LowDiff's checkpointing process (lowdiff.engine.writer)
     RECORD = "record"
     STAGE = "stage"
@@ -56,6 +59,7 @@ class Kind(enum.Enum):
     STEP = "step"
     INIT = "init"
     MERGED = "merged"
+    ADOPT = "adopt"
     # CheckFreq's persist process
     CF_STAGE = "cf_stage"
     CF_PERSIST = "cf_persist"
@@ -134,6 +138,14 @@ class Close(Message):
 class Closed(Message):
     kind: ClassVar[Kind] = Kind.CLOSED
     durable: int = -1
+
+
+@dataclass(frozen=True)
+class Refused(Message):
+    """(process -> a trainer that asked to take it over) No, and why."""
+
+    kind: ClassVar[Kind] = Kind.REFUSED
+    reason: str
 
 
 def unexpected(msg: Any) -> RuntimeError:

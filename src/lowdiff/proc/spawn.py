@@ -152,12 +152,23 @@ def warm_up() -> None:
         process_context()
 
 
+def trainer_env() -> dict[str, str]:
+    """The environment a background process takes from this trainer (see :func:`run_in_env`)."""
+    return dict(os.environ, **{atomic.PARENT_ENV: str(os.getpid())})
+
+
+def use_env(env: dict[str, str]) -> None:
+    """Take ``env`` (a trainer's :func:`trainer_env`) as this process's environment: when
+    the process starts, and again when a new trainer takes it over."""
+    os.environ.clear()
+    os.environ.update(env)
+    atomic.install_env_faults()  # read at import, which ran with another environment
+
+
 def run_in_env(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:
     """Run ``target(*args)`` with the trainer's environment ``env`` (a process forked by
     the server would otherwise see the server's, taken when the server started)."""
-    os.environ.clear()
-    os.environ.update(env)
-    atomic.install_env_faults()  # read at import, which ran with the server's environment
+    use_env(env)
     target(*args)
 
 

@@ -66,6 +66,9 @@ class RecoveryStats:
     replayed, or of the full checkpoint when no record was (None: not recorded, or
     recovered from memory). A session that resumes from this state names it as the
     ``follows`` of its first record file."""
+    adopted_pid: int | None = None
+    """LowDiff+: the checkpointing process that outlived the crashed trainer and that this
+    trainer took over (its pid), or None when a new process was started."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
