@@ -111,7 +111,9 @@ def test_next_trainer_takes_the_surviving_process_over(tmp_path):
     assert not rp.pid_alive(started)
     assert lowdiff.inspect_dir(ckdir).recoverable[1] == steps
     assert rp.read_descriptor(ckdir) is None
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"lowdiff-{survivor.run_id[:16]}")]
+    assert not [
+        n for n in os.listdir("/dev/shm") if n.startswith(f"lowdiff-{survivor.run_id[:16]}")
+    ]
 
 
 def test_a_trainer_of_another_job_is_refused_and_starts_its_own_process(tmp_path):

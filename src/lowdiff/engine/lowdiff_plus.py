@@ -278,7 +278,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         core.durable = int((session.link.info or {}).get("durable", -1))  # persisted already
         if barrier is not None:
             barrier()
-        core.write_manifest(self.options.keep_full)
+        # the manifest stays as the crashed trainer wrote it: same run, layout, retention
         self.stager.reset()
         core.started = True
         self._started_process()

@@ -73,11 +73,16 @@ def _body_hash(body: Any) -> str:
     )
 
 
+_verified: dict[str, bytes] = {}
+"""Per manifest path, the bytes this process last wrote or verified there: the same
+bytes read again need no second check (a session reads its manifest several times)."""
+
+
 def write_manifest(root: Path, body: dict[str, Any]) -> None:
     """Publish the manifest atomically, with its checksum."""
-    write_bytes_atomic(
-        root / MANIFEST, _canonical({"checksum": _body_hash(body), "lowdiff_manifest": body})
-    )
+    raw = _canonical({"checksum": _body_hash(body), "lowdiff_manifest": body})
+    write_bytes_atomic(root / MANIFEST, raw)
+    _verified[str(root / MANIFEST)] = raw
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
@@ -91,6 +96,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CorruptCheckpointError(path, "not valid JSON (torn or corrupt)") from None
+    if _verified.get(str(path)) == raw:
+        return obj["lowdiff_manifest"]  # type: ignore[no-any-return]
     if not isinstance(obj, dict) or set(obj) != {"checksum", "lowdiff_manifest"}:
         raise CorruptCheckpointError(path, "not a lowdiff manifest")
     body = obj["lowdiff_manifest"]
@@ -103,4 +110,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
         )
     if not isinstance(body, dict):
         raise CorruptCheckpointError(path, "manifest body is not an object")
+    if len(_verified) > 64:
+        _verified.clear()
+    _verified[str(path)] = raw
     return body
