@@ -86,6 +86,13 @@ class Checkpointer:
             trainer to attach before it persists and exits.
         replica_threads: LowDiff+ only: parallel shards of the replica's update (whole
             tensors, balanced by size, one thread each; the same bits as one thread).
+        sigterm_timeout: strategies ``"lowdiff"`` and ``"lowdiff+"``: on SIGTERM (a
+            scheduler reclaiming the node, a preemption), wait up to this many seconds
+            until every step whose ``step()`` returned is durable (each rank its own
+            shard, no collective), then end as SIGTERM would have (exit status -15, or
+            the process's own handler). Default 30, the grace period Kubernetes and
+            Slurm give by default. None leaves SIGTERM alone; so does a process that set
+            a SIGTERM handler of its own before the first ``Checkpointer``.
         mtbf: with ``"auto"``: the job's mean time between failures in seconds; default:
             the environment variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
         on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,

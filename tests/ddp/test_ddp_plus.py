@@ -4,10 +4,15 @@
   union of the shards equals every trainer's state;
 - a SIGKILLed rank under ``torchrun --max-restarts 1``: the restarted ranks rebuild the
   whole state from the replicas in memory, and the job finishes exactly like an
-  uninterrupted run.
+  uninterrupted run;
+- elastic restarts (``--max-restarts 2``: a rank SIGKILLed mid-run, later an exception in
+  the other rank): every restarted rank takes over the replica process that outlived its
+  predecessor, recovers from memory, and the job ends bit-identical.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -56,12 +61,23 @@ def test_sharded_replica_equals_the_trainers(tmp_path):
         )
 
 
-def test_sigkill_one_rank_recovers_from_the_replicas_in_memory(tmp_path):
-    ref, run = tmp_path / "ref", tmp_path / "run"
+COMMON = ("--strategy", "lowdiff+", "--steps", "12")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run (final states ``final-rank{r}.pt``)."""
+    base = tmp_path_factory.mktemp("plus-ref")
+    ref = base / "out"
     ref.mkdir()
+    torchrun("--dir", str(base / "ck"), "--out", str(ref), *COMMON)
+    return ref
+
+
+def test_sigkill_one_rank_recovers_from_the_replicas_in_memory(tmp_path, reference):
+    ref, run = reference, tmp_path / "run"
     run.mkdir()
-    common = ("--strategy", "lowdiff+", "--steps", "12")
-    torchrun("--dir", str(tmp_path / "ck-ref"), "--out", str(ref), *common)
+    common = COMMON
     torchrun(
         "--dir",
         str(tmp_path / "ck-run"),
@@ -79,3 +95,29 @@ def test_sigkill_one_rank_recovers_from_the_replicas_in_memory(tmp_path):
     assert starts == ["0 fresh", "0 fresh", "7 memory", "7 memory"]
     for r in (0, 1):
         assert diff_states(_load(ref / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt")) == []
+
+
+def test_elastic_restarts_take_over_the_surviving_replica_processes(tmp_path, reference):
+    run = tmp_path / "run"
+    run.mkdir()
+    torchrun(
+        "--dir", str(tmp_path / "ck"), "--out", str(run), *COMMON,
+        "--kill-rank", "1", "--kill-at", "4", "--raise-rank", "0", "--raise-at", "8",
+        restarts=2,
+    )  # fmt: skip
+    assert (run / "killed").read_text() == "4 before-forward"
+    assert (run / "raised").read_text() == "8"
+    for r in (0, 1):
+        attempts = sorted(
+            (p.stat().st_mtime_ns, p.read_text(), (run / p.name.replace("start", "process")))
+            for p in run.glob(f"start-rank{r}-*.txt")
+        )
+        assert [a[1] for a in attempts] == ["0 fresh", "4 memory", "8 memory"]
+        pids = [tuple(map(int, a[2].read_text().split())) for a in attempts]
+        first = pids[0][0]
+        # one replica process per rank for the whole job: each restart took it over
+        assert pids == [(first, -1), (first, first), (first, first)], pids
+        assert (
+            diff_states(_load(reference / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt"))
+            == []
+        )

@@ -87,6 +87,8 @@ def main(cfg: dict) -> None:
         comp = lowdiff.TopK(
             ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False)
         )
+    if "sigterm_timeout" in cfg:
+        extra["sigterm_timeout"] = cfg["sigterm_timeout"]
     make = lowdiff.attach if cfg.get("attach") else lowdiff.Checkpointer
     ck = make(
         model,
@@ -124,7 +126,8 @@ def main(cfg: dict) -> None:
         else:
             ck.step()
         opt.zero_grad()
-        print(f"step {step + 1} {loss.item().hex()}", flush=True)
+        durable = f" {ck.durable_step}" if cfg.get("print_durable") else ""
+        print(f"step {step + 1} {loss.item().hex()}{durable}", flush=True)
         if cfg.get("sleep"):
             time.sleep(cfg["sleep"])
     if cfg["steps"] in dumps:

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import record_function
 
 from lowdiff.errors import LowDiffError
+from lowdiff.proc import preempt
 from lowdiff.recovery.replay import replaying
 from lowdiff.state import capture as st
 from lowdiff.strategy import StepGrads, Strategy
@@ -46,17 +47,18 @@ class Handover:
         if not self.deferred:
             send()
             return
-        self._pending.append(send)
-        if extra is not None and self.late_extra:
-            self._pending_extra.append((extra, set(self.late_extra)))
+        with preempt.busy():  # a SIGTERM now must find the step among the pending ones
+            self._pending.append(send)
+            if extra is not None and self.late_extra:
+                self._pending_extra.append((extra, set(self.late_extra)))
 
     def finish(self) -> None:
         """Send what waits for the scheduler's step."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
-        self._pending_extra = []
-        with record_function("lowdiff.handover"):
+        with preempt.busy(), record_function("lowdiff.handover"):
+            pending, self._pending = self._pending, []
+            self._pending_extra = []
             for send in pending:
                 send()
 

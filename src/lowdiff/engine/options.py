@@ -35,6 +35,7 @@ class EngineOptions:
     replica_threads: int = 1
     on_storage_error: str = "raise"
     mtbf: float | None = None
+    sigterm_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         if self.on_storage_error not in STORAGE_ERROR_POLICIES:
@@ -54,6 +55,8 @@ class EngineOptions:
             check_int("max_inflight", self.max_inflight, 1)
         self._set("start_timeout", check_seconds("start_timeout", self.start_timeout))
         self._set("stall_timeout", check_seconds("stall_timeout", self.stall_timeout))
+        if self.sigterm_timeout is not None:
+            self._set("sigterm_timeout", check_seconds("sigterm_timeout", self.sigterm_timeout))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,6 +24,8 @@ from lowdiff.engine.session import ProcessSession
 from lowdiff.engine.staging import FullStager
 from lowdiff.errors import LowDiffError
 from lowdiff.format import layout
+from lowdiff.proc import preempt
+from lowdiff.proc.protocol import Flush, Kind
 from lowdiff.proc.spawn import warm_up
 from lowdiff.recovery.job import generations
 from lowdiff.recovery.restore import recover
@@ -52,6 +55,8 @@ class CheckpointingStrategy(EngineStrategy):
         self.policy.watch(self.session)
         self.stager = FullStager(self.core, self.handover)
         self._register_exit()
+        if opts.sigterm_timeout is not None:
+            preempt.register(self, opts.sigterm_timeout)
 
     def _install_ddp_hook(self) -> None:  # noqa: B027
         """Register the strategy's DDP communication hook (before the first backward)."""
@@ -170,6 +175,27 @@ class CheckpointingStrategy(EngineStrategy):
                 "from them, or use a new directory"
             )
         self.start_fresh()
+
+    def preempt(self, deadline: float) -> None:
+        """On SIGTERM (:mod:`lowdiff.proc.preempt`): make every step whose ``step()``
+        returned durable by ``deadline`` (this process's own shard; no collective)."""
+        core, session = self.core, self.session
+        if session is None or not session.started or not core.started or core.closed:
+            return
+        if self.policy.suspended is not None:
+            return
+        self.handover.finish()
+        seen = session.link.replies[Kind.FLUSHED]
+        session.send(Flush())
+        session.wait(
+            lambda: session.link.replies[Kind.FLUSHED] > seen,
+            "'flushed' after SIGTERM",
+            timeout=max(0.0, deadline - time.monotonic()),
+        )
+
+    def _release(self) -> None:
+        preempt.unregister(self)
+        super()._release()
 
     def _close_session(self) -> None:
         self._request_close()

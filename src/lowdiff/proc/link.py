@@ -30,7 +30,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from lowdiff.errors import CheckpointWorkerError, DurabilityWarning
-from lowdiff.proc import channel
+from lowdiff.proc import channel, preempt
 from lowdiff.proc.protocol import Failed, Kind, Message, Ready
 from lowdiff.proc.spawn import exit_message, process_context, run_in_env, trainer_env
 
@@ -173,21 +173,23 @@ class ProcessLink:
     def send(self, msg: Message) -> None:
         """Send a request; a closed pipe raises why the process is gone."""
         assert self.requests is not None, f"{self.what} is not started"
-        try:
-            self.requests.send(msg)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            self.check(force=True)
+        with preempt.busy():
+            try:
+                self.requests.send(msg)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self.check(force=True)
 
     def poll(self) -> None:
         """Read every message waiting, without blocking (one ``poll(2)`` when none is)."""
         res = self.results
         if res is None or not self._io_ready():
             return
-        try:
-            while res.poll():
-                self._handle(res.recv())
-        except (EOFError, OSError):
-            pass
+        with preempt.busy():
+            try:
+                while res.poll():
+                    self._handle(res.recv())
+            except (EOFError, OSError):
+                pass
 
     def _io_ready(self) -> bool:
         events = self._poller.poll(0)
@@ -237,6 +239,16 @@ class ProcessLink:
         process reported. With ``timeout``, the wait ends there, progress or not.
         """
         assert self.proc is not None, f"{self.what} is not started"
+        with preempt.busy():
+            self._wait(ready, what, timeout, check)
+
+    def _wait(
+        self,
+        ready: Callable[[], bool],
+        what: str,
+        timeout: float | None,
+        check: Callable[[], None] | None,
+    ) -> None:
         channel.wait_until(
             ready,
             proc=self.proc,

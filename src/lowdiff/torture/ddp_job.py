@@ -13,6 +13,9 @@ job resumes a directory written at another world size). With ``--single`` it is 
 plain process (``python -m lowdiff.torture.ddp_job --single ...``), written as rank 0. Files written under ``--out``:
 
 - ``start-rank{r}-{pid}.txt``: ``"{step} {source}"``, where this attempt resumed;
+- ``process-rank{r}-{pid}.txt``: ``"{process} {adopted}"``, the pid of this attempt's
+  checkpointing process and of the one it took over from a crashed attempt (-1: none);
+- ``raised``: ``"{step}"``, written just before ``--raise-at`` raises;
 - ``resumed-{step}-rank{r}.pt``, ``state-{step}-rank{r}.pt``, ``final-rank{r}.pt``: states;
 - ``killed``: ``"{step} {point}"``, written just before the SIGKILL;
 - ``flushed-rank{r}-{pid}.txt``, ``clipped-rank{r}-{pid}.txt``: what flush() returned,
@@ -99,6 +102,11 @@ def train(args: argparse.Namespace) -> None:
     start = ck.resume()
     source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
     (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(f"{start} {source}")
+    proc = own_strategy(ck).worker_process
+    adopted = ck.recovery_stats.adopted_pid if ck.recovery_stats is not None else None
+    (out / f"process-rank{rank}-{os.getpid()}.txt").write_text(
+        f"{proc.pid if proc is not None else -1} {adopted or -1}"
+    )
     torch.save(snapshot_state(model, opt, sched), out / f"resumed-{start}-rank{rank}.pt")
     log = _DurableLog(args.log_durable, rank) if args.log_durable else None
     if log is not None:
@@ -109,6 +117,9 @@ def train(args: argparse.Namespace) -> None:
         kill = step == args.kill_at and rank == args.kill_rank and not (out / "killed").exists()
         if kill and args.kill_point == "before-forward":
             _die(ck, out, step, args)
+        if step == args.raise_at and rank == args.raise_rank and not (out / "raised").exists():
+            (out / "raised").write_text(str(step))
+            raise RuntimeError(f"rank {rank} fails at step {step} (--raise-at)")
         x, y = batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
         if kill and args.kill_point == "after-backward":
@@ -198,6 +209,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--kill-point", choices=("before-forward", "after-backward"), default="before-forward"
     )
+    ap.add_argument(
+        "--raise-at",
+        type=int,
+        default=-1,
+        help="raise an exception in --raise-rank before this step (once in the job)",
+    )
+    ap.add_argument("--raise-rank", type=int, default=-1)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--check-merge", action="store_true")
     ap.add_argument(

@@ -1,0 +1,104 @@
+"""SIGTERM, as a scheduler sends it before it reclaims a node: make every acknowledged
+step durable, then end as SIGTERM would have.
+
+A strategy registers itself (:func:`register`, with ``sigterm_timeout`` seconds); the
+first registration installs the handler in the main thread, unless the process has a
+SIGTERM handler of its own already (then lowdiff leaves SIGTERM alone). On SIGTERM every
+registered strategy makes the steps it acknowledged durable on its own (no collective:
+under DDP each rank flushes its shard), within the timeout; then the process ends the way
+it would have without lowdiff: with the handler found at installation (a callable is
+called; ``SIG_DFL`` ends the process by SIGTERM, so its exit status says so).
+
+The handler runs between two bytecodes of the main thread, which may be in the middle of
+lowdiff's own talk with a checkpointing process (a message half sent, a reply half read,
+a hand-over half done). Those sections are marked (:func:`busy`); a SIGTERM that arrives
+inside one is handled when the last of them ends, in the thread that ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+_active: list[int] = []
+"""One entry per marked section in progress, in any thread (list operations are atomic)."""
+_pending: list[int] = []
+"""Non-empty while a SIGTERM waits for the sections in progress to end."""
+_registered: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+_previous: Any = None
+_installed = False
+_lock = threading.Lock()
+
+
+class Preemptible(Protocol):
+    def preempt(self, deadline: float) -> None:
+        """Make every acknowledged step durable by ``deadline`` (``time.monotonic()``)."""
+
+
+def register(strategy: Preemptible, timeout: float) -> bool:
+    """Handle SIGTERM for ``strategy``; False when lowdiff does not handle SIGTERM in this
+    process (not called from the main thread, or SIGTERM has a handler of its own)."""
+    global _installed, _previous
+    with _lock:
+        if not _installed:
+            if threading.current_thread() is not threading.main_thread():
+                return False
+            current = signal.getsignal(signal.SIGTERM)
+            if current not in (signal.SIG_DFL, None):
+                return False  # the process handles SIGTERM itself: leave it alone
+            _previous = current
+            signal.signal(signal.SIGTERM, _handler)
+            _installed = True
+        _registered[strategy] = timeout
+        return True
+
+
+def unregister(strategy: Preemptible) -> None:
+    _registered.pop(strategy, None)
+
+
+@contextlib.contextmanager
+def busy() -> Iterator[None]:
+    """Mark lowdiff's own talk with a checkpointing process (see the module docstring)."""
+    _active.append(1)
+    try:
+        yield
+    finally:
+        _active.pop()
+        if _pending and not _active:
+            _preempt()
+
+
+def _handler(signum: int, frame: Any) -> None:
+    if _active:
+        _pending.append(1)
+        return
+    _preempt()
+
+
+_running: list[int] = []
+
+
+def _preempt() -> None:
+    _pending.clear()
+    if _running:
+        return  # a second SIGTERM while the first is handled
+    _running.append(1)
+    waiting = list(_registered.items())
+    deadline = time.monotonic() + max((t for _, t in waiting), default=0.0)
+    for strategy, _ in waiting:
+        with contextlib.suppress(Exception):
+            strategy.preempt(deadline)
+    previous = _previous
+    if callable(previous):
+        previous(signal.SIGTERM, None)
+    elif previous != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)  # the default action ends the process; nothing runs after it

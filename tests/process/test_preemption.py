@@ -1,0 +1,113 @@
+"""SIGTERM (preemption): the trainer makes every acknowledged step durable before it
+exits, with SIGTERM's own exit status.
+
+A scheduler that reclaims a node sends SIGTERM and, once the trainer has exited (or the
+grace period is over), kills whatever is left: the test kills the checkpointing process
+the moment the trainer is gone, so only what the trainer itself saw durable counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import lowdiff
+from lowdiff.proc import holder as rp
+
+from .test_sigkill_recovery import SCRIPT, _env
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _pid_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while rp.pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not rp.pid_alive(pid)
+
+
+@pytest.mark.parametrize(
+    "strategy,opts",
+    [
+        ("lowdiff", {"batch_size": 16, "full_every": 100}),
+        ("lowdiff+", {"persist_every": 1000, "idle_timeout": 60}),
+        ("lowdiff", {"batch_size": 16, "full_every": 100, "attach": True}),
+    ],
+    ids=["lowdiff", "lowdiff+", "lowdiff-attach"],
+)
+def test_sigterm_makes_every_acknowledged_step_durable_before_the_exit(
+    tmp_path, strategy, opts
+) -> None:
+    ckdir = tmp_path / "ck"
+    cfg = {"dir": str(ckdir), "steps": 200, "strategy": strategy, "sleep": 0.02,
+           "print_durable": True, **opts}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), json.dumps(cfg)], stdout=subprocess.PIPE, text=True,
+        env=_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    worker, last, behind = -1, 0, 0
+    try:
+        for line in proc.stdout:
+            parts = line.split()
+            if parts[0] == "process":
+                worker = int(parts[1])
+            elif parts[0] == "step":
+                last, durable = int(parts[1]), int(parts[3])
+                if last >= 12 and durable < last and worker > 0:
+                    behind = last - durable
+                    proc.send_signal(signal.SIGTERM)
+                    break
+        for line in proc.stdout:  # steps acknowledged before the handler ran
+            if line.startswith("step "):
+                last = int(line.split()[1])
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # the node goes: whatever the trainer left running dies with it
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(worker, signal.SIGKILL)
+    assert _pid_gone(worker)
+    assert behind > 0, "SIGTERM arrived when every step was durable already"
+    assert code == -signal.SIGTERM, code
+    info = lowdiff.inspect_dir(ckdir)
+    assert info.recoverable is not None and info.recoverable[1] >= last, (info.recoverable, last)
+
+
+CHECK_HANDLER = """
+import signal, sys, torch, lowdiff
+def mine(*_): pass
+case = sys.argv[1]
+if case == "own":
+    signal.signal(signal.SIGTERM, mine)
+model = torch.nn.Linear(2, 2)
+opts = {"sigterm_timeout": None} if case == "none" else {}
+ck = lowdiff.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), sys.argv[2],
+                          compressor=lowdiff.TopK(0.5), **opts)
+h = signal.getsignal(signal.SIGTERM)
+print("dfl" if h == signal.SIG_DFL else "own" if h is mine else h.__module__)
+ck.close()
+"""
+
+
+@pytest.mark.parametrize(
+    "case,want", [("none", "dfl"), ("own", "own"), ("default", "lowdiff.proc.preempt")]
+)
+def test_who_handles_sigterm(tmp_path, case, want) -> None:
+    """lowdiff handles SIGTERM by default, not with ``sigterm_timeout=None``, and never
+    in place of a handler the process set itself."""
+    r = subprocess.run(
+        [sys.executable, "-c", CHECK_HANDLER, case, str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [want]
