@@ -66,3 +66,25 @@ def test_lowdiff_plus_kills_recover_from_memory_and_disk(tmp_path, torture_repor
     assert report.recoveries_by_source["lowdiff+ disk"] >= 1
     assert report.wrong_states == report.lost_acknowledged == report.lost_handed_off == 0
     assert report.margin_min is not None and report.margin_min >= 0
+
+
+def test_lowdiff_plus_survivors_are_taken_over_or_refused(tmp_path, torture_report) -> None:
+    """Adoption in the kill mix: the session after a trainer-only kill takes the surviving
+    replica process over; a session of another job (another keep_full) is refused by the
+    survivor, which persists and exits; nothing is left behind."""
+    ref = workload.reference(N_STEPS, plus=True)
+    report = TortureReport()
+    kill = {"target": "trainer", "how": "time", "phase": "training", "point": "random time"}
+    plans = [
+        dict(kill, delay=0.3),
+        dict(kill, delay=0.3),
+        {"target": "none", "how": "check", "point": "final check", "foreign": True},
+    ]
+    CrashHarness(tmp_path, ref, report, seed=3, strategy="lowdiff+").run(plans)
+    torture_report.merge(report)
+    assert report.failures == []
+    assert report.kills == 2
+    assert report.adoptions == 1 and report.refused_survivors == 1
+    assert report.recoveries_by_source["lowdiff+ memory"] == 2
+    assert report.wrong_states == report.lost_acknowledged == report.lost_handed_off == 0
+    assert report.leaked == 0

@@ -153,6 +153,12 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         self.refresh_job_durable()
 
     # ------------------------------------------------------------------ resume from memory
+    @property
+    def memory_miss_reason(self) -> str | None:
+        """Why ``resume()`` did not recover from a replica in memory, or did not take its
+        process over (None when it did both, or before ``resume()``)."""
+        return self.core.memory_miss_reason
+
     def _find_replica(self) -> tuple[Any, str]:
         core = self.core
         assert core.root is not None and core.layout is not None

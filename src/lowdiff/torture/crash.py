@@ -45,6 +45,8 @@ import safetensors.torch
 import torch
 
 import lowdiff
+from lowdiff.format import layout
+from lowdiff.proc import holder as rp
 from lowdiff.state.capture import diff_states
 from lowdiff.torture.report import TortureReport
 
@@ -110,6 +112,11 @@ def make_plans(n: int, seed: int, strategy: str = "lowdiff") -> list[dict[str, A
                     "point": "random time (startup)" if startup else "random time",
                 }
             )
+    if strategy == "lowdiff+":
+        # now and then the next session is another job (another keep_full): a survivor of
+        # the killed trainer refuses it, persists and exits
+        for i in range(3, len(plans), 7):
+            plans[i]["foreign"] = True
     plans.append({"target": "none", "how": "check", "point": "final check"})
     return plans
 
@@ -175,6 +182,34 @@ class CrashHarness:
                     self.report.fail(f"job exited with {rc} in plan {current} {plan}: {tail}")
                 chain += 1  # go on in a new directory rather than fail every later plan
             i = current + 1
+        self._check_leaks()
+
+    def _check_leaks(self, wait_s: float = 15.0) -> None:
+        """Nothing may outlive the run: no checkpointing process of any chain, and no
+        shared-memory segment of any of their runs."""
+        deadline = time.monotonic() + wait_s
+        for d in sorted(self.workdir.glob("chain-*")):
+            runs = set()
+            desc = rp.read_descriptor(d)
+            if desc is not None:
+                runs.add(desc.run_id)
+                while rp.pid_alive(desc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if rp.pid_alive(desc.pid):
+                    with self.lock:
+                        self.report.leaked += 1
+                        self.report.fail(f"{d.name}: process {desc.pid} outlived the run")
+            with contextlib.suppress(Exception):
+                runs.add(str(layout.read_manifest(d)["run_id"]))
+            try:
+                names = os.listdir("/dev/shm")
+            except OSError:
+                names = []
+            left = [n for n in names for r in runs if n.startswith(f"lowdiff-{r[:16]}-")]
+            if left:
+                with self.lock:
+                    self.report.leaked += len(left)
+                    self.report.fail(f"{d.name}: shared memory left behind: {sorted(left)}")
 
     def _count_kill(self, plan: dict[str, Any]) -> None:
         with self.lock:
@@ -217,34 +252,7 @@ class CrashHarness:
         try:
             assert proc.stdout is not None
             for raw in proc.stdout:
-                line = raw.rstrip("\n")
-                word, _, rest = line.partition(" ")
-                c = chains.setdefault(chain, _Chain())
-                if word == "plan":
-                    current = int(rest)
-                    c.handed = -1  # steps handed off count from this session's resume
-                elif word == "chain":
-                    chain = int(rest)
-                elif word == "durable":
-                    c.acked = max(c.acked, int(rest))
-                elif word == "step":
-                    c.handed = int(rest)
-                elif word == "resumed":
-                    step, source, path = rest.split(" ", 2)
-                    self._check_recovery(c, int(step), source, Path(path))
-                    c.handed = int(step)
-                elif word == "worker_error":
-                    plan = plans[current]
-                    if plan["target"] == "worker":
-                        self._count_kill(plan)
-                    else:
-                        with self.lock:
-                            self.report.fail(f"plan {current} {plan}: unexpected {line}")
-                elif word == "recovery_failed":
-                    with self.lock:
-                        self.report.recoveries += 1
-                        self.report.recoveries_by_source[f"{self.strategy} failed"] += 1
-                        self.report.fail(f"{self.strategy} chain {chain}, plan {current}: {line}")
+                current, chain = self._on_line(raw.rstrip("\n"), plans, chains, chain, current)
             proc.wait()
         finally:
             timer.cancel()
@@ -263,6 +271,51 @@ class CrashHarness:
         # through the writer lock at the next resume, but never leave one behind at the end
         tail = "".join(err_lines).strip().replace("\n", " | ")[-600:]
         return current, chain, proc.returncode, tail
+
+    def _on_line(
+        self,
+        line: str,
+        plans: list[dict[str, Any]],
+        chains: dict[int, _Chain],
+        chain: int,
+        current: int,
+    ) -> tuple[int, int]:
+        """Take in one line of the job's output (see :mod:`lowdiff.torture.job`); returns
+        the plan and chain it runs now."""
+        word, _, rest = line.partition(" ")
+        c = chains.setdefault(chain, _Chain())
+        if word == "plan":
+            current = int(rest)
+            c.handed = -1  # steps handed off count from this session's resume
+        elif word == "chain":
+            chain = int(rest)
+        elif word == "durable":
+            c.acked = max(c.acked, int(rest))
+        elif word == "step":
+            c.handed = int(rest)
+        elif word == "resumed":
+            step, source, path = rest.split(" ", 2)
+            self._check_recovery(c, int(step), source, Path(path))
+            c.handed = int(step)
+        elif word in ("adopted", "refused"):
+            with self.lock:
+                if word == "adopted":
+                    self.report.adoptions += 1
+                else:
+                    self.report.refused_survivors += 1
+        elif word == "worker_error":
+            plan = plans[current]
+            if plan["target"] == "worker":
+                self._count_kill(plan)
+            else:
+                with self.lock:
+                    self.report.fail(f"plan {current} {plan}: unexpected {line}")
+        elif word == "recovery_failed":
+            with self.lock:
+                self.report.recoveries += 1
+                self.report.recoveries_by_source[f"{self.strategy} failed"] += 1
+                self.report.fail(f"{self.strategy} chain {chain}, plan {current}: {line}")
+        return current, chain
 
     def _check_recovery(self, c: _Chain, step: int, source: str, dump: Path) -> None:
         got = safetensors.torch.load_file(str(dump))

@@ -19,6 +19,10 @@ Every line it prints is a fact the harness checks:
 - ``durable D``: ``ck.durable_step`` said ``D``, i.e. step ``D`` was acknowledged durable;
 - ``step N``: ``ck.step()`` returned, the record (LowDiff) or the gradients (LowDiff+) of
   step ``N - 1`` were handed off;
+- ``adopted PID``: the session took over the replica process ``PID`` that outlived the
+  killed trainer (LowDiff+);
+- ``refused``: the session is of another job (``plan["foreign"]``: another ``keep_full``)
+  and found a survivor, which refused it;
 - ``worker_error MESSAGE``: the trainer got the error of a killed checkpointing process;
 - ``completed``: the chain reached its last step without the plan's fault firing;
 - ``recovery_failed MESSAGE``: resume raised.
@@ -74,7 +78,8 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
     if plan["how"] == "time" and plan.get("phase") == "startup":
         _kill_later(plan["delay"], [os.getpid()])
     if cfg.get("strategy", "lowdiff") == "lowdiff+":
-        ck, model, opt, sched = workload.plus_checkpointer(directory)
+        kw = {"keep_full": workload.KEEP_FULL + 1} if plan.get("foreign") else {}
+        ck, model, opt, sched = workload.plus_checkpointer(directory, **kw)
     else:
         ck, model, opt, sched = workload.checkpointer(directory)
     try:
@@ -88,8 +93,14 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
         {k: v.contiguous().clone() for k, v in state_tensors(model, opt, sched).items()},
         str(dump),
     )
-    source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
+    rs = ck.recovery_stats
+    source = rs.source if rs is not None else "fresh"
     _out(f"resumed {start} {source} {dump}")
+    if rs is not None and rs.adopted_pid is not None:
+        _out(f"adopted {rs.adopted_pid}")
+    reason = getattr(own_strategy(ck), "memory_miss_reason", None) if plan.get("foreign") else None
+    if reason and "refused" in reason:
+        _out("refused")
     durable = ck.durable_step
     _out(f"durable {durable}")
     if plan["how"] == "check":

@@ -33,6 +33,13 @@ class TortureReport:
     """Acknowledged steps those recoveries lost, summed (filled by the DDP kill series)."""
     lost_handed_off: int = 0
     """Recoveries after a trainer-only kill that lost steps the trainer had handed off."""
+    adoptions: int = 0
+    """LowDiff+ recoveries that took over the replica process left by the killed trainer."""
+    refused_survivors: int = 0
+    """Sessions of another job (another ``keep_full``) that found a survivor: refused,
+    it persisted and exited, and the session started its own process."""
+    leaked: int = 0
+    """Processes or shared-memory segments left behind at the end (target: 0)."""
     margin_min: int | None = None
     """Smallest recovered step minus acknowledged durable step."""
     margin_max: int | None = None
@@ -86,6 +93,7 @@ class TortureReport:
             or self.fuzz_crashes
             or self.storage_faults != self.storage_faults_surfaced
             or self.recoveries != self.recoveries_ok
+            or self.leaked
         )
 
     def merge(self, other: TortureReport) -> None:
@@ -156,6 +164,8 @@ class TortureReport:
             f"recovered - acknowledged {margin}   acknowledged steps lost {self.lost_acknowledged}"
             + (f" ({self.lost_acknowledged_steps} steps)" if self.lost_acknowledged_steps else "")
             + f", handed-off steps lost {self.lost_handed_off}",
+            f"survivors taken over     {self.adoptions}   of another job refused"
+            f" {self.refused_survivors}   left behind at the end {self.leaked}",
             f"corruptions injected     {self.corruptions}   detected {self.corruptions_detected}"
             f"   undetected {self.corruptions_undetected}   damaged data loaded {self.damaged_loads}"
             f"   fallbacks {self.fallbacks} (not to the newest intact step: {self.fallback_not_newest})",
