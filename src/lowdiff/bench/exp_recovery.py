@@ -14,9 +14,12 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lowdiff.bench.context import Context
 from lowdiff.bench.core import (
@@ -37,11 +40,13 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
     (``close()``, which adds no checkpoint that the interval f does not take; what is
     durable then is what a SIGKILL would have left). LowDiff+ and Gemini recover from the
     memory of a process that outlives the trainer, so their trainer is a child process
-    killed with SIGKILL.
+    killed with SIGKILL. Each case is restarted ``min(3, repeats)`` times; its row holds
+    the median of each timing.
     """
     p = ctx.profile
     rows = []
     b = p.lowdiff_batch
+    n = min(RESTARTS, ctx.settings.repeats)
     for f in p.recovery_fulls:
         target = 2 * f - 1  # the worst case: just before the next full checkpoint
         cases = [
@@ -61,7 +66,7 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
         for arm in cases:
             if ctx.wants(arm.strategy):
                 ctx.progress(f"recovery f={f}: {arm.label}")
-                rows.append(_recovery_case(ctx, arm, target))
+                rows.append(_median([_recovery_case(ctx, arm, target) for _ in range(n)]))
         killed = [
             Arm("Gemini (S)", "gemini", None, 1, (("persist_every", f),)),
             Arm("LowDiff+ (S)", "lowdiff+", None, f),
@@ -69,8 +74,23 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
         for arm in killed:
             if ctx.wants(arm.strategy):
                 ctx.progress(f"recovery f={f}: {arm.label}")
-                rows.append(_killed_case(ctx, arm, f, target))
+                rows.append(_median([_killed_case(ctx, arm, f, target) for _ in range(n)]))
     return rows
+
+
+RESTARTS = 3
+"""Restarts measured per method and f (at most ``repeats``); the row holds their medians."""
+
+
+def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of ``rows`` (the restarts of one case): the median of every timing, the
+    rest as the first restart had it, and how many restarts it sums up."""
+    out = dict(rows[0], restarts=len(rows))
+    for k, v in rows[0].items():
+        if k.endswith("_s") and isinstance(v, float):
+            vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
+            out[k] = statistics.median(vals) if vals else v
+    return out
 
 
 def _restart(
@@ -125,8 +145,24 @@ def _restart(
         "bytes_read": rs.bytes_read if rs else None,
         "records_replayed": rs.records_replayed if rs else None,
         "source": rs.source if rs else None,
+        "memcpy_s": _memcpy_s(wl.model, opt),
     }
     return row, ck
+
+
+def _memcpy_s(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """A memcpy of the whole state (parameters, buffers, optimizer state) into memory
+    allocated beforehand: the floor of any recovery from memory (fastest of 3)."""
+    src = [t for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    src += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    dst = [torch.empty_like(t) for t in src]
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for d, t in zip(dst, src, strict=True):
+            d.copy_(t)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _recovery_case(ctx: Context, arm: Arm, target: int) -> dict[str, Any]:

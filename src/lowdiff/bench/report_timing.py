@@ -154,6 +154,25 @@ def section_frequency(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _restarts(rows: list[dict[str, Any]]) -> str:
+    """How many restarts the rows sum up ("1" for results written before they had several)."""
+    counts = sorted({int(r.get("restarts", 1)) for r in rows})
+    return "/".join(map(str, counts)) or "1"
+
+
+def _memcpy_line(rows: list[dict[str, Any]]) -> str:
+    """The memcpy of the whole state each f's restarts measured (the floor of a recovery
+    from memory), next to LowDiff+ (S)'s ``resume()``."""
+    parts = []
+    for r in rows:
+        if r.get("source") == "memory" and r.get("memcpy_s") is not None:
+            parts.append(
+                f"{r['method']} at f = {r['full_every']}: resume() {fmt_s(r['resume_s'])}, "
+                f"a memcpy of the whole state {fmt_s(r['memcpy_s'])}"
+            )
+    return ("In the same run: " + "; ".join(parts) + ".") if parts else ""
+
+
 def section_recovery(rows: list[dict[str, Any]]) -> str:
     """Exp. 5: each method's recovery costs and restart wall times."""
     rs = rows_of(rows, "recovery")
@@ -187,7 +206,8 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
             "(including starting the strategy's background process), the end of the first "
             "training step after the restart, and the end of the first new step (the lost steps "
             "retrained, then step 2f). (S): the trainer is SIGKILLed and the new one recovers from the memory "
-            "of the process that outlived it.",
+            "of the process that outlived it (LowDiff+ then takes that process over). Each row is "
+            f"the median of {_restarts(rs)} restart(s).",
             "",
             table(
                 [
@@ -205,6 +225,8 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
                 ],
                 body,
             ),
+            "",
+            _memcpy_line(rs),
         ]
     )
 
