@@ -16,6 +16,8 @@ plain process (``python -m lowdiff.torture.ddp_job --single ...``), written as r
 - ``process-rank{r}-{pid}.txt``: ``"{process} {adopted}"``, the pid of this attempt's
   checkpointing process and of the one it took over from a crashed attempt (-1: none);
 - ``raised``: ``"{step}"``, written just before ``--raise-at`` raises;
+- ``timing-rank{r}-{pid}.txt``: ``"imports=S process_group=S ddp=S checkpointer=S
+  resume=S"``, seconds from the process's start to the end of each phase;
 - ``resumed-{step}-rank{r}.pt``, ``state-{step}-rank{r}.pt``, ``final-rank{r}.pt``: states;
 - ``killed``: ``"{step} {point}"``, written just before the SIGKILL;
 - ``flushed-rank{r}-{pid}.txt``, ``clipped-rank{r}-{pid}.txt``: what flush() returned,
@@ -34,10 +36,12 @@ import argparse
 import os
 import random
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,6 +50,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lowdiff
 from lowdiff.attach import own_strategy
 from lowdiff.state.capture import snapshot_state
+
+_MARKS: dict[str, float] = {"imports": time.time()}
+"""When this attempt reached each phase of its start (``timing-rank{r}-{pid}.txt``)."""
 
 
 class Net(nn.Module):
@@ -61,12 +68,19 @@ class Net(nn.Module):
 
 
 def build(
-    strategy: str, directory: Path, ef: bool, full_every: int, batch_size: int, single: bool = False
+    strategy: str,
+    directory: Path,
+    ef: bool,
+    full_every: int,
+    batch_size: int,
+    single: bool = False,
+    **options: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any, lowdiff.Checkpointer]:
     torch.manual_seed(0)
     net = Net()
     # several buckets even for this small model
     model: nn.Module = net if single else DDP(net, bucket_cap_mb=0.004)
+    _MARKS["ddp"] = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     # per-rank RNG streams (dropout; Python and NumPy are checkpointed too)
@@ -84,7 +98,11 @@ def build(
             "batch_size": batch_size,
             "keep_full": None,
         }
+    if strategy == "none":
+        options.pop("sigterm_timeout", None)
+    kw.update(options)
     ck = lowdiff.Checkpointer(model, opt, directory, strategy=strategy, scheduler=sched, **kw)
+    _MARKS["checkpointer"] = time.time()
     return model, opt, sched, ck
 
 
@@ -96,10 +114,17 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(args: argparse.Namespace) -> None:
     rank = 0 if args.single else dist.get_rank()
     out = Path(args.out)
+    opts = {} if args.sigterm_timeout is None else {"sigterm_timeout": args.sigterm_timeout or None}
     model, opt, sched, ck = build(
-        args.strategy, Path(args.dir), args.ef, args.full_every, args.batch_size, args.single
-    )
+        args.strategy, Path(args.dir), args.ef, args.full_every, args.batch_size, args.single,
+        **opts,
+    )  # fmt: skip
     start = ck.resume()
+    _MARKS["resume"] = time.time()
+    born = psutil.Process().create_time()
+    (out / f"timing-rank{rank}-{os.getpid()}.txt").write_text(
+        " ".join(f"{k}={v - born:.4f}" for k, v in _MARKS.items())
+    )
     source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
     (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(f"{start} {source}")
     proc = own_strategy(ck).worker_process
@@ -216,6 +241,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="raise an exception in --raise-rank before this step (once in the job)",
     )
     ap.add_argument("--raise-rank", type=int, default=-1)
+    ap.add_argument(
+        "--sigterm-timeout",
+        type=float,
+        default=None,
+        help="the Checkpointer's sigterm_timeout (0: None, lowdiff leaves SIGTERM alone)",
+    )
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--check-merge", action="store_true")
     ap.add_argument(
@@ -244,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         train(args)
         return
     dist.init_process_group("gloo")
+    _MARKS["process_group"] = time.time()
     try:
         train(args)
     finally:
