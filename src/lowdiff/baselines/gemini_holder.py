@@ -60,10 +60,8 @@ from lowdiff.format import codec, layout
 from lowdiff.format.sfile import view_tensors
 from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
-from lowdiff.proc.link import ChildEnd
-from lowdiff.proc.locks import acquire_flock
+from lowdiff.proc.link import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import Close, Closed, Flush, Flushed, Kind, Message, unexpected
-from lowdiff.proc.spawn import detach_from_trainer_group
 
 _POLL_S = 0.2
 """How often an idle holder looks at its trainer, its persist thread and newcomers."""
@@ -389,24 +387,19 @@ class _Holder:
 
 def holder_main(cfg: HolderConfig, requests: Connection, results: Connection) -> None:
     """Entry point of the holder process (see the module docstring)."""
-    detach_from_trainer_group()
-    torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
     h = _Holder(cfg)
     signal.signal(signal.SIGTERM, h.release)
     first = ChildEnd(requests, results, cfg.trainer_pid, h.idle)
     h.end = first
-    lock_fd = None
-    try:
-        lock_fd = acquire_flock(Path(cfg.root) / layout.WRITER_LOCK_FILE, blocking=True)
+
+    def run() -> None:
         h.open()
         first.ready(h.state().info())
         h.run(first)
-    except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
+
+    def report(msg: Message) -> None:
         if h.end is not None:
-            h.end.failed(e)
-        raise SystemExit(1) from None
-    finally:
-        h.close()
-        if lock_fd is not None:
-            os.close(lock_fd)
+            h.end.send(msg)
+
+    run_checkpointing_process(Path(cfg.root), run, report=report, cleanup=h.close, nice=0)

@@ -56,12 +56,10 @@ from lowdiff.proc import channel
 from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
 from lowdiff.proc.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
-from lowdiff.proc.link import ChildEnd
-from lowdiff.proc.locks import acquire_flock
+from lowdiff.proc.link import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import (
     Close,
     Closed,
-    Failed,
     Flush,
     Flushed,
     Kind,
@@ -70,8 +68,6 @@ from lowdiff.proc.protocol import (
     unexpected,
 )
 from lowdiff.proc.spawn import (
-    WORKER_NICE,
-    detach_from_trainer_group,
     release_trainer_stdio,
     use_env,
 )
@@ -315,36 +311,23 @@ def replica_worker_main(
     requests: Connection,
     results: Connection,
 ) -> None:
-    """Entry point of the LowDiff+ checkpointing process."""
-    detach_from_trainer_group()
-    # replica_threads is the number of parallel shards, each stepped by one thread: no
-    # intra-op threads on top of them (they would oversubscribe the cores)
-    torch.set_num_threads(1)
-    # The lower priority of LowDiff's checkpointing process (WORKER_NICE), for the same
-    # reason: where training keeps every core busy, the replica's update would preempt a
-    # trainer thread, and every other thread of its OpenMP team then waits at the next
-    # barrier (docs/benchmarks.md, "The checkpointing process's priority"). Where cores
-    # are free (GPU training) it changes nothing.
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICE)
+    """Entry point of the LowDiff+ checkpointing process (one intra-op thread: the
+    ``replica_threads`` shards are stepped by one thread each, and intra-op threads on top
+    of them would oversubscribe the cores)."""
     end = ChildEnd(requests, results)
     proc = ReplicaProcess(cfg, slots, Counters(counters), end)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
     signal.signal(signal.SIGTERM, proc.on_sigterm)
-    lock_fd = None
-    try:
-        lock_fd = acquire_flock(proc.root / layout.WRITER_LOCK_FILE, blocking=True)
+
+    def run() -> None:
         proc.start()
         end.ready()
         proc.serve()
-    except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
-        failed = Failed.of(e)
-        if proc.persister is not None:  # finish (or clean up) the write in flight first
-            with contextlib.suppress(BaseException):
-                proc.persister.wait()
-        proc.end.send(failed)
-        raise SystemExit(1) from None
-    finally:
-        proc.teardown()
-        if lock_fd is not None:
-            os.close(lock_fd)
+
+    def finish() -> None:  # the persist in flight completes (or cleans up) first
+        if proc.persister is not None:
+            proc.persister.wait()
+
+    run_checkpointing_process(
+        proc.root, run, report=lambda m: proc.end.send(m), finish=finish, cleanup=proc.teardown
+    )

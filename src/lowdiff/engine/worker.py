@@ -33,7 +33,6 @@ never leave the other one blocked (see :mod:`lowdiff.proc.channel`).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -59,19 +58,16 @@ from lowdiff.proc.channel import (
     STAGING_DONE,
     Counters,
 )
-from lowdiff.proc.link import ChildEnd
-from lowdiff.proc.locks import acquire_flock
+from lowdiff.proc.link import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import (
     Close,
     Closed,
-    Failed,
     Flush,
     Flushed,
     Kind,
     Message,
     unexpected,
 )
-from lowdiff.proc.spawn import WORKER_NICE, detach_from_trainer_group
 
 
 @dataclass(frozen=True)
@@ -448,37 +444,21 @@ def worker_main(
     requests: Connection,
     results: Connection,
 ) -> None:
-    """Entry point of the checkpointing process."""
-    detach_from_trainer_group()
-    # One intra-op thread, and a lower priority (WORKER_NICE). Woken by a hand-over while
-    # training keeps every core busy (spinning OpenMP threads included), this process
-    # would otherwise preempt the trainer's thread in ck.step(): at nice 10 it waits for
-    # a moment the trainer leaves, and its few percent of a core are still far below the
-    # share that priority gets (docs/benchmarks.md, "The checkpointing process's
-    # priority", has the measurement). SCHED_BATCH (no wake-up preemption at all) was
-    # slower end to end.
-    torch.set_num_threads(1)
-    with contextlib.suppress(OSError):
-        os.nice(WORKER_NICE)
+    """Entry point of the checkpointing process (see
+    :func:`lowdiff.proc.link.run_checkpointing_process` for its frame: at nice 10 it waits
+    for a moment the trainer leaves a core, and its few percent of a core are still far
+    below the share that priority gets; SCHED_BATCH was slower end to end)."""
     end = ChildEnd(requests, results)
     w = _Writer(cfg, slots, Counters(counters), end)
-    lock_fd = None
-    try:
-        lock_fd = acquire_flock(Path(cfg.root) / layout.WRITER_LOCK_FILE, blocking=True)
+
+    def run() -> None:
         end.ready()
         if end.serve(w.handle):
             # The trainer died without close(): keep every record it managed to send.
             end.drain(w.handle_orphaned, (Kind.RECORD, Kind.FULL, Kind.STAGE, Kind.BATCH_SIZE))
             w.write_batch()
             w.wait_full()
-    except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
-        # finish the full checkpoint in flight (or let it remove its temp file) before the
-        # trainer learns of the error: once it has, nothing of this process is still writing
-        failed = Failed.of(e)
-        with contextlib.suppress(BaseException):
-            w.wait_full()
-        end.send(failed)
-        raise SystemExit(1) from None
-    finally:
-        if lock_fd is not None:
-            os.close(lock_fd)
+
+    # an error: the full checkpoint in flight completes (or removes its temp file) before
+    # the trainer learns of it, so nothing of this process is still writing by then
+    run_checkpointing_process(Path(cfg.root), run, report=end.send, finish=w.wait_full)

@@ -27,12 +27,24 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from lowdiff.errors import CheckpointWorkerError, DurabilityWarning
+from lowdiff.format import layout
 from lowdiff.proc import channel, preempt
+from lowdiff.proc.locks import acquire_flock
 from lowdiff.proc.protocol import Failed, Kind, Message, Ready
-from lowdiff.proc.spawn import exit_message, process_context, run_in_env, trainer_env
+from lowdiff.proc.spawn import (
+    WORKER_NICE,
+    detach_from_trainer_group,
+    exit_message,
+    process_context,
+    run_in_env,
+    trainer_env,
+)
 
 
 class ProcessLink:
@@ -457,3 +469,47 @@ class ChildEnd:
                 continue
             if getattr(msg, "kind", None) in want:
                 handle(msg)
+
+
+def run_checkpointing_process(
+    root: Path,
+    run: Callable[[], None],
+    *,
+    report: Callable[[Message], None],
+    finish: Callable[[], None] | None = None,
+    cleanup: Callable[[], None] | None = None,
+    nice: int = WORKER_NICE,
+) -> None:
+    """The frame every checkpointing process of a directory runs ``run`` in.
+
+    The process takes a process group of its own (:func:`detach_from_trainer_group`),
+    one intra-op thread and a lower priority (:data:`WORKER_NICE`: woken while training
+    keeps every core busy, it would otherwise preempt a trainer thread, and the rest of
+    that thread's OpenMP team would wait for it at the next barrier; docs/benchmarks.md,
+    "The checkpointing process's priority"), then holds the directory's writer lock for
+    as long as it lives (a baseline's process keeps the trainer's priority: ``nice=0``).
+    An exception ends it with status 1 after ``finish()`` (the write
+    in flight completes or removes its temp file) and ``report(Failed)`` (the trainer
+    raises it again); ``cleanup()`` runs last in every case.
+    """
+    detach_from_trainer_group()
+    torch.set_num_threads(1)
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
+    lock_fd = None
+    try:
+        lock_fd = acquire_flock(root / layout.WRITER_LOCK_FILE, blocking=True)
+        run()
+    except BaseException as e:  # noqa: BLE001 -- sent back and raised in the trainer
+        failed = Failed.of(e)
+        if finish is not None:
+            with contextlib.suppress(BaseException):
+                finish()
+        report(failed)
+        raise SystemExit(1) from None
+    finally:
+        if cleanup is not None:
+            cleanup()
+        if lock_fd is not None:
+            os.close(lock_fd)
