@@ -129,7 +129,7 @@ def test_second_trainer_on_a_directory_gets_the_holders_pid_and_host(tmp_path) -
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from lowdiff.engine.worker import acquire_flock; "
+            "import sys, time; from pathlib import Path; from lowdiff.proc.locks import acquire_flock; "
             "acquire_flock(Path(sys.argv[1]) / '.lowdiff.lock', blocking=True); print('held', flush=True); "
             "time.sleep(120)",
             str(tmp_path),
