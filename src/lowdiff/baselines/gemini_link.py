@@ -84,7 +84,7 @@ def stop_stale_holder(root: Path, timeout: float) -> None:
         wait_for_writer(root, timeout, WHAT)
     d = rp.read_descriptor(root)
     if d is not None:
-        rp._cleanup_stale(root, d)
+        rp.cleanup_stale(root, d)
 
 
 class _Buffers:

@@ -272,7 +272,7 @@ def find_live_replica(
             f"the replica lives on host {d.host}; a replica is only attached on its own host",
         )
     if not pid_alive(d.pid):
-        _cleanup_stale(root, d)
+        cleanup_stale(root, d)
         return (
             None,
             f"the replica's checkpointing process (pid {d.pid}) is gone; stale segments removed",
@@ -312,8 +312,9 @@ def find_live_replica(
     return LiveReplica(d, ctl, state, step, doc, arena), "ok"
 
 
-def _cleanup_stale(root: Path, d: Descriptor) -> None:
-    """Remove every segment of a dead owner's run (control block, arenas of any generation)."""
+def cleanup_stale(root: Path, d: Descriptor) -> list[str]:
+    """Remove every segment of a dead owner's run (control block, arenas of any generation,
+    the slots made for a trainer that took it over) and its descriptor; the names removed."""
     prefix = f"lowdiff-{d.run_id[:16]}-"
     names = {d.ctl}
     with contextlib.suppress(OSError):
@@ -331,6 +332,17 @@ def _cleanup_stale(root: Path, d: Descriptor) -> None:
     for n in names:
         unlink_segment(n)
     remove_descriptor(root, d.run_id)
+    return sorted(names)
+
+
+def remove_stale_replica(root: Path) -> list[str]:
+    """What a replica process of ``root`` that is gone (SIGKILLed with its machine's other
+    processes) left in shared memory, removed; the segment names. A live one is left
+    alone. The next trainer on ``root`` does the same before it recovers."""
+    d = read_descriptor(root)
+    if d is None or pid_alive(d.pid):
+        return []
+    return cleanup_stale(root, d)
 
 
 STATE_NAMES = {
