@@ -21,10 +21,13 @@ What the fork could carry over from the trainer is let go before the server serv
 - the objects inherited from the trainer are frozen (``gc.freeze``): no finalizer of the
   trainer's runs in the server or in a process it forks.
 
-Only threads other than the forking one are not copied, as with any fork: the server and
-its processes touch nothing a trainer thread could hold (no CUDA, no process group).
-This is the same footing as a ``DataLoader`` worker, which PyTorch forks from the trainer
-on Linux by default.
+The server shares the trainer's memory as it was at the fork (copy on write): a page the
+trainer changes later is copied once, and the server keeps the original, so it can come
+to hold up to the trainer's private memory of that moment (the model, for training on
+the CPU; little for GPU training). Threads other than the forking one are not copied, as
+with any fork: the server and its processes touch nothing a trainer thread could hold
+(no CUDA, no process group). This is the same footing as a ``DataLoader`` worker, which
+PyTorch forks from the trainer on Linux by default.
 
 ``LOWDIFF_PROCESS_START=interpreter`` in the trainer's environment restores
 multiprocessing's own start of the server (a new interpreter that imports torch), and so
