@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         import safetensors.torch
 
-        from lowdiff.state.capture import state_tensors
         from lowdiff.integrations._common import unwrap_optimizer
+        from lowdiff.state.capture import state_tensors
 
         state = state_tensors(
             trainer.model, unwrap_optimizer(trainer.optimizer), trainer.lr_scheduler

@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.dump:
         import safetensors.torch
 
-        from lowdiff.state.capture import state_tensors
         from lowdiff.integrations._common import unwrap_optimizer
+        from lowdiff.state.capture import state_tensors
 
         sched = trainer.lr_scheduler_configs[0].scheduler
         state = state_tensors(module, unwrap_optimizer(trainer.optimizers[0]), sched)
