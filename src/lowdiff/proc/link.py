@@ -337,14 +337,23 @@ class ProcessLink:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user counts)."""
+    """Whether a process ``pid`` runs (one of another user counts). A zombie does not: a
+    killed process whose parent is gone stays one until init reaps it, which a
+    container's first process may never do."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # no /proc to ask: the signal check stands
+    return stat.rsplit(b")", 1)[-1].split()[:1] != [b"Z"]
 
 
 class RunningProcess:
