@@ -1,12 +1,18 @@
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from tests import launch
 
 from lowdiff.ddp.context import DistContext
+from lowdiff.prefork import PreforkServer
+from lowdiff.torture import ddp
 from lowdiff.torture.report import TortureReport
 
 # Tests run on 2 shared cores; more threads only add contention and noise.
@@ -62,3 +68,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
     if r.kills or r.corruptions or r.storage_faults or r.fuzz_inputs:
         terminalreporter.section("lowdiff torture summary")
         terminalreporter.write_line(r.format_text())
+
+
+@pytest.fixture(scope="session")
+def prefork() -> PreforkServer:
+    """The warm Python the tests' trainer processes are forked from (see ``tests/launch.py``)."""
+    return launch.server()
+
+
+@pytest.fixture(scope="session")
+def torchrun(prefork: PreforkServer) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """:func:`lowdiff.torture.ddp.torchrun` with its agent forked from :func:`prefork`
+    (its ranks are forks of the agent: see :mod:`lowdiff.torture.ddp_agent`)."""
+    return functools.partial(ddp.torchrun, server=prefork)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests import launch
 from tests.baselines import harness
 
 import lowdiff
@@ -189,7 +190,7 @@ def test_sigkill_of_the_trainer_recovers_the_durable_state(tmp_path: Path) -> No
     script.write_text(_CHILD)
     d = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")]))
-    proc = subprocess.Popen(
+    proc = launch.popen(
         [sys.executable, str(script), str(d)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
     )
     watchdog = threading.Timer(90, proc.kill)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from tests import launch
 from tests.baselines import harness
 
 import lowdiff
@@ -169,7 +170,7 @@ def test_sigkill_of_the_trainer_recovers_its_durable_step(tmp_path: Path) -> Non
     script = tmp_path / "job.py"
     script.write_text(CHILD)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "src")]))
-    proc = subprocess.Popen(
+    proc = launch.popen(
         [sys.executable, str(script), str(d)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests import launch
 from tests.baselines import harness
 
 import lowdiff
@@ -114,7 +115,7 @@ class _Trainer:
     def __init__(self, d: Path, steps: int, durable: int) -> None:
         cfg = {"dir": str(d), "steps": steps, "durable": durable, "opts": OPTS}
         self.d = d
-        self.proc = subprocess.Popen(
+        self.proc = launch.popen(
             [sys.executable, "-c", _TRAINER.format(repo=str(REPO)), json.dumps(cfg)],
             stdout=subprocess.PIPE,
             text=True,

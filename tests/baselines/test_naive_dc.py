@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests import launch
 from tests.baselines import harness
 
 import lowdiff
@@ -245,7 +245,7 @@ def test_sigkill_of_the_trainer_then_resume(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
+    proc = launch.run(
         [sys.executable, "-c", _CHILD, str(d)], cwd=root, env=env, timeout=120, check=False
     )
     assert proc.returncode == -signal.SIGKILL

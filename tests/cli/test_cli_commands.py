@@ -9,6 +9,7 @@ import sys
 import pytest
 import safetensors.torch
 import torch
+from tests import launch
 
 import lowdiff
 from lowdiff.cli.main import main
@@ -137,9 +138,9 @@ def test_example_script_trains_and_resumes(tmp_path, strategy):
     script = Path(__file__).resolve().parents[2] / "examples" / "train_lowdiff.py"
     d = tmp_path / "ck"
     cmd = [sys.executable, str(script), "--dir", str(d), "--strategy", strategy, "--steps"]
-    r = subprocess.run([*cmd, "40"], capture_output=True, text=True, timeout=300)
+    r = launch.run([*cmd, "40"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    r = subprocess.run([*cmd, "60"], capture_output=True, text=True, timeout=300)
+    r = launch.run([*cmd, "60"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed at step 40" in r.stdout
     assert lowdiff.inspect_dir(d).recoverable[1] == 60

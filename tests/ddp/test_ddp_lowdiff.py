@@ -18,9 +18,6 @@ import lowdiff
 from lowdiff.format import layout, sfile
 from lowdiff.state.capture import diff_states
 from lowdiff.state.record import RecordLayout
-from lowdiff.torture.ddp import torchrun
-
-__all__ = ["torchrun"]  # the launcher the other 2-rank tests import from here
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -32,7 +29,7 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
 PER_RANK = ("model/body.1.running_mean", "model/body.1.running_var", "rng.")
 
 
-def test_merge_shards_and_exact_resume(tmp_path):
+def test_merge_shards_and_exact_resume(torchrun, tmp_path):
     ck, out1, out2 = tmp_path / "ck", tmp_path / "o1", tmp_path / "o2"
     out1.mkdir()
     out2.mkdir()
@@ -74,7 +71,7 @@ def test_merge_shards_and_exact_resume(tmp_path):
         )
 
 
-def test_sigkill_of_one_rank_under_torchrun_max_restarts(tmp_path):
+def test_sigkill_of_one_rank_under_torchrun_max_restarts(torchrun, tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     for d in (ref, run):
         d.mkdir()
@@ -91,6 +88,7 @@ def test_sigkill_of_one_rank_under_torchrun_max_restarts(tmp_path):
         "11",
         *common,
         restarts=1,
+        agent="exec",  # the real torchrun CLI
     )
     assert (run / "killed").read_text() == "11 before-forward", p.stderr[-3000:]
     starts = sorted(int(f.read_text().split()[0]) for f in run.glob("start-rank*.txt"))
@@ -106,7 +104,7 @@ def _clipped(out: Path) -> list[tuple[int, int]]:
     return [tuple(map(int, f.read_text().split())) for f in sorted(out.glob("clipped-rank*.txt"))]
 
 
-def test_clipping_that_fires_replays_exactly(tmp_path):
+def test_clipping_that_fires_replays_exactly(torchrun, tmp_path):
     """Clipping changes .grad after the hook merged it: the record must be what was applied."""
     ck, out1, out2 = tmp_path / "ck", tmp_path / "o1", tmp_path / "o2"
     out1.mkdir()
@@ -124,7 +122,7 @@ def test_clipping_that_fires_replays_exactly(tmp_path):
         assert diff_states(want, _load(out2 / f"resumed-12-rank{r}.pt")) == []
 
 
-def test_rank_killed_between_backward_and_step_with_clipping(tmp_path):
+def test_rank_killed_between_backward_and_step_with_clipping(torchrun, tmp_path):
     """A rank dies after its gradients were merged and clipped-to-be, before ck.step():
     the restarted job agrees on a step and ends exactly where an uninterrupted run does."""
     ref, run = tmp_path / "ref", tmp_path / "run"

@@ -19,14 +19,13 @@ import pytest
 from lowdiff.format import layout
 from lowdiff.state.capture import diff_states
 from lowdiff.state.record import RecordLayout
-from lowdiff.torture.ddp import torchrun
 
 from .test_ddp_lowdiff import _load
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def test_sharded_replica_equals_the_trainers(tmp_path):
+def test_sharded_replica_equals_the_trainers(torchrun, tmp_path):
     ck, o1, o2 = tmp_path / "ck", tmp_path / "o1", tmp_path / "o2"
     o1.mkdir()
     o2.mkdir()
@@ -65,7 +64,7 @@ COMMON = ("--strategy", "lowdiff+", "--steps", "12")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def reference(torchrun, tmp_path_factory) -> Path:
     """The uninterrupted run (final states ``final-rank{r}.pt``)."""
     base = tmp_path_factory.mktemp("plus-ref")
     ref = base / "out"
@@ -74,7 +73,7 @@ def reference(tmp_path_factory) -> Path:
     return ref
 
 
-def test_sigkill_one_rank_recovers_from_the_replicas_in_memory(tmp_path, reference):
+def test_sigkill_one_rank_recovers_from_the_replicas_in_memory(torchrun, tmp_path, reference):
     ref, run = reference, tmp_path / "run"
     run.mkdir()
     common = COMMON
@@ -97,7 +96,7 @@ def test_sigkill_one_rank_recovers_from_the_replicas_in_memory(tmp_path, referen
         assert diff_states(_load(ref / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt")) == []
 
 
-def test_elastic_restarts_take_over_the_surviving_replica_processes(tmp_path, reference):
+def test_elastic_restarts_take_over_the_surviving_replica_processes(torchrun, tmp_path, reference):
     run = tmp_path / "run"
     run.mkdir()
     torchrun(

@@ -7,15 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from .test_ddp_lowdiff import torchrun
-
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "ddp_train.py"
 
 
 @pytest.mark.parametrize("strategy", ["lowdiff"])  # lowdiff+ memory recovery: test_ddp_plus.py
-def test_example_recovers_after_one_rank_is_killed(tmp_path, strategy):
+def test_example_recovers_after_one_rank_is_killed(torchrun, tmp_path, strategy):
     report = tmp_path / "report.json"
     p = torchrun(
         "--dir",
@@ -38,6 +36,7 @@ def test_example_recovers_after_one_rank_is_killed(tmp_path, strategy):
         str(report),
         restarts=1,
         script=EXAMPLE,
+        agent="exec",  # the README's torchrun command
     )
     assert "[rank 1] SIGKILL at step 22" in p.stdout
     source = "memory" if strategy == "lowdiff+" else "disk"

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import safetensors.torch
+from tests import launch
 
 import lowdiff
 from lowdiff.state.capture import diff_states
@@ -43,7 +44,7 @@ def run(
     Returns its stdout lines and the last step it printed; its stderr is appended to
     ``stderr`` when given.
     """
-    proc = subprocess.Popen(
+    proc = launch.popen(
         [sys.executable, str(EXAMPLES / script), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -6,14 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from lowdiff.torture.ddp import torchrun
-
 SAVED_STEPS = (3, 5, 8, 12)
 """Steps after which every rank of the job saved its live state (``state-{s}-rank{r}.pt``)."""
 
 
 @pytest.fixture(scope="session")
-def ddp_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def ddp_job(torchrun, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(checkpoint directory, directory of the live states) of a 12-step 2-rank job."""
     base = tmp_path_factory.mktemp("ddp")
     ck, out = base / "ck", base / "out"

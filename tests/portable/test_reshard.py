@@ -19,6 +19,7 @@ import torch
 
 import lowdiff
 from lowdiff.cli.main import main
+from lowdiff.prefork import PreforkServer
 from lowdiff.recovery.job import generations
 from lowdiff.state.capture import diff_states, snapshot_state
 from lowdiff.torture.ddp import JOB_MODULE, _free_port
@@ -27,15 +28,16 @@ from lowdiff.torture.ddp_job import Net
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def _job(nproc: int, ck: Path, out: Path, *args: str) -> None:
-    """The training job with ``nproc`` ranks (0: one plain process, no DDP)."""
+def _job(server: PreforkServer, nproc: int, ck: Path, out: Path, *args: str) -> None:
+    """The training job with ``nproc`` ranks (0: one plain process, no DDP), forked from
+    ``server`` (under torch's elastic agent with forked ranks: ``lowdiff.torture.ddp_agent``)."""
     out.mkdir(parents=True, exist_ok=True)
     job = ["--dir", str(ck), "--out", str(out), "--ef", *args]
     if nproc == 0:
         cmd = [sys.executable, "-m", JOB_MODULE, "--single", *job]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            sys.executable, "-m", "lowdiff.torture.ddp_agent", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
             "--module", JOB_MODULE, *job,
         ]  # fmt: skip
@@ -43,8 +45,9 @@ def _job(nproc: int, ck: Path, out: Path, *args: str) -> None:
     # a file, not a pipe: a LowDiff+ replica left by a killed job holds its descriptors
     log = out / f"job-{nproc}.log"
     with log.open("ab") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=240)
-    assert p.returncode == 0, log.read_text()[-8000:]
+        p = server.popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        code = p.wait(timeout=240)
+    assert code == 0, log.read_text()[-8000:]
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -74,10 +77,10 @@ def _check_resumed(old: Path, new: Path, step: int, old_world: int, new_world: i
         assert (new / f"final-rank{r}.pt").exists()  # and it trained on
 
 
-def test_two_ranks_resume_in_one(tmp_path, capsys):
+def test_two_ranks_resume_in_one(prefork, tmp_path, capsys):
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
-    _job(2, ck, old, "--steps", "12", "--save-steps", "7,12")
-    _job(1, ck, new, "--steps", "18", "--save-steps", "15")
+    _job(prefork, 2, ck, old, "--steps", "12", "--save-steps", "7,12")
+    _job(prefork, 1, ck, new, "--steps", "18", "--save-steps", "15")
     _check_resumed(old, new, 12, 2, 1)
     assert [(g.index, g.world_size, g.start_step) for g in generations(ck)] == [
         (0, 2, 0),
@@ -88,7 +91,7 @@ def test_two_ranks_resume_in_one(tmp_path, capsys):
     assert diff_states(_load(new / "state-15-rank0.pt"), _restored(ck, 15)) == []
     # and the resumed job's own restart continues in its generation
     again = tmp_path / "again"
-    _job(1, ck, again, "--steps", "20")
+    _job(prefork, 1, ck, again, "--steps", "20")
     assert (again / "resumed-18-rank0.pt").exists()
     assert len(generations(ck)) == 2
     # a step no generation serves: the error names what each generation does serve
@@ -106,20 +109,20 @@ def test_two_ranks_resume_in_one(tmp_path, capsys):
     assert names == ["rank-00000", "rank-00001", "gen-1/rank-00000"], out
 
 
-def test_one_process_resumed_by_two_ranks(tmp_path):
+def test_one_process_resumed_by_two_ranks(prefork, tmp_path):
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
-    _job(0, ck, old, "--steps", "10", "--save-steps", "6,10")
-    _job(2, ck, new, "--steps", "14", "--save-steps", "13")
+    _job(prefork, 0, ck, old, "--steps", "10", "--save-steps", "6,10")
+    _job(prefork, 2, ck, new, "--steps", "14", "--save-steps", "13")
     _check_resumed(old, new, 10, 1, 2)
     assert [(g.world_size, g.single) for g in generations(ck)] == [(1, True), (2, False)]
     assert diff_states(_load(old / "state-6-rank0.pt"), _restored(ck, 6)) == []
     assert diff_states(_load(new / "state-13-rank0.pt"), _restored(ck, 13)) == []
 
 
-def test_two_ranks_resume_in_four(tmp_path):
+def test_two_ranks_resume_in_four(prefork, tmp_path):
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
-    _job(2, ck, old, "--steps", "10", "--save-steps", "4,10")
-    _job(4, ck, new, "--steps", "13", "--save-steps", "12")
+    _job(prefork, 2, ck, old, "--steps", "10", "--save-steps", "4,10")
+    _job(prefork, 4, ck, new, "--steps", "13", "--save-steps", "12")
     _check_resumed(old, new, 10, 2, 4)
     assert diff_states(_load(old / "state-4-rank0.pt"), _restored(ck, 4)) == []
     assert diff_states(_load(new / "state-12-rank0.pt"), _restored(ck, 12)) == []
@@ -137,16 +140,16 @@ def test_two_ranks_resume_in_four(tmp_path):
             assert torch.equal(t, want[f"model/{name}"]), name
 
 
-def test_lowdiff_plus_killed_two_ranks_resume_in_one(tmp_path):
+def test_lowdiff_plus_killed_two_ranks_resume_in_one(prefork, tmp_path):
     """LowDiff+ after a crash: the old replicas persist what they hold, and the state is
     resharded from disk."""
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
     every = ",".join(str(s) for s in range(1, 13))
     with pytest.raises(AssertionError):  # rank 1 SIGKILLs itself: torchrun fails
-        _job(2, ck, old, "--strategy", "lowdiff+", "--steps", "12", "--save-steps", every,
+        _job(prefork, 2, ck, old, "--strategy", "lowdiff+", "--steps", "12", "--save-steps", every,
              "--kill-at", "8", "--kill-rank", "1")  # fmt: skip
     assert (old / "killed").exists()
-    _job(1, ck, new, "--strategy", "lowdiff+", "--steps", "12")
+    _job(prefork, 1, ck, new, "--strategy", "lowdiff+", "--steps", "12")
     (start,) = [p.name.split("-")[1] for p in new.glob("resumed-*-rank0.pt")]
     step = int(start)
     assert 1 <= step <= 8
@@ -154,7 +157,7 @@ def test_lowdiff_plus_killed_two_ranks_resume_in_one(tmp_path):
     assert [g.world_size for g in generations(ck)] == [2, 1]
 
 
-def test_generation_without_a_full_checkpoint_is_passed_over(tmp_path):
+def test_generation_without_a_full_checkpoint_is_passed_over(prefork, tmp_path):
     """A job that died before its new generation's first full checkpoint: the next resume
     starts from the old generation again, in a newer generation."""
     from lowdiff.format import layout
@@ -162,11 +165,11 @@ def test_generation_without_a_full_checkpoint_is_passed_over(tmp_path):
     from lowdiff.recovery.scan import is_empty_dir
 
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
-    _job(2, ck, old, "--steps", "8", "--save-steps", "8")
+    _job(prefork, 2, ck, old, "--steps", "8", "--save-steps", "8")
     dead = generation_dir(ck, 1)
     (dead / "rank-00000").mkdir(parents=True)
     layout.write_manifest(dead, job_manifest(1, "lowdiff", generation=1, start_step=8))
-    _job(1, ck, new, "--steps", "10")
+    _job(prefork, 1, ck, new, "--steps", "10")
     _check_resumed(old, new, 8, 2, 1)
     assert [(g.index, g.world_size) for g in generations(ck)] == [(0, 2), (1, 1), (2, 1)]
     assert is_empty_dir(dead / "rank-00000")  # nothing was written there

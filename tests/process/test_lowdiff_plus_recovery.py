@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tests import launch
 
 import lowdiff
 from lowdiff.format import layout
@@ -136,7 +137,7 @@ def _kill_both_at(cfg: dict, kill_after: int, ckdir: Path) -> tuple[int, rp.Desc
 
     from .test_sigkill_recovery import SCRIPT, _env
 
-    proc = subprocess.Popen(
+    proc = launch.popen(
         [sys.executable, str(SCRIPT), json.dumps(cfg)],
         stdout=subprocess.PIPE,
         text=True,

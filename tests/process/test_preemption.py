@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from tests import launch
 
 import lowdiff
 from lowdiff.proc import holder as rp
@@ -48,7 +49,7 @@ def test_sigterm_makes_every_acknowledged_step_durable_before_the_exit(
     ckdir = tmp_path / "ck"
     cfg = {"dir": str(ckdir), "steps": 200, "strategy": strategy, "sleep": 0.02,
            "print_durable": True, **opts}  # fmt: skip
-    proc = subprocess.Popen(
+    proc = launch.popen(
         [sys.executable, str(SCRIPT), json.dumps(cfg)], stdout=subprocess.PIPE, text=True,
         env=_env(),
     )  # fmt: skip
@@ -106,7 +107,7 @@ ck.close()
 def test_who_handles_sigterm(tmp_path, case, want) -> None:
     """lowdiff handles SIGTERM by default, not with ``sigterm_timeout=None``, and never
     in place of a handler the process set itself."""
-    r = subprocess.run(
+    r = launch.run(
         [sys.executable, "-c", CHECK_HANDLER, case, str(tmp_path / "ck")],
         capture_output=True, text=True, timeout=120, env=_env(),
     )  # fmt: skip

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from tests import launch
 
 import lowdiff
 from lowdiff.state.capture import diff_states
@@ -37,7 +38,7 @@ def _run(
     after the kill, as ``subprocess.run(capture_output=True)`` does: that returns only
     once no process holds them any more.
     """
-    proc = subprocess.Popen(
+    proc = launch.popen(
         [sys.executable, str(SCRIPT), json.dumps(cfg)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE if read_to_end else None,

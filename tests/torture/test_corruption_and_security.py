@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests import launch
 
 import lowdiff
 from lowdiff.proc import holder as rp
@@ -125,7 +126,7 @@ def test_file_names_come_from_steps_not_from_metadata(work, tmp_path) -> None:
 
 
 def test_second_trainer_on_a_directory_gets_the_holders_pid_and_host(tmp_path) -> None:
-    holder = subprocess.Popen(
+    holder = launch.popen(
         [
             sys.executable,
             "-c",

@@ -29,12 +29,12 @@ PLANS = [
 ]
 
 
-def test_kills_at_hook_points_and_random_times(tmp_path, torture_report) -> None:
+def test_kills_at_hook_points_and_random_times(prefork, tmp_path, torture_report) -> None:
     ref = workload.reference(N_STEPS)
     report = TortureReport()
     plans = [dict(p, point=p.get("spec", "random time")) for p in PLANS]
     plans.append({"target": "none", "how": "check", "point": "final check"})
-    CrashHarness(tmp_path, ref, report, seed=1).run(plans)
+    CrashHarness(tmp_path, ref, report, seed=1, server=prefork).run(plans)
     torture_report.merge(report)
     assert report.failures == []
     assert report.kills == len(PLANS)
@@ -52,12 +52,12 @@ PLUS_PLANS = [
 ]
 
 
-def test_lowdiff_plus_kills_recover_from_memory_and_disk(tmp_path, torture_report) -> None:
+def test_lowdiff_plus_kills_recover_from_memory_and_disk(prefork, tmp_path, torture_report) -> None:
     ref = workload.reference(N_STEPS, plus=True)
     report = TortureReport()
     plans = [dict(p, point=p["spec"]) for p in PLUS_PLANS]
     plans.append({"target": "none", "how": "check", "point": "final check"})
-    CrashHarness(tmp_path, ref, report, seed=2, strategy="lowdiff+").run(plans)
+    CrashHarness(tmp_path, ref, report, seed=2, strategy="lowdiff+", server=prefork).run(plans)
     torture_report.merge(report)
     assert report.failures == []
     assert report.kills == report.kills_by_strategy["lowdiff+"] == len(PLUS_PLANS)
@@ -68,7 +68,9 @@ def test_lowdiff_plus_kills_recover_from_memory_and_disk(tmp_path, torture_repor
     assert report.margin_min is not None and report.margin_min >= 0
 
 
-def test_lowdiff_plus_survivors_are_taken_over_or_refused(tmp_path, torture_report) -> None:
+def test_lowdiff_plus_survivors_are_taken_over_or_refused(
+    prefork, tmp_path, torture_report
+) -> None:
     """Adoption in the kill mix: the session after a trainer-only kill takes the surviving
     replica process over; a session of another job (another keep_full) is refused by the
     survivor, which persists and exits; nothing is left behind."""
@@ -80,7 +82,7 @@ def test_lowdiff_plus_survivors_are_taken_over_or_refused(tmp_path, torture_repo
         dict(kill, delay=0.3),
         {"target": "none", "how": "check", "point": "final check", "foreign": True},
     ]
-    CrashHarness(tmp_path, ref, report, seed=3, strategy="lowdiff+").run(plans)
+    CrashHarness(tmp_path, ref, report, seed=3, strategy="lowdiff+", server=prefork).run(plans)
     torture_report.merge(report)
     assert report.failures == []
     assert report.kills == 2

@@ -21,12 +21,14 @@ def test_kill_steps_are_misaligned():
     assert KILL_STEPS and all(s % 3 and s % 6 for s in KILL_STEPS)
 
 
-def test_two_rank_kills_lose_no_acknowledged_step(tmp_path):
+def test_two_rank_kills_lose_no_acknowledged_step(prefork, tmp_path):
     plans = plan_kills(2, SEED, "lowdiff")
     assert {k.rank for k in plans} == {0, 1}
     assert {k.point for k in plans} == {"before-forward", "after-backward"}
     lines: list[str] = []
-    report = run_ddp_kills(tmp_path, 2, seed=SEED, strategy="lowdiff", log=lines.append)
+    report = run_ddp_kills(
+        tmp_path, 2, seed=SEED, strategy="lowdiff", log=lines.append, server=prefork
+    )
     assert report.failures == [], "\n".join(lines)
     # each kill landed where it was planned (the job wrote the marker just before SIGKILL)
     for i, k in enumerate(plans):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests import launch
 
 from lowdiff.workloads import models, text
 from lowdiff.workloads.text import Corpus
@@ -183,7 +184,7 @@ print(" ".join(out))
 @pytest.mark.multiprocess
 def test_two_processes_give_bit_identical_losses() -> None:
     procs = [
-        subprocess.Popen(
+        subprocess.Popen(  # new interpreters: each with its own hash seed
             [sys.executable, "-c", _LOSS_SCRIPT],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -233,7 +234,7 @@ def test_training_job_runs_and_reports(tmp_path: Path) -> None:
         "dump_state_at_step": {"step": 5, "path": str(tmp_path / "s5.safetensors")},
     }
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    proc = subprocess.run(
+    proc = launch.run(
         [sys.executable, "-m", "lowdiff.workloads.train", "--config", str(tmp_path / "cfg.json")],
         capture_output=True,
         text=True,

@@ -46,6 +46,7 @@ import torch
 
 import lowdiff
 from lowdiff.format import layout
+from lowdiff.prefork import PreforkServer
 from lowdiff.proc import holder as rp
 from lowdiff.state.capture import diff_states
 from lowdiff.torture.report import TortureReport
@@ -68,6 +69,8 @@ PLUS_HOOK_POINTS: list[tuple[str, str, int]] = [
 STRATEGIES = ("lowdiff", "lowdiff+")
 ACTIONS = {"worker": "kill-self", "trainer": "kill-parent", "both": "kill-both"}
 N_STEPS = 240
+JOB_PRELOAD = ("lowdiff.torture.job",)
+"""What the fork server of the jobs imports (see :mod:`lowdiff.prefork`)."""
 STEP_SLEEP = 0.004
 
 
@@ -142,12 +145,14 @@ class CrashHarness:
         timeout: float = 180.0,
         strategy: str = "lowdiff",
         log: Callable[[str], None] | None = None,
+        server: PreforkServer | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.workdir, self.ref, self.report = Path(workdir), reference, report
         self.seed, self.timeout, self.log = seed, timeout, log or (lambda _: None)
         self.strategy = strategy
+        self.server = server  # jobs are forks of it (else new interpreters)
         self.lock = threading.Lock()
 
     def run(self, plans: list[dict[str, Any]]) -> None:
@@ -233,7 +238,8 @@ class CrashHarness:
         # stderr goes to a file: a checkpointing process that outlives the job (a LowDiff+
         # replica waiting for the next trainer) inherits it, and must not hold a pipe open
         err_file = tempfile.TemporaryFile(mode="w+", dir=self.workdir)  # noqa: SIM115 -- closed below
-        proc = subprocess.Popen(
+        start = subprocess.Popen if self.server is None else self.server.popen
+        proc = start(
             [sys.executable, "-m", "lowdiff.torture.job", json.dumps(cfg)],
             stdout=subprocess.PIPE,
             stderr=err_file,
@@ -390,11 +396,34 @@ def run_crash(
     plus_reference: list[dict[str, torch.Tensor]] | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
     log: Callable[[str], None] | None = None,
+    fork: bool = True,
 ) -> None:
     """Run ``n_kills`` kill plans, split over ``strategies`` (LowDiff+ gets a third when
     both are driven) and, for each strategy, over ``jobs`` independent chains of
     directories. ``reference`` and ``plus_reference`` are the uninterrupted trajectories
-    of LowDiff and LowDiff+ (computed when not given)."""
+    of LowDiff and LowDiff+ (computed when not given). With ``fork``, every job is a fork
+    of one server that imported torch and lowdiff once (:mod:`lowdiff.prefork`), not a
+    new interpreter."""
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(PreforkServer(JOB_PRELOAD)) if fork else None
+        _run_crash(
+            workdir, n_kills, report, seed, jobs, reference, plus_reference, strategies, log,
+            server,
+        )  # fmt: skip
+
+
+def _run_crash(
+    workdir: Path,
+    n_kills: int,
+    report: TortureReport,
+    seed: int,
+    jobs: int,
+    reference: list[dict[str, torch.Tensor]] | None,
+    plus_reference: list[dict[str, torch.Tensor]] | None,
+    strategies: tuple[str, ...],
+    log: Callable[[str], None] | None,
+    server: PreforkServer | None,
+) -> None:
     from lowdiff.torture import workload
 
     for strategy, share_kills in split_kills(n_kills, strategies).items():
@@ -423,6 +452,7 @@ def run_crash(
                 seed=seed0 + j,
                 strategy=strategy,
                 log=log,
+                server=server,
             )
             th = threading.Thread(
                 target=_run_reporting_errors,

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -38,11 +39,14 @@ from pathlib import Path
 
 import torch
 
+from lowdiff.prefork import PreforkServer
 from lowdiff.state.capture import diff_states
 from lowdiff.torture.report import TortureReport
 
 JOB_MODULE = "lowdiff.torture.ddp_job"
 """The job torchrun starts when no script is given (run as a module)."""
+AGENT_PRELOAD = ("torch._dynamo", "torch.distributed.run", "lowdiff.torture.ddp_agent", JOB_MODULE)
+"""What the fork server of the agents imports (see :mod:`lowdiff.prefork`)."""
 
 STEPS = 16
 FULL_EVERY = 6
@@ -68,8 +72,10 @@ def torchrun(
     timeout: float = RUN_TIMEOUT_S,
     script: Path | None = None,
     check: bool = True,
+    agent: str = "fork",
+    server: PreforkServer | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run a 2-rank job under ``python -m torch.distributed.run`` on this machine.
+    """Run a 2-rank job under torchrun on this machine.
 
     Args:
         args: the job's own arguments.
@@ -77,15 +83,24 @@ def torchrun(
         timeout: seconds before the job is stopped (SIGTERM, then SIGKILL of its session).
         script: the training script; default: :mod:`lowdiff.torture.ddp_job` as a module.
         check: raise ``AssertionError`` (with the output's tail) unless torchrun exits 0.
+        agent: ``"fork"``: torch's elastic agent with ranks forked from it
+            (:mod:`lowdiff.torture.ddp_agent`, the same rendezvous, environment and
+            restarts without an interpreter start per rank); ``"exec"``: the real
+            ``python -m torch.distributed.run``.
+        server: Start the agent as a fork of this server (see :mod:`lowdiff.prefork`)
+            instead of a new interpreter.
 
     Returns:
         The finished process, with its stdout and stderr.
     """
     target = ["--module", JOB_MODULE] if script is None else [str(script)]
+    if agent not in ("fork", "exec"):
+        raise ValueError(f"agent must be 'fork' or 'exec', got {agent!r}")
+    launcher = "lowdiff.torture.ddp_agent" if agent == "fork" else "torch.distributed.run"
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--nproc-per-node",
         "2",
         "--rdzv-backend",
@@ -106,7 +121,8 @@ def torchrun(
         PYTHONUNBUFFERED="1",
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
     )
-    proc = subprocess.Popen(
+    start = subprocess.Popen if server is None else server.popen
+    proc = start(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -127,7 +143,8 @@ def torchrun(
         raise AssertionError(
             f"torchrun timed out after {timeout} s:\n{out[-4000:]}\n{err[-8000:]}"
         ) from None
-    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    code = proc.wait()
+    p = subprocess.CompletedProcess(cmd, code, out, err)
     if check:
         assert p.returncode == 0, (
             f"torchrun failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
@@ -197,14 +214,15 @@ def _load(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-def _reference(work: Path, strategy: str) -> Path:
+def _reference(work: Path, strategy: str, server: PreforkServer) -> Path:
     """An uninterrupted run that saves every rank's state after every step."""
     out = work / f"reference-{strategy}"
     out.mkdir(parents=True, exist_ok=True)
     steps = ",".join(str(s) for s in range(1, STEPS + 1))
     p = torchrun(
-        "--dir", str(out / "ck"), "--out", str(out), *_common(strategy), "--save-steps", steps
-    )
+        "--dir", str(out / "ck"), "--out", str(out), *_common(strategy), "--save-steps", steps,
+        server=server,
+    )  # fmt: skip
     (out / "torchrun.log").write_text(p.stdout + p.stderr)
     return out
 
@@ -241,13 +259,15 @@ def _read_log(path: Path) -> _Rounds:
     return rounds
 
 
-def _check_kill(report: TortureReport, i: int, k: DdpKill, work: Path, ref: Path) -> str:
+def _check_kill(
+    report: TortureReport, i: int, k: DdpKill, work: Path, ref: Path, server: PreforkServer
+) -> str:
     """Run kill ``i`` and add its figures to ``report``; a line for the log."""
     out = work / f"kill-{i:03d}" / "out"
     out.mkdir(parents=True, exist_ok=True)
     name = f"kill {i} ({k.strategy}, rank {k.rank}, step {k.step}, {k.point}, {k.target})"
     try:
-        p = torchrun(*_kill_args(k, out.parent), restarts=1, check=False)
+        p = torchrun(*_kill_args(k, out.parent), restarts=1, check=False, server=server)
     except AssertionError as e:  # timed out
         (out / "torchrun.log").write_text(str(e))
         report.fail(f"{name}: {str(e).splitlines()[0]} (see {out / 'torchrun.log'})")
@@ -365,6 +385,7 @@ def run_ddp_kills(
     seed: int = 0,
     strategy: str = "lowdiff",
     log: Callable[[str], None] | None = None,
+    server: PreforkServer | None = None,
 ) -> TortureReport:
     """Kill one rank of a 2-rank DDP job ``kills`` times and check every recovery.
 
@@ -379,6 +400,8 @@ def run_ddp_kills(
         seed: seeds the rank, step, kill point and target of every kill.
         strategy: ``"lowdiff"``, ``"lowdiff+"`` or ``"both"`` (alternating).
         log: called with one line per kill.
+        server: The fork server each job's agent is started from (default: one of its
+            own for the run; see :mod:`lowdiff.prefork`).
 
     Returns:
         The figures: kills (by point, target and strategy), recoveries (by source),
@@ -394,10 +417,13 @@ def run_ddp_kills(
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     report = TortureReport()
-    refs = {s: _reference(work, s) for s in sorted({k.strategy for k in plans})}
-    for i, k in enumerate(plans):
-        line = _check_kill(report, i, k, work, refs[k.strategy])
-        if log is not None:
-            log(line)
+    with contextlib.ExitStack() as stack:
+        if server is None:
+            server = stack.enter_context(PreforkServer(AGENT_PRELOAD))
+        refs = {s: _reference(work, s, server) for s in sorted({k.strategy for k in plans})}
+        for i, k in enumerate(plans):
+            line = _check_kill(report, i, k, work, refs[k.strategy], server)
+            if log is not None:
+                log(line)
     report.wall_s = time.monotonic() - t0
     return report
