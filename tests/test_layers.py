@@ -26,7 +26,10 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (6, ("engine",)),
     (7, ("baselines",)),
     (8, ("", "checkpointer", "attach", "exporting", "inspect", "integrations")),
-    (9, ("harness", "prefork", "workloads", "bench", "chaos", "torture", "cli", "demo", "__main__")),
+    (
+        9,
+        ("harness", "prefork", "workloads", "bench", "chaos", "torture", "cli", "demo", "__main__"),
+    ),
 ]
 """Each top-level module or package of lowdiff and its layer ("" is the package itself).
 A module may import modules of its own layer or below."""

@@ -145,6 +145,9 @@ def _run_main(kind: str, target: str, rest: list[str]) -> None:
     import runpy
 
     if kind == "module":
+        # as in a new interpreter, __main__ is a copy of its own: the module imported
+        # by name (if the server preloaded it) is imported again by whoever asks for it
+        sys.modules.pop(target, None)
         sys.argv = [target, *rest]  # runpy puts the module's file in argv[0]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -419,7 +422,8 @@ class PreforkServer:
     """Starts Python processes as forks of a server that imported ``preload`` once.
 
     Args:
-        preload: Modules the server imports (after :data:`BASE_PRELOAD`).
+        preload: Modules the server imports (after :data:`BASE_PRELOAD`). Importing
+            them must run no torch operation (see the module docstring).
         env: The server's environment (default: this process's).
         log_path: Where the server's own output goes (default: discarded).
         start_timeout: Seconds to wait for the server's imports.

@@ -8,7 +8,7 @@ and splits the time of the run into steady-state overhead, lost work and recover
 
 - :mod:`.schedule`: seeded failure schedules;
 - :mod:`.procs`: finding, freezing and killing a job's processes, its shared memory;
-- :mod:`.launch` and :mod:`.zygote`: starting training processes (fresh or forked);
+- :mod:`.launch`: starting training processes (fresh, or forked from :mod:`lowdiff.prefork`);
 - :mod:`.supervisor`: one job through its failures;
 - :mod:`.accounting`: where the time went;
 - :mod:`.costs`: LowDiff's measured costs as the inputs of :mod:`lowdiff.plan`;

@@ -9,7 +9,7 @@ reads and its stderr in a log file.
   restart pays the interpreter start and the imports of torch and transformers (several
   seconds on a small CPU machine, the same for every strategy).
 - :class:`ForkLauncher` forks each process from a server that imported all of that once
-  (:mod:`lowdiff.chaos.zygote`): a restart then costs what the job itself does at a
+  (:mod:`lowdiff.prefork`): a restart then costs what the job itself does at a
   restart (model build, the checkpointer's ``resume()``, its background processes).
   ``preload_s`` says what the import would have cost.
 
@@ -23,21 +23,15 @@ Call sequence::
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import select
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
 from lowdiff.harness import child_env
+from lowdiff.prefork import PreforkError, PreforkServer
+from lowdiff.workloads.train import PRELOAD
 
 
 class ChaosError(RuntimeError):
@@ -108,30 +102,8 @@ class ExecLauncher:
         self.close()
 
 
-class _Forked:
-    """A process of the fork server."""
-
-    def __init__(self, launcher: ForkLauncher, pid: int, stdout: IO[str]) -> None:
-        self._launcher = launcher
-        self.pid = pid
-        self.stdout = stdout
-
-    def poll(self) -> int | None:
-        return self._launcher.exit_code(self.pid)
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            code = self.poll()
-            if code is not None:
-                return code
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.005)
-
-
 class ForkLauncher:
-    """Forks training processes from a warm server (see :mod:`lowdiff.chaos.zygote`).
+    """Forks training processes from a warm server (see :mod:`lowdiff.prefork`).
 
     Args:
         env: Environment of the server (and so of every process it forks).
@@ -142,103 +114,34 @@ class ForkLauncher:
     name = "fork"
 
     def __init__(self, env: dict[str, str], log_path: Path, start_timeout: float = 300.0) -> None:
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._log = open(log_path, "w")  # noqa: SIM115 -- closed by close()
+        self.env = env
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "lowdiff.chaos.zygote", str(theirs.fileno())],
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=self._log,
-                env=env,
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
+            self._server = PreforkServer(
+                PRELOAD, env=env, log_path=log_path, start_timeout=start_timeout
             )
-        finally:
-            theirs.close()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._replies: dict[int, int] = {}
-        self._exits: dict[int, int] = {}
-        self._next_id = 0
-        self._closed = False
-        ready = self._recv(start_timeout)
-        if ready is None or "ready" not in ready:
-            self.close()
-            raise ChaosError(f"the fork server did not start (see {log_path})")
-        self.preload_s: float | None = float(ready["preload_s"])
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _recv(self, timeout: float) -> dict[str, Any] | None:
-        r, _, _ = select.select([self._sock], [], [], timeout)
-        if not r:
-            return None
-        msg = self._sock.recv(1 << 16)
-        return json.loads(msg) if msg else None
-
-    def _read(self) -> None:
-        while True:
-            try:
-                msg = self._sock.recv(1 << 16)
-            except OSError:
-                msg = b""
-            with self._cond:
-                if not msg:
-                    self._closed = True
-                    self._cond.notify_all()
-                    return
-                obj = json.loads(msg)
-                if "exit" in obj:
-                    self._exits[int(obj["exit"])] = int(obj["code"])
-                else:
-                    self._replies[int(obj["id"])] = int(obj["pid"])
-                self._cond.notify_all()
-
-    def exit_code(self, pid: int) -> int | None:
-        """The exit code of forked process ``pid``, or None while it runs."""
-        with self._lock:
-            if pid in self._exits:
-                return self._exits[pid]
-            if self._closed:
-                return -signal.SIGKILL  # the server is gone: nothing will report the exit
-            return None
+        except PreforkError as e:
+            raise ChaosError(str(e)) from e
+        self.preload_s: float | None = self._server.preload_s
 
     def launch(
         self, config: Path, cwd: Path, stderr_path: Path, env_extra: dict[str, str]
     ) -> Child:
-        r, w = os.pipe()
-        err = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with self._cond:
-            rid = self._next_id
-            self._next_id += 1
-        try:
-            req = {"id": rid, "config": str(config), "cwd": str(cwd), "env": env_extra}
-            socket.send_fds(self._sock, [json.dumps(req).encode()], [w, err])
-        finally:
-            os.close(w)
-            os.close(err)
-        with self._cond:
-            ok = self._cond.wait_for(lambda: rid in self._replies or self._closed, timeout=60)
-            if not ok or rid not in self._replies:
-                os.close(r)
-                raise ChaosError("the fork server did not start a training process")
-            pid = self._replies.pop(rid)
-        return _Forked(self, pid, os.fdopen(r, "r"))
+        with open(stderr_path, "w") as err:
+            try:
+                return self._server.popen(  # type: ignore[return-value]  # has pid, stdout, poll, wait
+                    [sys.executable, "-m", "lowdiff.workloads.train", "--config", str(config)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                    env={**self.env, **env_extra},
+                    cwd=cwd,
+                )
+            except PreforkError as e:
+                raise ChaosError(str(e)) from e
 
     def close(self) -> None:
-        # shutdown() first: a recv() blocked in the reader thread would otherwise keep the
-        # socket open, and the server would never see the end of it
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._log.close()
+        self._server.close()
 
     def __enter__(self) -> ForkLauncher:
         return self

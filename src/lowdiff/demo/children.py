@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lowdiff.demo.settings import DemoError
+from lowdiff.prefork import PreforkedProcess, PreforkServer
 
 
 @dataclass
@@ -47,10 +48,17 @@ class ChildRun:
 
 
 class Children:
-    """Tracks every child (each leads its own process group) so nothing outlives the demo."""
+    """Starts the children (forks of ``server``, else new interpreters) and tracks every
+    one (each leads its own process group) so nothing outlives the demo."""
 
-    def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
+    def __init__(self, server: PreforkServer | None = None) -> None:
+        self.server = server
+        self.procs: list[subprocess.Popen[str] | PreforkedProcess] = []
+
+    def close(self) -> None:
+        """Stop the fork server (after :meth:`kill_all`)."""
+        if self.server is not None:
+            self.server.close()
 
     def kill_all(self) -> None:
         """SIGKILL the group of every child still running or that failed; reap them."""
@@ -112,7 +120,8 @@ def run_child(
     stderr_path = logs / f"{name}.stderr.log"
     run = ChildRun(name=name, stderr_path=stderr_path)
     with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(
+        start = subprocess.Popen if children.server is None else children.server.popen
+        proc = start(
             [sys.executable, "-m", "lowdiff.workloads.train", "--config", str(cfg_path)],
             stdout=subprocess.PIPE,
             stderr=err,

@@ -36,7 +36,8 @@ from lowdiff.demo.analysis import compare_states, overhead_stats, storage_stats
 from lowdiff.demo.children import Children, ChildRun, require_ok, run_child
 from lowdiff.demo.settings import DemoError, DemoSettings, kill_target
 from lowdiff.harness import Progress, child_env
-from lowdiff.workloads.train import TrainConfig, probe_recovery
+from lowdiff.prefork import PreforkError, PreforkServer
+from lowdiff.workloads.train import PRELOAD, TrainConfig, probe_recovery
 
 
 class _StepProgress:
@@ -74,7 +75,13 @@ class _Demo:
         self.s = s
         self.bar = progress
         self.env = child_env(s.threads)
-        self.children = Children()
+        # the runs are forks of one server that imported torch and the job once: each
+        # run then starts at its model build, not at an interpreter's start
+        try:
+            server = PreforkServer(PRELOAD, env=self.env, log_path=s.out_dir / "fork-server.log")
+        except PreforkError as e:
+            raise DemoError(str(e)) from e
+        self.children = Children(server)
         out = s.out_dir
         self.ck_killed = out / "ckpt-killed"
         self.ck_fresh = out / "ckpt-uninterrupted"
@@ -194,6 +201,7 @@ def orchestrate(s: DemoSettings) -> dict[str, Any]:
     finally:
         progress.close()
         demo.children.kill_all()
+        demo.children.close()
 
     state = compare_states(demo.dump_resume, demo.dump_ref)
     state["step"] = recovered

@@ -53,6 +53,21 @@ from lowdiff.recovery.restore import recover
 from lowdiff.state.capture import state_tensors
 from lowdiff.workloads import models, text
 
+PRELOAD = (
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "lowdiff.baselines.checkfreq",
+    "lowdiff.baselines.dcp_async",
+    "lowdiff.baselines.gemini",
+    "lowdiff.baselines.naive_dc",
+    "lowdiff.baselines.torch_save",
+    "lowdiff.workloads.train",
+)
+"""What a fork server of this job imports (see :mod:`lowdiff.prefork`): everything the
+job imports before its first step, so a forked child starts at the model build. (Not
+the corpus: building it runs torch operations, and GNU OpenMP's threads, once started,
+do not survive a fork.)"""
+
 
 @dataclass
 class TrainConfig:
