@@ -26,6 +26,8 @@ PRELOAD = (
     "torch._dynamo",  # what DistributedDataParallel imports
     "torch.distributed.run",
     "transformers",
+    "transformers.trainer",  # the Trainer integration's runs
+    "lightning",  # the Lightning integration's runs
     "lowdiff.baselines.checkfreq",
     "lowdiff.baselines.dcp_async",
     "lowdiff.baselines.gemini",
