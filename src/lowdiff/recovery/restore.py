@@ -17,6 +17,7 @@ from lowdiff.recovery.job import is_job_dir, recover_job
 from lowdiff.recovery.replay import RecoveryStats, pass_over_full, replay, warn_damaged
 from lowdiff.recovery.scan import make_plan, scan
 from lowdiff.state import capture as st
+from lowdiff.state.sharded import refuse_sharded
 
 __all__ = ["recover", "restore"]
 
@@ -35,6 +36,7 @@ def recover(
     :func:`lowdiff.recovery.job.recover_job`).
     """
     st.check_training_objects(model, optimizer, scheduler)
+    refuse_sharded(model, optimizer, "lowdiff.restore")
     root = Path(root)
     if is_job_dir(root):
         return recover_job(root, model, optimizer, scheduler, step)
