@@ -1,9 +1,10 @@
 """Models sharded across ranks (FSDP2 ``fully_shard``, DTensor), with 2 gloo ranks.
 
-Every strategy, ``attach`` and ``restore`` refuse such a model with
+Every strategy but ``"lowdiff+"`` (which runs ``fully_shard``: test_fsdp2_plus.py),
+``attach`` with them, and ``restore`` refuse such a model with
 :class:`lowdiff.UnsupportedSetupError` before touching the directory (before, rank 1 of
 a ``fully_shard`` job failed on the directory lock, taken for a second single-process
-trainer). What the errors point to works: a lowdiff checkpoint exported with
+trainer); ``"lowdiff+"`` refuses tensor parallelism. What the errors point to works: a lowdiff checkpoint exported with
 ``--format dcp`` loads into the ``fully_shard``ed model with ``dcp.load`` and
 ``set_state_dict``, bit for bit.
 """
@@ -24,6 +25,7 @@ import lowdiff
 from lowdiff.checkpointer import STRATEGIES
 
 WORLD = 2
+REFUSED = [s for s in STRATEGIES if s != "lowdiff+"]
 
 
 def _model() -> nn.Module:
@@ -31,15 +33,17 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-def _refusals(model: nn.Module, opt: torch.optim.Optimizer, base: Path) -> dict[str, str]:
+def _refusals(
+    model: nn.Module, opt: torch.optim.Optimizer, base: Path, strategies: list[str]
+) -> dict[str, str]:
     """Each entry point's error message (or what went wrong instead)."""
     out: dict[str, str] = {}
     calls = {
         **{
             s: (lambda s=s: lowdiff.Checkpointer(model, opt, base / s, strategy=s))
-            for s in STRATEGIES
+            for s in strategies
         },
-        "attach": lambda: lowdiff.attach(model, opt, base / "attach", strategy="lowdiff+"),
+        "attach": lambda: lowdiff.attach(model, opt, base / "attach", strategy="lowdiff"),
         "restore": lambda: lowdiff.restore(base / "restore", model, opt),
     }
     for name, call in calls.items():
@@ -77,17 +81,14 @@ def _rank(rank: int, tmp: Path, exported: Path, want_file: Path) -> None:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    report["fsdp2"] = _refusals(model, opt, tmp / "fsdp2")
+    # every strategy but LowDiff+ (tests/ddp/test_fsdp2_plus.py)
+    report["fsdp2"] = _refusals(model, opt, tmp / "fsdp2", REFUSED)
 
     # tensor parallelism without FSDP: a DTensor parameter in a plain module
     tp = _model()
     tp[0].weight = nn.Parameter(distribute_tensor(tp[0].weight.detach(), mesh, [Shard(0)]))
     tp_opt = torch.optim.SGD(tp.parameters(), lr=0.1)
-    report["dtensor"] = {
-        k: v
-        for k, v in _refusals(tp, tp_opt, tmp / "dtensor").items()
-        if k in ("lowdiff+", "lowdiff", "restore")
-    }
+    report["dtensor"] = _refusals(tp, tp_opt, tmp / "dtensor", ["lowdiff+", "lowdiff"])
 
     # what the errors point to: the dcp export of a lowdiff checkpoint, into fully_shard
     msd, osd = get_state_dict(model, opt)
@@ -145,15 +146,17 @@ def test_sharded_models_are_refused_and_dcp_export_loads_into_fully_shard(
     for rank in range(WORLD):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         fsdp2, tp = report["fsdp2"], report["dtensor"]
-        assert set(fsdp2) == {*STRATEGIES, "attach", "restore"}
+        assert set(fsdp2) == {*REFUSED, "attach", "restore"}
         for name, msg in fsdp2.items():
             # refused with the error that says what and why, before any file was made
             assert "does not support models sharded across ranks" in msg, (name, msg)
             assert "fully_shard (FSDP2)" in msg and "TOUCHED" not in msg, (name, msg)
-        assert "torch.distributed.checkpoint" in fsdp2["lowdiff+"]
+        assert "torch.distributed.checkpoint" in fsdp2["dcp-async"]
         assert "no compressed gradient to reuse" in fsdp2["lowdiff"]
         assert "export --format dcp" in fsdp2["restore"]
         for name, msg in tp.items():
             assert "is a DTensor" in msg and "TOUCHED" not in msg, (name, msg)
+        # LowDiff+ runs fully_shard only: tensor parallelism is refused, saying why
+        assert "no module of the model is sharded with fully_shard" in tp["lowdiff+"]
         # every parameter and every Adam state tensor, bit for bit
         assert len(report["loaded"]) == 4 * 4, report["loaded"]

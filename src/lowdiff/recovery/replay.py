@@ -40,6 +40,7 @@ from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan
 from lowdiff.state import capture as st
 from lowdiff.state.record import RecordLayout
+from lowdiff.state.sharded import local
 
 
 @dataclass
@@ -93,14 +94,15 @@ def check_compatible(
         problems.append(
             f"the checkpoint has {len(rl.params)} optimized parameters, the optimizer has {len(live)}"
         )
-    for (info, _), saved in zip(live, rl.params, strict=False):
+    for (info, p), saved in zip(live, rl.params, strict=False):
+        shape = tuple(local(p).shape)  # under fully_shard the shard directory holds shards
         if info.name != saved.name:
             problems.append(
                 f"parameter #{saved.index}: checkpoint name {saved.name!r}, model name {info.name!r}"
             )
-        elif info.shape != saved.shape:
+        elif shape != saved.shape:
             problems.append(
-                f"parameter {saved.name!r}: checkpoint shape {list(saved.shape)}, model shape {list(info.shape)}"
+                f"parameter {saved.name!r}: checkpoint shape {list(saved.shape)}, model shape {list(shape)}"
             )
         elif info.dtype != saved.dtype:
             problems.append(
@@ -166,6 +168,7 @@ def apply_full_state(
     sched_state = codec.loads(md["scheduler"])
     t2 = time.perf_counter()
     target = st.unwrap_model(model)
+    msd = st.shard_model_state(msd, target)
     try:
         target.load_state_dict(msd, strict=True)
     except RuntimeError as e:
@@ -173,7 +176,8 @@ def apply_full_state(
             f"{where}: the model does not match the checkpoint: {e}"
         ) from None
     try:
-        optimizer.load_state_dict(st.match_param_layout(osd, optimizer))
+        osd = st.shard_optimizer_state(st.match_param_layout(osd, optimizer), optimizer)
+        optimizer.load_state_dict(osd)
     except (ValueError, KeyError) as e:
         raise CheckpointMismatchError(
             f"{where}: the optimizer does not match the checkpoint: {e}"

@@ -19,7 +19,7 @@ from lowdiff.recovery.scan import make_plan, scan
 from lowdiff.state import capture as st
 from lowdiff.state.sharded import refuse_sharded
 
-__all__ = ["recover", "restore"]
+__all__ = ["recover", "recover_shard", "restore"]
 
 
 def recover(
@@ -40,6 +40,18 @@ def recover(
     root = Path(root)
     if is_job_dir(root):
         return recover_job(root, model, optimizer, scheduler, step)
+    return recover_shard(root, model, optimizer, scheduler, step)
+
+
+def recover_shard(
+    root: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+    step: int | None = None,
+) -> RecoveryStats:
+    """Restore the live objects from one checkpoint directory (a single process's, or
+    under ``fully_shard`` this rank's shard directory, into its sharded model)."""
     sc = scan(root)
     skipped = warn_damaged(sc.problems)
     bad: set[Path] = set()

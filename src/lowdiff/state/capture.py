@@ -27,6 +27,7 @@ import torch
 
 from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import codec
+from lowdiff.state.sharded import is_dtensor, local, shard_like
 
 # --------------------------------------------------------------------------- arguments
 
@@ -110,9 +111,10 @@ def model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     """The model's ``state_dict`` without aliases, plus ``{alias: canonical name}``.
 
     Tied weights (e.g. a language model's input embedding and output head) appear under
-    two names that share storage; they are stored once.
+    two names that share storage; they are stored once. A ``fully_shard``ed model's
+    parameters are this rank's shards.
     """
-    sd = unwrap_model(model).state_dict()
+    sd = {k: local(v) for k, v in unwrap_model(model).state_dict().items()}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -388,6 +390,33 @@ def match_param_layout(osd: dict[str, Any], optimizer: torch.optim.Optimizer) ->
     return osd
 
 
+def shard_model_state(
+    sd: dict[str, torch.Tensor], model: torch.nn.Module
+) -> dict[str, torch.Tensor]:
+    """Under ``fully_shard``: a state dict of this rank's local shards, as the ``DTensor``
+    shards the model's ``load_state_dict`` takes (``sd`` itself for any other model)."""
+    live = unwrap_model(model).state_dict()
+    if not any(is_dtensor(v) for v in live.values()):
+        return sd
+    return {k: shard_like(live[k], v) if k in live else v for k, v in sd.items()}
+
+
+def shard_optimizer_state(osd: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Under ``fully_shard``: per-parameter optimizer state read as this rank's local
+    shards, made ``DTensor`` shards placed as their parameter (the optimizer mixes no plain
+    tensor with a ``DTensor``). Scalars such as Adam's ``step`` stay as they are."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, entry in osd.get("state", {}).items():
+        if not isinstance(idx, int) or not 0 <= idx < len(params) or not isinstance(entry, dict):
+            continue
+        p = params[idx]
+        shard_shape = local(p).shape
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v is not p and v.shape == shard_shape and v.dim():
+                entry[k] = shard_like(p, v)
+    return osd
+
+
 def optimizer_state_tensors(
     optimizer: torch.optim.Optimizer, state_dict: dict[str, Any] | None = None
 ) -> tuple[dict[str, torch.Tensor], str]:
@@ -396,7 +425,7 @@ def optimizer_state_tensors(
 
     def sink(path: str, t: torch.Tensor) -> str:
         name = "optim/" + path.removeprefix("$.")
-        tensors[name] = t
+        tensors[name] = local(t)  # under fully_shard: this rank's shard of the state
         return name
 
     text = codec.dumps(optimizer.state_dict() if state_dict is None else state_dict, sink)

@@ -20,7 +20,19 @@ import torch
 
 from lowdiff.errors import UnsupportedSetupError
 
-__all__ = ["refuse_sharded", "sharded_reason"]
+__all__ = [
+    "FSDP2",
+    "fsdp2_group",
+    "fsdp2_unsupported",
+    "is_dtensor",
+    "local",
+    "refuse_sharded",
+    "sharded_reason",
+    "shard_like",
+]
+
+FSDP2 = "fsdp2"
+"""The ``sharding`` of a job written under ``fully_shard`` (in its job manifest)."""
 
 _DCP = (
     "checkpoint this job with torch.distributed.checkpoint (get_state_dict, then "
@@ -29,11 +41,6 @@ _DCP = (
 )
 
 _WHY: dict[str, str] = {
-    "lowdiff+": (
-        "LowDiff+'s replica and its recovery handle whole parameters (one process, or "
-        "DDP's identical replicas, of which each rank persists a share), not each rank's "
-        "own shard of every parameter and its optimizer state"
-    ),
     "lowdiff": (
         "LowDiff's records are the compressed gradients that gradient compression already "
         "made for communication, reused; under fully_shard the gradients are reduce-"
@@ -58,7 +65,8 @@ _BASELINE_WHY = (
 )
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a build of torch without distributed: no DTensor exists
@@ -102,14 +110,83 @@ def sharded_reason(model: torch.nn.Module, optimizer: Any | None = None) -> str 
         *model.named_buffers(),
     ]
     for name, t in tensors:
-        if _is_dtensor(t):
+        if is_dtensor(t):
             return f"{name!r} is a DTensor (sharded or replicated across ranks)"
     if optimizer is not None:
         for group in getattr(optimizer, "param_groups", []):
             for p in group["params"]:
-                if _is_dtensor(p):
+                if is_dtensor(p):
                     return f"the optimizer updates a DTensor parameter of shape {tuple(p.shape)}"
     return None
+
+
+def fsdp2_unsupported(model: torch.nn.Module, optimizer: Any | None) -> str | None:
+    """Why ``model`` is not a sharded model LowDiff+ runs (None: it is one).
+
+    LowDiff+ runs a model sharded with ``fully_shard`` over a 1-D mesh: every parameter
+    the optimizer updates is a ``DTensor`` placed ``Shard(0)`` on that one mesh, so each
+    rank's optimizer updates its local shard elementwise, which the rank's replica does
+    too. Tensor parallelism, HSDP (2-D meshes), FSDP1 and replicated DTensors are not.
+    """
+    kinds = _sharding_modules()
+    fsdp2 = [m for m in model.modules() if kinds and isinstance(m, kinds[0])]
+    if not fsdp2:
+        return "no module of the model is sharded with fully_shard (FSDP2)"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "FullyShardedDataParallel (FSDP1) wraps part of the model"
+    from torch.distributed.tensor import Shard
+
+    params = [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
+    meshes = set()
+    for name, p in model.named_parameters():
+        if not is_dtensor(p):
+            return f"parameter {name!r} is not sharded (fully_shard every parameter)"
+        d: Any = p  # a DTensor
+        if d.device_mesh.ndim != 1 or tuple(d.placements) != (Shard(0),):
+            return (
+                f"parameter {name!r} is placed {tuple(d.placements)} on a {d.device_mesh.ndim}-D "
+                "mesh (HSDP or tensor parallelism), not Shard(0) on a 1-D mesh"
+            )
+        meshes.add(id(d.device_mesh))
+    if len(meshes) > 1:
+        return "the parameters are sharded over more than one device mesh"
+    if not all(is_dtensor(p) for p in params):
+        return "the optimizer updates a parameter that is not a DTensor"
+    return None
+
+
+def fsdp2_group(model: torch.nn.Module) -> Any | None:
+    """The process group a ``fully_shard``ed model is sharded over (None: not sharded)."""
+    for p in model.parameters():
+        if is_dtensor(p):
+            d: Any = p
+            return d.device_mesh.get_group()
+    return None
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` when it is a ``DTensor``, else ``t`` itself."""
+    if is_dtensor(t):
+        with torch.no_grad():  # the shard itself, not a differentiable view of it
+            return t.to_local()  # type: ignore[attr-defined, no-any-return]
+    return t
+
+
+def shard_like(template: Any, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` (a rank's local shard) as a ``DTensor`` placed as ``template`` is; ``shard``
+    itself when ``template`` is no ``DTensor``."""
+    if not is_dtensor(template):
+        return shard
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        shard,
+        template.device_mesh,
+        template.placements,
+        run_check=False,
+        shape=template.shape,
+        stride=template.stride(),
+    )
 
 
 def refuse_sharded(model: torch.nn.Module, optimizer: Any | None, what: str) -> None:
@@ -128,6 +205,14 @@ def refuse_sharded(model: torch.nn.Module, optimizer: Any | None, what: str) -> 
     found = sharded_reason(model, optimizer)
     if found is None:
         return
+    if what == "lowdiff+":
+        why_not = fsdp2_unsupported(model, optimizer)
+        if why_not is None:
+            return
+        raise UnsupportedSetupError(
+            f"strategy 'lowdiff+' runs models sharded with fully_shard (FSDP2) over a 1-D "
+            f"mesh, and {found}, but {why_not}. Instead, {_DCP}."
+        )
     why = _WHY.get(what, _BASELINE_WHY)
     if what == "lowdiff.restore":
         subject, instead = what, ""  # what to do instead is the reason's second half
