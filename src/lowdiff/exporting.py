@@ -47,6 +47,7 @@ from lowdiff.recovery.job import (
     generations,
     is_job_dir,
     plan_sharded,
+    refuse_fsdp2_job,
     scan_dirs,
     serving_generation,
     shard_files,
@@ -241,6 +242,7 @@ def export(
         raise ValueError(f"out must lie outside the checkpoint directory {root}, got {dest}")
     if format in ("dcp", "hf") and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"out {dest} exists and is not an empty directory")
+    refuse_fsdp2_job(root, "export")
     _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
     hf_config = _hf_config(root) if format == "hf" else None
     sched = _SchedulerState()

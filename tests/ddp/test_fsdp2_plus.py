@@ -150,3 +150,11 @@ def test_fsdp2_lowdiff_plus_recovers_from_memory_then_disk_bit_identical(tmp_pat
         got = torch.load(tmp_path / f"c-state-rank{rank}.pt")
         assert len(want) == 4 + 4 * 3 + 4  # model, AdamW, RNG, scheduler (2), counter
         assert diff_states(want, got) == []
+    # in one plain process: the files check out, and what would merge DDP shards refuses
+    n_checked, problems = lowdiff.verify_dir(job)
+    assert n_checked > 0 and problems == []
+    with pytest.raises(lowdiff.UnsupportedSetupError, match="written under fully_shard"):
+        lowdiff.export(job, out=tmp_path / "out.pt", format="torch")
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+    with pytest.raises(lowdiff.UnsupportedSetupError, match="written under fully_shard"):
+        lowdiff.restore(job, model, torch.optim.AdamW(model.parameters()))
