@@ -96,7 +96,7 @@ def check_compatible(
         )
     for (info, p), saved in zip(live, rl.params, strict=False):
         shape = tuple(local(p).shape)  # under fully_shard the shard directory holds shards
-        if info.name != saved.name:
+        if info.name != st.canonical_name(saved.name):
             problems.append(
                 f"parameter #{saved.index}: checkpoint name {saved.name!r}, model name {info.name!r}"
             )
@@ -161,9 +161,13 @@ def apply_full_state(
     """Load a full state (tensors + metadata, from a file or from the replica in memory)."""
     t1 = time.perf_counter()
     aliases = json.loads(md["model_aliases"])
-    msd = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+    msd = {
+        st.canonical_name(k[len("model/") :]): v
+        for k, v in tensors.items()
+        if k.startswith("model/")
+    }
     for alias, canon in aliases.items():
-        msd[alias] = msd[canon]
+        msd[st.canonical_name(alias)] = msd[st.canonical_name(canon)]
     osd = codec.loads(md["optim"], lambda name: tensors[name].clone())
     sched_state = codec.loads(md["scheduler"])
     t2 = time.perf_counter()

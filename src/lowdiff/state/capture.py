@@ -74,11 +74,41 @@ class ParamInfo:
     dtype: torch.dtype
 
 
+COMPILED_PREFIX = "_orig_mod."
+"""What ``torch.compile``'s wrapper adds to every name of the module it compiles."""
+
+
+def _compiled_class() -> type | None:
+    # torch.compile's wrapper class, if torch.compile was ever used in this process (no
+    # import of torch._dynamo, which costs about a second, otherwise)
+    mod = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(mod, "OptimizedModule", None)
+    return cls if isinstance(cls, type) else None
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP / DataParallel style wrappers (their ``.module``)."""
-    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    return model
+    """The user's module inside DDP / DataParallel style wrappers (their ``.module``) and
+    ``torch.compile``'s (its ``_orig_mod``), in any order.
+
+    Names are taken from it, so they are canonical: those of
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict``, without the
+    ``module.`` and ``_orig_mod.`` prefixes, and a compiled model's checkpoint restores
+    into the same model uncompiled, and back.
+    """
+    compiled = _compiled_class()
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif compiled is not None and isinstance(model, compiled):
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without ``torch.compile``'s ``_orig_mod.`` (names in checkpoints written
+    before :func:`unwrap_model` removed it)."""
+    return name.replace(COMPILED_PREFIX, "")
 
 
 def optimizer_params(
