@@ -22,6 +22,7 @@ Nothing under the checkpoint directory is written; the output appears whole or n
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -43,11 +44,12 @@ from lowdiff.errors import (
     RecoveryError,
 )
 from lowdiff.format import codec, layout, sfile
+from lowdiff.recovery.fsdp2 import fsdp2_full_state
 from lowdiff.recovery.job import (
     generations,
     is_job_dir,
+    job_sharding,
     plan_sharded,
-    refuse_fsdp2_job,
     scan_dirs,
     serving_generation,
     shard_files,
@@ -57,6 +59,7 @@ from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import make_plan, scan
 from lowdiff.state.model_config import MODEL_CONFIG_KEY, model_config_entry
 from lowdiff.state.record import RecordLayout
+from lowdiff.state.sharded import FSDP2
 
 __all__ = [
     "FORMATS",
@@ -132,6 +135,17 @@ def _full_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], lis
     return [sfile.read_header(f.path) for f in fulls], rls
 
 
+def _fsdp2_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], list[RecordLayout]]:
+    """An FSDP2 job's shards joined (:mod:`lowdiff.recovery.fsdp2`), described as one
+    full checkpoint of whole tensors over all the parameters."""
+    tensors, md, step = fsdp2_full_state(root, step)
+    entries, size = sfile.plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
+    rl = RecordLayout.from_json(layout.read_manifest(root / "rank-00000")["record_layout"])
+    shapes = {f"model/{p.name}": tuple(tensors[f"model/{p.name}"].shape) for p in rl.params}
+    rl.params = [dataclasses.replace(p, shape=shapes[f"model/{p.name}"]) for p in rl.params]
+    return [sfile.Header(root, md, entries, 0, size)], [rl]
+
+
 def rebuild(
     path: str | Path, step: int | None, scheduler: Any | None = None
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, RecoveryStats]:
@@ -141,7 +155,10 @@ def rebuild(
     per-rank state). ``scheduler``, when given, receives the scheduler state.
     """
     root = Path(path)
-    headers, rls = _full_headers(root, step)
+    if is_job_dir(root) and job_sharding(root) == FSDP2:
+        headers, rls = _fsdp2_headers(root, step)
+    else:
+        headers, rls = _full_headers(root, step)
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     osds = []
     for s, (h, rl) in enumerate(zip(headers, rls, strict=True)):
@@ -242,8 +259,8 @@ def export(
         raise ValueError(f"out must lie outside the checkpoint directory {root}, got {dest}")
     if format in ("dcp", "hf") and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"out {dest} exists and is not an empty directory")
-    refuse_fsdp2_job(root, "export")
-    _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
+    if not (is_job_dir(root) and job_sharding(root) == FSDP2):
+        _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
     hf_config = _hf_config(root) if format == "hf" else None
     sched = _SchedulerState()
     model, optimizer, stats = rebuild(root, step, sched if _has_scheduler(root) else None)

@@ -7,7 +7,10 @@ One job, compared with an uninterrupted run of the same job after every step it 
 2. after step 6 the trainers and their replicas are SIGKILLed (a machine failure): the
    restarted ranks restore from disk, at a step both shards persisted;
 3. the job ends at step 8 bit-identical to the uninterrupted run: every rank's shard of
-   model and AdamW state, scheduler, RNG and extra state (``torch.equal``).
+   model and AdamW state, scheduler, RNG and extra state (``torch.equal``);
+4. one plain process reads the job: ``verify``, ``inspect``, ``restore`` into the model
+   without ``fully_shard`` (the shards joined: the uninterrupted run's shards joined) and
+   ``export``.
 
 Gradient clipping fires at every step (its norm spans the ranks), so the replica applies
 gradients changed after their snapshot: they are copied again.
@@ -150,11 +153,33 @@ def test_fsdp2_lowdiff_plus_recovers_from_memory_then_disk_bit_identical(tmp_pat
         got = torch.load(tmp_path / f"c-state-rank{rank}.pt")
         assert len(want) == 4 + 4 * 3 + 4  # model, AdamW, RNG, scheduler (2), counter
         assert diff_states(want, got) == []
-    # in one plain process: the files check out, and what would merge DDP shards refuses
+    _read_in_one_process(tmp_path, job)
+
+
+def _read_in_one_process(tmp: Path, job: Path) -> None:
+    """The job in one plain process: its shards joined into whole tensors (rank 0's
+    RNG, scheduler and extra state), equal to the uninterrupted run's shards joined."""
     n_checked, problems = lowdiff.verify_dir(job)
     assert n_checked > 0 and problems == []
-    with pytest.raises(lowdiff.UnsupportedSetupError, match="written under fully_shard"):
-        lowdiff.export(job, out=tmp_path / "out.pt", format="torch")
+    assert lowdiff.inspect_dir(job) is not None
+    refs = [torch.load(tmp / f"ref-state-rank{r}.pt") for r in range(WORLD)]
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
-    with pytest.raises(lowdiff.UnsupportedSetupError, match="written under fully_shard"):
-        lowdiff.restore(job, model, torch.optim.AdamW(model.parameters()))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
+    counter = Counter()
+    steps = lowdiff.restore(job, model, opt, sched, extra_state={"counter": counter})
+    assert steps == STEPS and counter.n == STEPS
+    assert torch.equal(torch.get_rng_state(), refs[0]["rng"])
+    assert torch.equal(torch.tensor(sched.get_last_lr()), refs[0]["sched/lr"])
+    joined = 0
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), torch.cat([r[f"model/{name}"] for r in refs]))
+        for k, v in opt.state[p].items():
+            want = [r[f"optim/{name}/{k}"] for r in refs]
+            assert torch.equal(v, want[0] if k == "step" else torch.cat(want)), (name, k)
+            joined += 1
+    assert joined == 4 * 3
+    assert lowdiff.export(job, out=tmp / "out.pt", format="torch") == STEPS
+    exported = torch.load(tmp / "out.pt")
+    assert all(torch.equal(v, exported["model"][k]) for k, v in model.state_dict().items())
+    assert lowdiff.export(job, out=tmp / "out-dcp", format="dcp") == STEPS

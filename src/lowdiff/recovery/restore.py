@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from lowdiff.errors import CorruptCheckpointError, RecoveryError
-from lowdiff.recovery.job import is_job_dir, recover_job
+from lowdiff.recovery.fsdp2 import recover_fsdp2
+from lowdiff.recovery.job import is_job_dir, job_sharding, recover_job
 from lowdiff.recovery.replay import RecoveryStats, pass_over_full, replay, warn_damaged
 from lowdiff.recovery.scan import make_plan, scan
 from lowdiff.state import capture as st
-from lowdiff.state.sharded import refuse_sharded
+from lowdiff.state.sharded import FSDP2, refuse_sharded
 
 __all__ = ["recover", "recover_shard", "restore"]
 
@@ -39,6 +40,8 @@ def recover(
     refuse_sharded(model, optimizer, "lowdiff.restore")
     root = Path(root)
     if is_job_dir(root):
+        if job_sharding(root) == FSDP2:
+            return recover_fsdp2(root, model, optimizer, scheduler, step)
         return recover_job(root, model, optimizer, scheduler, step)
     return recover_shard(root, model, optimizer, scheduler, step)
 
