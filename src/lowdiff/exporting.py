@@ -44,7 +44,7 @@ from lowdiff.errors import (
     RecoveryError,
 )
 from lowdiff.format import codec, layout, sfile
-from lowdiff.recovery.fsdp2 import fsdp2_full_state
+from lowdiff.recovery.fsdp2 import newest_fsdp2_state
 from lowdiff.recovery.job import (
     generations,
     is_job_dir,
@@ -138,9 +138,9 @@ def _full_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], lis
 def _fsdp2_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], list[RecordLayout]]:
     """An FSDP2 job's shards joined (:mod:`lowdiff.recovery.fsdp2`), described as one
     full checkpoint of whole tensors over all the parameters."""
-    tensors, md, step = fsdp2_full_state(root, step)
+    tensors, md, step, g = newest_fsdp2_state(root, step)
     entries, size = sfile.plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
-    rl = RecordLayout.from_json(layout.read_manifest(root / "rank-00000")["record_layout"])
+    rl = RecordLayout.from_json(layout.read_manifest(g.shard_dirs()[0])["record_layout"])
     shapes = {f"model/{p.name}": tuple(tensors[f"model/{p.name}"].shape) for p in rl.params}
     rl.params = [dataclasses.replace(p, shape=shapes[f"model/{p.name}"]) for p in rl.params]
     return [sfile.Header(root, md, entries, 0, size)], [rl]

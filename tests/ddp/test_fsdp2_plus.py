@@ -10,7 +10,10 @@ One job, compared with an uninterrupted run of the same job after every step it 
    model and AdamW state, scheduler, RNG and extra state (``torch.equal``);
 4. one plain process reads the job: ``verify``, ``inspect``, ``restore`` into the model
    without ``fully_shard`` (the shards joined: the uninterrupted run's shards joined) and
-   ``export``.
+   ``export``;
+5. the job resumes at other world sizes, 2 -> 1 -> 2 -> 4 (rank 3 of 4 holds no row of
+   the last layer): each resumed state is the previous run's final state, its shards
+   joined, with old rank ``min(r, W - 1)``'s RNG, scheduler and extra state.
 
 Gradient clipping fires at every step (its norm spans the ranks), so the replica applies
 gradients changed after their snapshot: they are copied again.
@@ -37,6 +40,7 @@ from lowdiff.state.capture import diff_states
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORLD, STEPS, MAX_NORM = 2, 8, 0.05
+RESHARDED = ("d", "e", "f")
 
 
 class Counter:
@@ -52,7 +56,16 @@ class Counter:
         self.n = int(sd["n"])
 
 
-def _job(rank: int, tmp: Path, run: str, job: Path, kill_at: int, kill_replica: bool) -> None:
+def _job(
+    rank: int,
+    tmp: Path,
+    run: str,
+    job: Path,
+    kill_at: int,
+    kill_replica: bool,
+    world: int = WORLD,
+    steps: int = STEPS,
+) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -61,10 +74,10 @@ def _job(rank: int, tmp: Path, run: str, job: Path, kill_at: int, kill_replica: 
         "gloo",
         init_method=f"file://{tmp / f'store-{run}'}",
         rank=rank,
-        world_size=WORLD,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     # 5 output rows: rank 0 holds 3 of them, rank 1 two (uneven shards)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
@@ -88,7 +101,9 @@ def _job(rank: int, tmp: Path, run: str, job: Path, kill_at: int, kill_replica: 
         "adopted": None if stats is None else stats.adopted_pid,
         "clipped": 0,
     }
-    for step in range(start, STEPS):
+    if run in RESHARDED:  # the whole state as resumed (full_tensor: a collective)
+        torch.save(_whole(model, opt, sched, counter), tmp / f"{run}-resumed-rank{rank}.pt")
+    for step in range(start, steps):
         g = torch.Generator().manual_seed(31 * step + rank)
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 5, generator=g)
         x = x + 0.1 * torch.randn(6, 8)  # the global RNG is part of the state
@@ -124,11 +139,34 @@ def _job(rank: int, tmp: Path, run: str, job: Path, kill_at: int, kill_replica: 
     dist.destroy_process_group()
 
 
+def _whole(model: nn.Module, opt: Any, sched: Any, counter: Counter) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.full_tensor() for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            out[f"optim/{names[id(p)]}/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    out["rng"] = torch.get_rng_state()
+    out["sched/last_epoch"] = torch.tensor(sched.state_dict()["last_epoch"])
+    out["sched/lr"] = torch.tensor(sched.get_last_lr())
+    out["counter"] = torch.tensor(counter.n)
+    return out
+
+
+def _joined(tmp: Path, run: str, world: int, rank: int) -> dict[str, torch.Tensor]:
+    """Run ``run``'s final shards joined, with the per-rank state of ``rank``."""
+    parts = [torch.load(tmp / f"{run}-state-rank{r}.pt") for r in range(world)]
+    out = dict(parts[rank])
+    for k in out:
+        if k.startswith("model/") or (k.startswith("optim/") and not k.endswith("/step")):
+            out[k] = torch.cat([p[k] for p in parts])
+    return out
+
+
 def _info(tmp: Path, run: str, rank: int) -> dict[str, Any]:
     return json.loads((tmp / f"{run}-rank{rank}.json").read_text())
 
 
-def test_fsdp2_lowdiff_plus_recovers_from_memory_then_disk_bit_identical(tmp_path: Path) -> None:
+def test_fsdp2_lowdiff_plus_memory_disk_one_process_and_resharding(tmp_path: Path) -> None:
     ref, job = tmp_path / "ref", tmp_path / "job"
     assert run_ranks(_job, WORLD, tmp_path, "ref", ref, 0, False) == [0] * WORLD
     # 1. both trainers die after step 3; their replicas live on
@@ -154,6 +192,26 @@ def test_fsdp2_lowdiff_plus_recovers_from_memory_then_disk_bit_identical(tmp_pat
         assert len(want) == 4 + 4 * 3 + 4  # model, AdamW, RNG, scheduler (2), counter
         assert diff_states(want, got) == []
     _read_in_one_process(tmp_path, job)
+    # resharding: 2 -> 1, 1 -> 2, 2 -> 4 ranks, each resumed state the previous run's
+    # final state (its shards joined; new rank r takes old rank min(r, W - 1)'s RNG)
+    previous, before = "c", WORLD
+    for run, world, start, steps in (("d", 1, 8, 10), ("e", 2, 10, 12), ("f", 4, 12, 13)):
+        assert run_ranks(_job, world, tmp_path, run, job, 0, False, world, steps) == [0] * world
+        for rank in range(world):
+            assert (_info(tmp_path, run, rank)["start"], _info(tmp_path, run, rank)["steps"]) == (
+                start,
+                steps,
+            )
+            want = _joined(tmp_path, previous, before, min(rank, before - 1))
+            got = torch.load(tmp_path / f"{run}-resumed-rank{rank}.pt")
+            assert want.keys() == got.keys() and diff_states(want, got) == [], run
+        previous, before = run, world
+    # the 4-rank generation (rank 3 holds no row of the last layer) read in one process
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    assert lowdiff.restore(job, model, opt) == 13
+    want = _joined(tmp_path, "f", 4, 0)
+    assert all(torch.equal(p.detach(), want[f"model/{n}"]) for n, p in model.named_parameters())
 
 
 def _read_in_one_process(tmp: Path, job: Path) -> None:
