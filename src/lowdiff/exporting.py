@@ -57,6 +57,7 @@ from lowdiff.recovery.job import (
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import make_plan, scan
+from lowdiff.state import capture as st
 from lowdiff.state.model_config import MODEL_CONFIG_KEY, model_config_entry
 from lowdiff.state.record import RecordLayout
 from lowdiff.state.sharded import FSDP2
@@ -162,10 +163,11 @@ def rebuild(
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     osds = []
     for s, (h, rl) in enumerate(zip(headers, rls, strict=True)):
-        mine = {p.name for p in rl.params}
+        mine = {st.canonical_name(p.name) for p in rl.params}
         for e in h.entries:
             if e.name.startswith("model/"):
-                name = e.name[len("model/") :]
+                # canonical: a compiled model's checkpoint of before names were
+                name = st.canonical_name(e.name[len("model/") :])
                 if s == 0 or name in mine:  # other shards: only the parameters they own
                     shapes[name] = (e.dtype, e.shape)
         try:
@@ -175,8 +177,11 @@ def rebuild(
             raise CorruptCheckpointError(h.path, f"bad optimizer metadata ({e})") from None
         osds.append((osd, shard if isinstance(shard, list) else [p.index for p in rl.params]))
     own = headers[0].metadata
-    aliases = json.loads(own["model_aliases"])
-    bnames = {n for n, _, _ in rls[0].buffers}
+    aliases = {
+        st.canonical_name(a): st.canonical_name(c)
+        for a, c in json.loads(own["model_aliases"]).items()
+    }
+    bnames = {st.canonical_name(n) for n, _, _ in rls[0].buffers}
     model = torch.nn.Module()
     params: dict[str, torch.nn.Parameter] = {}
     for name, (dtype, shape) in shapes.items():
@@ -189,7 +194,9 @@ def rebuild(
     for alias, canon in aliases.items():
         _set_path(model, alias, params[canon], canon in params)
     merged = merge_state_dicts(osds, 0)
-    ordered_names = [p.name for p in sorted((p for rl in rls for p in rl.params), key=_index)]
+    ordered_names = [
+        st.canonical_name(p.name) for p in sorted((p for rl in rls for p in rl.params), key=_index)
+    ]
     missing = [n for n in ordered_names if n not in params]
     if missing:
         raise CorruptCheckpointError(

@@ -67,3 +67,35 @@ def test_plain_run_resumes_compiled_and_restores_plain_again(tmp_path: Path) -> 
     assert len(want) == 6 + 3 + 6 * 3  # parameters, BatchNorm buffers, Adam state
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_with_orig_mod_names_restores_and_exports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled model's checkpoint written before names were canonical (``_orig_mod.``
+    in its layout) restores into the plain and the compiled model, and exports canonical
+    names."""
+    from lowdiff.state import capture
+
+    d = tmp_path / "ck"
+    net = _net()
+    compiled = torch.compile(net, backend="eager")
+    opt = torch.optim.Adam(compiled.parameters(), lr=0.01)
+    with monkeypatch.context() as m:
+        m.setattr(capture, "_compiled_class", lambda: None)  # names as they used to be
+        _train(compiled, opt, d, 3)
+    saved = {
+        p.name for p in RecordLayout.from_json(layout.read_manifest(d)["record_layout"]).params
+    }
+    assert "_orig_mod.0.weight" in saved
+    want = _state(net, opt)
+    for target in (_net(), torch.compile(_net(), backend="eager")):
+        o = torch.optim.Adam(target.parameters(), lr=0.01)
+        assert lowdiff.restore(d, target, o) == 3
+        got = _state(getattr(target, "_orig_mod", target), o)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert lowdiff.export(d, out=tmp_path / "out.pt", format="torch") == 3
+    exported = torch.load(tmp_path / "out.pt")["model"]
+    assert exported.keys() == net.state_dict().keys()
+    assert all(torch.equal(v, exported[k]) for k, v in net.state_dict().items())

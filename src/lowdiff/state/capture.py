@@ -202,6 +202,7 @@ def set_buffers(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
     all_b = dict(m.named_buffers())
     with torch.no_grad():
         for n, v in values.items():
+            n = canonical_name(n)  # a checkpoint of before names were canonical
             if n not in all_b:
                 raise CheckpointMismatchError(
                     f"the checkpoint has buffer {n!r}, the model has no such buffer"
