@@ -4,7 +4,8 @@ Every strategy but ``"lowdiff+"`` (which runs ``fully_shard``: test_fsdp2_plus.p
 ``attach`` with them, and ``restore`` refuse such a model with
 :class:`lowdiff.UnsupportedSetupError` before touching the directory (before, rank 1 of
 a ``fully_shard`` job failed on the directory lock, taken for a second single-process
-trainer); ``"lowdiff+"`` refuses tensor parallelism. What the errors point to works: a lowdiff checkpoint exported with
+trainer); ``"lowdiff+"`` refuses tensor parallelism. An FSDP2 job is not continued under
+DDP, nor a DDP job under ``fully_shard``. What the errors point to works: a lowdiff checkpoint exported with
 ``--format dcp`` loads into the ``fully_shard``ed model with ``dcp.load`` and
 ``set_state_dict``, bit for bit.
 """
@@ -58,6 +59,35 @@ def _refusals(
     return out
 
 
+def _crossed(model: nn.Module, opt: torch.optim.Optimizer, tmp: Path) -> dict[str, str]:
+    """An FSDP2 job continued under DDP, and a DDP job under fully_shard: the errors."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(_model())
+    ddp_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    for m, o, d in ((model, opt, "fsdp2-job"), (ddp, ddp_opt, "ddp-job")):
+        ck = lowdiff.Checkpointer(m, o, tmp / d, strategy="lowdiff+")
+        ck.resume()
+        ck.close()
+    out = {}
+    ddp = DDP(_model())  # a new one: DDP takes one communication hook per model
+    ddp_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    for name, m, o, d in (("ddp", ddp, ddp_opt, "fsdp2-job"), ("fsdp2", model, opt, "ddp-job")):
+        try:
+            ck = lowdiff.Checkpointer(m, o, tmp / d, strategy="lowdiff+")
+        except Exception as e:  # noqa: BLE001 -- reported to the test
+            out[name] = f"{type(e).__name__}: {e}"
+            continue
+        try:
+            ck.resume()
+            out[name] = "accepted"
+        except Exception as e:  # noqa: BLE001 -- reported to the test
+            out[name] = f"{type(e).__name__}: {e}"
+        finally:
+            ck.close()
+    return out
+
+
 def _rank(rank: int, tmp: Path, exported: Path, want_file: Path) -> None:
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -106,6 +136,7 @@ def _rank(rank: int, tmp: Path, exported: Path, want_file: Path) -> None:
             if torch.equal(got, want["optimizer"][name][key]):
                 same.append(f"{name}.{key}")
     report["loaded"] = same
+    report["crossed"] = _crossed(model, opt, tmp)
     (tmp / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -160,3 +191,8 @@ def test_sharded_models_are_refused_and_dcp_export_loads_into_fully_shard(
         assert "no module of the model is sharded with fully_shard" in tp["lowdiff+"]
         # every parameter and every Adam state tensor, bit for bit
         assert len(report["loaded"]) == 4 * 4, report["loaded"]
+        crossed = report["crossed"]
+        assert crossed["ddp"].startswith("UnsupportedSetupError: "), crossed
+        assert "written under fully_shard (FSDP2)" in crossed["ddp"]
+        assert crossed["fsdp2"].startswith("CheckpointMismatchError: "), crossed
+        assert "was written by DDP" in crossed["fsdp2"]
