@@ -40,7 +40,7 @@ from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan
 from lowdiff.state import capture as st
 from lowdiff.state.record import RecordLayout
-from lowdiff.state.sharded import local
+from lowdiff.state.sharded import local, shard_model_state, shard_optimizer_state
 
 
 @dataclass
@@ -172,7 +172,7 @@ def apply_full_state(
     sched_state = codec.loads(md["scheduler"])
     t2 = time.perf_counter()
     target = st.unwrap_model(model)
-    msd = st.shard_model_state(msd, target)
+    msd = shard_model_state(msd, target)
     try:
         target.load_state_dict(msd, strict=True)
     except RuntimeError as e:
@@ -180,7 +180,7 @@ def apply_full_state(
             f"{where}: the model does not match the checkpoint: {e}"
         ) from None
     try:
-        osd = st.shard_optimizer_state(st.match_param_layout(osd, optimizer), optimizer)
+        osd = shard_optimizer_state(st.match_param_layout(osd, optimizer), optimizer)
         optimizer.load_state_dict(osd)
     except (ValueError, KeyError) as e:
         raise CheckpointMismatchError(

@@ -27,7 +27,7 @@ import torch
 
 from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import codec
-from lowdiff.state.sharded import is_dtensor, local, shard_like
+from lowdiff.state.sharded import local
 
 # --------------------------------------------------------------------------- arguments
 
@@ -418,33 +418,6 @@ def match_param_layout(osd: dict[str, Any], optimizer: torch.optim.Optimizer) ->
         for k, v in entry.items():
             if isinstance(v, torch.Tensor) and v.shape == p.shape and v.is_contiguous():
                 entry[k] = torch.empty_like(p, dtype=v.dtype, device=v.device).copy_(v)
-    return osd
-
-
-def shard_model_state(
-    sd: dict[str, torch.Tensor], model: torch.nn.Module
-) -> dict[str, torch.Tensor]:
-    """Under ``fully_shard``: a state dict of this rank's local shards, as the ``DTensor``
-    shards the model's ``load_state_dict`` takes (``sd`` itself for any other model)."""
-    live = unwrap_model(model).state_dict()
-    if not any(is_dtensor(v) for v in live.values()):
-        return sd
-    return {k: shard_like(live[k], v) if k in live else v for k, v in sd.items()}
-
-
-def shard_optimizer_state(osd: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Under ``fully_shard``: per-parameter optimizer state read as this rank's local
-    shards, made ``DTensor`` shards placed as their parameter (the optimizer mixes no plain
-    tensor with a ``DTensor``). Scalars such as Adam's ``step`` stay as they are."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for idx, entry in osd.get("state", {}).items():
-        if not isinstance(idx, int) or not 0 <= idx < len(params) or not isinstance(entry, dict):
-            continue
-        p = params[idx]
-        shard_shape = local(p).shape
-        for k, v in entry.items():
-            if isinstance(v, torch.Tensor) and v is not p and v.shape == shard_shape and v.dim():
-                entry[k] = shard_like(p, v)
     return osd
 
 

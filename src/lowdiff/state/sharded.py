@@ -29,6 +29,8 @@ __all__ = [
     "refuse_sharded",
     "sharded_reason",
     "shard_like",
+    "shard_model_state",
+    "shard_optimizer_state",
 ]
 
 FSDP2 = "fsdp2"
@@ -196,6 +198,34 @@ def shard_like(template: Any, shard: torch.Tensor) -> torch.Tensor:
         shape=template.shape,
         stride=template.stride(),
     )
+
+
+def shard_model_state(
+    sd: dict[str, torch.Tensor], module: torch.nn.Module
+) -> dict[str, torch.Tensor]:
+    """Under ``fully_shard``: a state dict of this rank's local shards, as the ``DTensor``
+    shards ``module.load_state_dict`` takes (``sd`` itself for any other module; ``module``
+    is the user's module, out of its DDP or ``torch.compile`` wrapper)."""
+    live = module.state_dict()
+    if not any(is_dtensor(v) for v in live.values()):
+        return sd
+    return {k: shard_like(live[k], v) if k in live else v for k, v in sd.items()}
+
+
+def shard_optimizer_state(osd: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Under ``fully_shard``: per-parameter optimizer state read as this rank's local
+    shards, made ``DTensor`` shards placed as their parameter (the optimizer mixes no plain
+    tensor with a ``DTensor``). Scalars such as Adam's ``step`` stay as they are."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for idx, entry in osd.get("state", {}).items():
+        if not isinstance(idx, int) or not 0 <= idx < len(params) or not isinstance(entry, dict):
+            continue
+        p = params[idx]
+        shard_shape = local(p).shape
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor) and v is not p and v.shape == shard_shape and v.dim():
+                entry[k] = shard_like(p, v)
+    return osd
 
 
 def refuse_sharded(model: torch.nn.Module, optimizer: Any | None, what: str) -> None:
