@@ -13,6 +13,7 @@ fails on the directory lock) and under names and shapes that describe no real mo
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,22 +69,21 @@ _BASELINE_WHY = (
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build of torch without distributed: no DTensor exists
-        return False
-    return isinstance(t, DTensor)
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``.
+
+    Looked up in ``sys.modules``, never imported: no DTensor exists before its package is
+    imported, and the check runs for every gradient at every step.
+    """
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def _sharding_modules() -> tuple[type, ...]:
-    kinds: list[type] = []
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:
-        return ()
-    kinds += [FSDPModule, FullyShardedDataParallel]
-    return tuple(kinds)
+    """FSDP2's ``FSDPModule`` and FSDP1's class, once ``torch.distributed.fsdp`` is
+    imported (no module can be sharded before)."""
+    mod = sys.modules.get("torch.distributed.fsdp")
+    kinds = [getattr(mod, n, None) for n in ("FSDPModule", "FullyShardedDataParallel")]
+    return tuple(k for k in kinds if isinstance(k, type))
 
 
 def sharded_reason(model: torch.nn.Module, optimizer: Any | None = None) -> str | None:
@@ -131,8 +131,8 @@ def fsdp2_unsupported(model: torch.nn.Module, optimizer: Any | None) -> str | No
     too. Tensor parallelism, HSDP (2-D meshes), FSDP1, replicated DTensors and (so far)
     CUDA parameters are not.
     """
-    kinds = _sharding_modules()
-    fsdp2 = [m for m in model.modules() if kinds and isinstance(m, kinds[0])]
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    fsdp2 = [m for m in model.modules() if fsdp_module and isinstance(m, fsdp_module)]
     if not fsdp2:
         return "no module of the model is sharded with fully_shard (FSDP2)"
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
