@@ -13,7 +13,8 @@ One job, compared with an uninterrupted run of the same job after every step it 
    ``export``;
 5. the job resumes at other world sizes, 2 -> 1 -> 2 -> 4 (rank 3 of 4 holds no row of
    the last layer): each resumed state is the previous run's final state, its shards
-   joined, with old rank ``min(r, W - 1)``'s RNG, scheduler and extra state.
+   joined, with old rank ``min(r, W - 1)``'s RNG, scheduler and extra state; a resharded
+   generation that died before it persisted a step is passed over.
 
 Gradient clipping fires at every step (its norm spans the ranks), so the replica applies
 gradients changed after their snapshot: they are copied again.
@@ -40,7 +41,7 @@ from lowdiff.state.capture import diff_states
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 WORLD, STEPS, MAX_NORM = 2, 8, 0.05
-RESHARDED = ("d", "e", "f")
+RESHARDED = ("d", "d2", "e", "f")
 
 
 class Counter:
@@ -195,7 +196,14 @@ def test_fsdp2_lowdiff_plus_memory_disk_one_process_and_resharding(tmp_path: Pat
     # resharding: 2 -> 1, 1 -> 2, 2 -> 4 ranks, each resumed state the previous run's
     # final state (its shards joined; new rank r takes old rank min(r, W - 1)'s RNG)
     previous, before = "c", WORLD
-    for run, world, start, steps in (("d", 1, 8, 10), ("e", 2, 10, 12), ("f", 4, 12, 13)):
+    runs = (("d", 1, 8, 10), ("d2", 1, 8, 10), ("e", 2, 10, 12), ("f", 4, 12, 13))
+    for run, world, start, steps in runs:
+        if run == "d2":
+            # generation 1 dies before it persisted a step: the next resume passes it
+            # over and reshards generation 0's step 8 again, into generation 2
+            for f in (job / "gen-1" / "rank-00000" / "full").iterdir():
+                f.rename(tmp_path / f"gone-{f.name}")
+            previous, before = "c", WORLD
         assert run_ranks(_job, world, tmp_path, run, job, 0, False, world, steps) == [0] * world
         for rank in range(world):
             assert (_info(tmp_path, run, rank)["start"], _info(tmp_path, run, rank)["steps"]) == (
@@ -206,6 +214,7 @@ def test_fsdp2_lowdiff_plus_memory_disk_one_process_and_resharding(tmp_path: Pat
             got = torch.load(tmp_path / f"{run}-resumed-rank{rank}.pt")
             assert want.keys() == got.keys() and diff_states(want, got) == [], run
         previous, before = run, world
+    assert (job / "gen-2" / "rank-00000").is_dir() and (job / "gen-4" / "rank-00003").is_dir()
     # the 4-rank generation (rank 3 holds no row of the last layer) read in one process
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)

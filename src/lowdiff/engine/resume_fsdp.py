@@ -9,7 +9,8 @@ ranks share is the step. Call sequence (every rank):
 1) at the newest generation's world size, LowDiff+: every rank finds its replica in
    memory at one step, or none is used (``resume_ddp_from_memory``);
 2) otherwise each rank finds the newest step its shard serves; the job resumes at the
-   oldest of them, which every rank restores (a rank that cannot fails every rank);
+   oldest of them, which every rank restores (a rank that cannot fails every rank); a
+   resharded generation that holds no step yet is passed over for step 3;
 3) at another world size (resharding): every rank joins the newest generation's shards
    at the newest step all of them hold (:mod:`lowdiff.recovery.fsdp2`), keeps its own
    chunks, and the job goes on in a new generation ``DIR/gen-G/`` with a full checkpoint
@@ -78,26 +79,35 @@ def resume_fsdp(s: CheckpointingStrategy) -> int:
     if newest is None:
         raise CheckpointMismatchError(f"{job} holds shard directories but no job manifest")
     if in_place:
-        return _resume_in_place(s)
+        step = _agreed_step(s)
+        if step >= 0:
+            return _resume_in_place(s, step)
+        if newest.index == 0:
+            raise RecoveryError(
+                f"{job}: a rank's shard serves no step; every rank needs its own shard to resume"
+            )
+        # a generation that died before every shard persisted a step: start again from
+        # the newest older one that serves a step, in a newer generation (as under DDP)
     return _reshard(s, newest.index + 1)
 
 
-def _resume_in_place(s: CheckpointingStrategy) -> int:
-    """Every rank restores its own shard directory, at the newest step all of them hold."""
+def _agreed_step(s: CheckpointingStrategy) -> int:
+    """The newest step every rank's own shard directory holds (-1: some rank's none)."""
     core = s.core
-    ctx, job = core.dist, core.job_root
-    assert ctx is not None and job is not None and core.root is not None
+    assert core.dist is not None and core.root is not None
     try:
         core.check_manifest(layout.read_manifest(core.root))
         newest_here = make_plan(scan(core.root), None).target
     except (RecoveryError, OSError, ValueError):
         newest_here = -1
-    step = ctx.all_min([newest_here])[0]
-    if step < 0:
-        raise RecoveryError(
-            f"{job}: a rank's shard serves no step (this is rank {ctx.rank}, whose newest "
-            f"step is {newest_here}); every rank needs its own shard to resume"
-        )
+    return core.dist.all_min([newest_here])[0]
+
+
+def _resume_in_place(s: CheckpointingStrategy, step: int) -> int:
+    """Every rank restores its own shard directory at ``step``."""
+    core = s.core
+    ctx, job = core.dist, core.job_root
+    assert ctx is not None and job is not None and core.root is not None
     error: BaseException | None = None
     try:
         stats = recover_shard(core.root, core.model, core.optimizer, core.scheduler, step)
