@@ -119,6 +119,9 @@ def _rank(rank: int, tmp: Path, exported: Path, want_file: Path) -> None:
     tp[0].weight = nn.Parameter(distribute_tensor(tp[0].weight.detach(), mesh, [Shard(0)]))
     tp_opt = torch.optim.SGD(tp.parameters(), lr=0.1)
     report["dtensor"] = _refusals(tp, tp_opt, tmp / "dtensor", ["lowdiff+", "lowdiff"])
+    # an optimizer whose state spans rows (Adafactor's factored second moment)
+    factored = torch.optim.Adafactor(model.parameters())
+    report["adafactor"] = _refusals(model, factored, tmp / "adafactor", ["lowdiff+"])
 
     # what the errors point to: the dcp export of a lowdiff checkpoint, into fully_shard
     msd, osd = get_state_dict(model, opt)
@@ -189,6 +192,9 @@ def test_sharded_models_are_refused_and_dcp_export_loads_into_fully_shard(
             assert "is a DTensor" in msg and "TOUCHED" not in msg, (name, msg)
         # LowDiff+ runs fully_shard only: tensor parallelism is refused, saying why
         assert "no module of the model is sharded with fully_shard" in tp["lowdiff+"]
+        adafactor = report["adafactor"]["lowdiff+"]
+        assert "Adafactor does not update each element on its own" in adafactor, adafactor
+        assert "TOUCHED" not in adafactor
         # every parameter and every Adam state tensor, bit for bit
         assert len(report["loaded"]) == 4 * 4, report["loaded"]
         crossed = report["crossed"]

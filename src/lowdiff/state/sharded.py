@@ -122,14 +122,23 @@ def sharded_reason(model: torch.nn.Module, optimizer: Any | None = None) -> str 
     return None
 
 
+ELEMENTWISE = frozenset(
+    {"ASGD", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
+     "Rprop", "SGD"}
+)  # fmt: skip
+"""``torch.optim`` optimizers whose update of an element reads that element's gradient
+and state alone: applied to a rank's shard, they make the update of the whole parameter
+restricted to the shard, which is what a rank's replica runs."""
+
+
 def fsdp2_unsupported(model: torch.nn.Module, optimizer: Any | None) -> str | None:
     """Why ``model`` is not a sharded model LowDiff+ runs (None: it is one).
 
     LowDiff+ runs a model sharded with ``fully_shard`` over a 1-D mesh: every parameter
     the optimizer updates is a ``DTensor`` placed ``Shard(0)`` on that one mesh, so each
     rank's optimizer updates its local shard elementwise, which the rank's replica does
-    too. Tensor parallelism, HSDP (2-D meshes), FSDP1, replicated DTensors and (so far)
-    CUDA parameters are not.
+    too (:data:`ELEMENTWISE`). Tensor parallelism, HSDP (2-D meshes), FSDP1, replicated
+    DTensors, other optimizers (Adafactor) and (so far) CUDA parameters are not.
     """
     fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     fsdp2 = [m for m in model.modules() if fsdp_module and isinstance(m, fsdp_module)]
@@ -153,6 +162,13 @@ def fsdp2_unsupported(model: torch.nn.Module, optimizer: Any | None) -> str | No
         meshes.add(id(d.device_mesh))
     if len(meshes) > 1:
         return "the parameters are sharded over more than one device mesh"
+    kind = type(optimizer)
+    if kind.__module__.startswith("torch.optim") and kind.__name__ not in ELEMENTWISE:
+        return (
+            f"its optimizer {kind.__name__} does not update each element on its own (its "
+            "state or update spans rows of a parameter, which fully_shard splits across "
+            f"ranks); LowDiff+ under fully_shard runs {', '.join(sorted(ELEMENTWISE))}"
+        )
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
         # on CUDA the snapshot's check for gradients changed after their hook (clipping)
