@@ -2,7 +2,9 @@
 
 The unmodified loop (``optimizer.step()``, ``scheduler.step()``) is checkpointed; a run
 stopped after step 4 and resumed by a new attach ends where an uninterrupted loop without
-lowdiff does, bit for bit, with clipping firing at every step.
+lowdiff does, bit for bit, with clipping firing at every step. The job, exported with
+``--format dcp`` in one process, loads into a new ``fully_shard`` model with ``dcp.load``
+and ``set_state_dict``, bit for bit.
 """
 
 from __future__ import annotations
@@ -80,6 +82,29 @@ def _rank(rank: int, tmp: Path) -> None:
                 getattr(v, "to_local", lambda v=v: v)(), getattr(w, "to_local", lambda w=w: w)()
             ), (n, k)
     assert sched.state_dict() == ref_sched.state_dict()  # type: ignore[attr-defined]
+
+    # the job exported as dcp (in one process) loads into a new fully_shard model
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if rank == 0:
+        assert lowdiff.export(tmp / "job", out=tmp / "dcp", format="dcp") == STEPS
+    dist.barrier()
+    fresh, fresh_opt, _ = build()
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    state = {"model": msd, "optimizer": osd}
+    dcp_load(state, checkpoint_id=str(tmp / "dcp"))
+    set_state_dict(
+        fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    for (n, p), q in zip(fresh.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local()), n
+        assert set(fresh_opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}, n
+        for k, v in fresh_opt.state[p].items():
+            w = opt.state[q][k]
+            assert torch.equal(
+                getattr(v, "to_local", lambda v=v: v)(), getattr(w, "to_local", lambda w=w: w)()
+            ), (n, k)
     dist.destroy_process_group()
 
 
