@@ -228,7 +228,9 @@ def _read_in_one_process(tmp: Path, job: Path) -> None:
     RNG, scheduler and extra state), equal to the uninterrupted run's shards joined."""
     n_checked, problems = lowdiff.verify_dir(job)
     assert n_checked > 0 and problems == []
-    assert lowdiff.inspect_dir(job) is not None
+    from lowdiff.inspect import inspect_job
+
+    assert inspect_job(job).describe() == "FSDP2 job, 2 ranks"
     refs = [torch.load(tmp / f"ref-state-rank{r}.pt") for r in range(WORLD)]
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
