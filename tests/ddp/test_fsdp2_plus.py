@@ -32,10 +32,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp
 from tests.ddp.spawned import run_ranks
 from torch import nn
 
 import lowdiff
+
+if not hasattr(torch.distributed.fsdp, "fully_shard"):
+    pytest.skip("fully_shard (FSDP2) is public from torch 2.6", allow_module_level=True)
 from lowdiff.state.capture import diff_states
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -68,22 +68,49 @@ _BASELINE_WHY = (
 )
 
 
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+_FSDP2_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+"""Where ``DTensor`` and ``FSDPModule`` live: the public modules, and before them (torch
+2.4) the private ones; either is imported once such an object exists."""
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``.
 
     Looked up in ``sys.modules``, never imported: no DTensor exists before its package is
     imported, and the check runs for every gradient at every step.
     """
-    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    return cls is not None and isinstance(t, cls)
+    for where in _DTENSOR_MODULES:
+        cls = getattr(sys.modules.get(where), "DTensor", None)
+        if cls is not None:
+            return isinstance(t, cls)
+    return False
+
+
+def _tensor_api() -> Any:
+    """The DTensor package (``torch.distributed.tensor``; ``._tensor`` before torch 2.5)."""
+    try:
+        import torch.distributed.tensor as api
+    except ImportError:
+        import torch.distributed._tensor as api  # type: ignore[no-redef]
+    return api
 
 
 def _sharding_modules() -> tuple[type, ...]:
     """FSDP2's ``FSDPModule`` and FSDP1's class, once ``torch.distributed.fsdp`` is
     imported (no module can be sharded before)."""
     mod = sys.modules.get("torch.distributed.fsdp")
-    kinds = [getattr(mod, n, None) for n in ("FSDPModule", "FullyShardedDataParallel")]
+    kinds = [_fsdp_module(), getattr(mod, "FullyShardedDataParallel", None)]
     return tuple(k for k in kinds if isinstance(k, type))
+
+
+def _fsdp_module() -> type | None:
+    """FSDP2's ``FSDPModule`` class, if imported (where torch 2.4 to 2.13 define it)."""
+    for where in _FSDP2_MODULES:
+        cls = getattr(sys.modules.get(where), "FSDPModule", None)
+        if isinstance(cls, type):
+            return cls
+    return None
 
 
 def sharded_reason(model: torch.nn.Module, optimizer: Any | None = None) -> str | None:
@@ -140,13 +167,13 @@ def fsdp2_unsupported(model: torch.nn.Module, optimizer: Any | None) -> str | No
     too (:data:`ELEMENTWISE`). Tensor parallelism, HSDP (2-D meshes), FSDP1, replicated
     DTensors, other optimizers (Adafactor) and (so far) CUDA parameters are not.
     """
-    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    fsdp_module = _fsdp_module()
     fsdp2 = [m for m in model.modules() if fsdp_module and isinstance(m, fsdp_module)]
     if not fsdp2:
         return "no module of the model is sharded with fully_shard (FSDP2)"
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         return "FullyShardedDataParallel (FSDP1) wraps part of the model"
-    from torch.distributed.tensor import Shard
+    Shard = _tensor_api().Shard  # noqa: N806 -- the class, as torch names it
 
     params = [p for g in getattr(optimizer, "param_groups", []) for p in g["params"]]
     meshes = set()
@@ -204,9 +231,7 @@ def shard_like(template: Any, shard: torch.Tensor) -> torch.Tensor:
     itself when ``template`` is no ``DTensor``."""
     if not is_dtensor(template):
         return shard
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
+    return _tensor_api().DTensor.from_local(  # type: ignore[no-any-return]
         shard,
         template.device_mesh,
         template.placements,
