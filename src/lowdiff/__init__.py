@@ -21,6 +21,7 @@ from lowdiff.errors import (
     NotACheckpointDirectoryError,
     RecoveryError,
     RecoveryWarning,
+    UnsupportedSetupError,
 )
 from lowdiff.exporting import export
 from lowdiff.inspect import DirectoryInfo, inspect_dir, verify_dir
@@ -48,6 +49,7 @@ __all__ = [
     "RecoveryStats",
     "RecoveryWarning",
     "TopK",
+    "UnsupportedSetupError",
     "attach",
     "own_strategy",
     "export",

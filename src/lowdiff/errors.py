@@ -35,6 +35,11 @@ class NotACheckpointDirectoryError(LowDiffError):
     """The directory holds something other than a lowdiff checkpoint."""
 
 
+class UnsupportedSetupError(LowDiffError):
+    """The training setup is one lowdiff does not support (a model sharded across ranks
+    with FSDP or DTensor); the message says what is unsupported and what to use instead."""
+
+
 class DirectoryLockedError(LowDiffError):
     """Another trainer holds the checkpoint directory."""
 

@@ -22,6 +22,7 @@ Nothing under the checkpoint directory is written; the output appears whole or n
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -43,9 +44,11 @@ from lowdiff.errors import (
     RecoveryError,
 )
 from lowdiff.format import codec, layout, sfile
+from lowdiff.recovery.fsdp2 import newest_fsdp2_state
 from lowdiff.recovery.job import (
     generations,
     is_job_dir,
+    job_sharding,
     plan_sharded,
     scan_dirs,
     serving_generation,
@@ -54,8 +57,10 @@ from lowdiff.recovery.job import (
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import make_plan, scan
+from lowdiff.state import capture as st
 from lowdiff.state.model_config import MODEL_CONFIG_KEY, model_config_entry
 from lowdiff.state.record import RecordLayout
+from lowdiff.state.sharded import FSDP2
 
 __all__ = [
     "FORMATS",
@@ -131,6 +136,17 @@ def _full_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], lis
     return [sfile.read_header(f.path) for f in fulls], rls
 
 
+def _fsdp2_headers(root: Path, step: int | None) -> tuple[list[sfile.Header], list[RecordLayout]]:
+    """An FSDP2 job's shards joined (:mod:`lowdiff.recovery.fsdp2`), described as one
+    full checkpoint of whole tensors over all the parameters."""
+    tensors, md, step, g = newest_fsdp2_state(root, step)
+    entries, size = sfile.plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
+    rl = RecordLayout.from_json(layout.read_manifest(g.shard_dirs()[0])["record_layout"])
+    shapes = {f"model/{p.name}": tuple(tensors[f"model/{p.name}"].shape) for p in rl.params}
+    rl.params = [dataclasses.replace(p, shape=shapes[f"model/{p.name}"]) for p in rl.params]
+    return [sfile.Header(root, md, entries, 0, size)], [rl]
+
+
 def rebuild(
     path: str | Path, step: int | None, scheduler: Any | None = None
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, RecoveryStats]:
@@ -140,14 +156,18 @@ def rebuild(
     per-rank state). ``scheduler``, when given, receives the scheduler state.
     """
     root = Path(path)
-    headers, rls = _full_headers(root, step)
+    if is_job_dir(root) and job_sharding(root) == FSDP2:
+        headers, rls = _fsdp2_headers(root, step)
+    else:
+        headers, rls = _full_headers(root, step)
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     osds = []
     for s, (h, rl) in enumerate(zip(headers, rls, strict=True)):
-        mine = {p.name for p in rl.params}
+        mine = {st.canonical_name(p.name) for p in rl.params}
         for e in h.entries:
             if e.name.startswith("model/"):
-                name = e.name[len("model/") :]
+                # canonical: a compiled model's checkpoint of before names were
+                name = st.canonical_name(e.name[len("model/") :])
                 if s == 0 or name in mine:  # other shards: only the parameters they own
                     shapes[name] = (e.dtype, e.shape)
         try:
@@ -157,8 +177,11 @@ def rebuild(
             raise CorruptCheckpointError(h.path, f"bad optimizer metadata ({e})") from None
         osds.append((osd, shard if isinstance(shard, list) else [p.index for p in rl.params]))
     own = headers[0].metadata
-    aliases = json.loads(own["model_aliases"])
-    bnames = {n for n, _, _ in rls[0].buffers}
+    aliases = {
+        st.canonical_name(a): st.canonical_name(c)
+        for a, c in json.loads(own["model_aliases"]).items()
+    }
+    bnames = {st.canonical_name(n) for n, _, _ in rls[0].buffers}
     model = torch.nn.Module()
     params: dict[str, torch.nn.Parameter] = {}
     for name, (dtype, shape) in shapes.items():
@@ -171,7 +194,9 @@ def rebuild(
     for alias, canon in aliases.items():
         _set_path(model, alias, params[canon], canon in params)
     merged = merge_state_dicts(osds, 0)
-    ordered_names = [p.name for p in sorted((p for rl in rls for p in rl.params), key=_index)]
+    ordered_names = [
+        st.canonical_name(p.name) for p in sorted((p for rl in rls for p in rl.params), key=_index)
+    ]
     missing = [n for n in ordered_names if n not in params]
     if missing:
         raise CorruptCheckpointError(
@@ -241,7 +266,8 @@ def export(
         raise ValueError(f"out must lie outside the checkpoint directory {root}, got {dest}")
     if format in ("dcp", "hf") and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"out {dest} exists and is not an empty directory")
-    _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
+    if not (is_job_dir(root) and job_sharding(root) == FSDP2):
+        _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
     hf_config = _hf_config(root) if format == "hf" else None
     sched = _SchedulerState()
     model, optimizer, stats = rebuild(root, step, sched if _has_scheduler(root) else None)

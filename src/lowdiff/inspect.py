@@ -34,6 +34,7 @@ from lowdiff.recovery.scan import (
     recoverable_range,
     scan,
 )
+from lowdiff.state.sharded import FSDP2
 
 
 @dataclass
@@ -133,13 +134,15 @@ class JobInfo:
         return rel.as_posix() if rel.parts else shard.root.name
 
     def describe(self) -> str:
-        """``distributed job, 2 ranks``, or each generation's world size and first step."""
+        """``distributed job, 2 ranks``, or each generation's world size and first step
+        (``FSDP2 job``: shards of every parameter, written under ``fully_shard``)."""
+        kind = "FSDP2 job" if self.manifest.get("sharding") == FSDP2 else "distributed job"
         if len(self.generations) <= 1:
-            return f"distributed job, {_ranks(self.world_size)}"
+            return f"{kind}, {_ranks(self.world_size)}"
         gens = ", ".join(
             f"{_ranks(g.world_size)} from step {g.start_step}" for g in self.generations
         )
-        return f"distributed job, {len(self.generations)} generations: {gens}"
+        return f"{kind}, {len(self.generations)} generations: {gens}"
 
     @property
     def world_size(self) -> int:

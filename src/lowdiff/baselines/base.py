@@ -70,6 +70,7 @@ from lowdiff.proc.locks import acquire_flock, lock_holder
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 from lowdiff.state import capture as st
+from lowdiff.state.sharded import refuse_sharded
 from lowdiff.strategy import StepGrads, Strategy, check_int, compress_grads
 
 __all__ = [
@@ -158,6 +159,7 @@ class BaselineCheckpointer(Strategy):
         start_timeout: float = 120.0,
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
+        refuse_sharded(model, optimizer, self.strategy)
         options = BaselineOptions(compressor, full_every, keep_full, start_timeout)
         if directory is None:
             raise ValueError(f"strategy {self.strategy!r} needs a checkpoint directory, got None")

@@ -50,6 +50,9 @@ class DistContext:
     group: Any
     device: torch.device
     """Where collective tensors live (CPU for gloo, the current GPU for NCCL)."""
+    sharded: bool = False
+    """The model is sharded with ``fully_shard`` (FSDP2): each rank holds, checkpoints and
+    restores its own shard of every parameter, instead of one shard of DDP's replicas."""
 
     def _t(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.int64, device=self.device)
@@ -180,13 +183,19 @@ class JobMin:
 
 
 def detect(model: torch.nn.Module) -> DistContext | None:
-    """A :class:`DistContext` when ``model`` is DDP-wrapped in an initialised group, else None.
+    """A :class:`DistContext` when ``model`` is DDP-wrapped in an initialised group, or
+    sharded with ``fully_shard`` (``sharded``), else None.
 
     Raises:
         ValueError: ``model`` is DDP-wrapped but no process group is initialised.
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    from lowdiff.state.sharded import fsdp2_group
+
+    sharded_over = fsdp2_group(model)
+    if sharded_over is not None:
+        return _context(sharded_over, sharded=True)
     if not isinstance(model, DistributedDataParallel):
         return None
     if not (dist.is_available() and dist.is_initialized()):
@@ -194,11 +203,16 @@ def detect(model: torch.nn.Module) -> DistContext | None:
             "the model is wrapped in DistributedDataParallel but no process group is initialised; "
             "call torch.distributed.init_process_group() first"
         )
-    group = getattr(model, "process_group", None) or dist.group.WORLD
+    return _context(getattr(model, "process_group", None) or dist.group.WORLD)
+
+
+def _context(group: Any, sharded: bool = False) -> DistContext:
     backend = dist.get_backend(group)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if backend == "nccl"
         else torch.device("cpu")
     )
-    return DistContext(dist.get_rank(group), dist.get_world_size(group), group, device)
+    return DistContext(
+        dist.get_rank(group), dist.get_world_size(group), group, device, sharded=sharded
+    )

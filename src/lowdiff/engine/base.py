@@ -41,6 +41,7 @@ from lowdiff.plan import START_B, START_F
 from lowdiff.proc.protocol import Close, Flush, Kind
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.state import capture as st
+from lowdiff.state.sharded import refuse_sharded
 from lowdiff.strategy import StepGrads, Strategy
 
 
@@ -68,6 +69,7 @@ class EngineStrategy(Strategy):
         **options: Any,
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
+        refuse_sharded(model, optimizer, self.name)
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "LBFGS is not supported: its step() evaluates the closure several times per "

@@ -11,6 +11,7 @@ parts they need; it knows nothing of any one strategy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -35,6 +36,7 @@ from lowdiff.recovery.scan import check_directory
 from lowdiff.state import capture as st
 from lowdiff.state.model_config import model_config_entry
 from lowdiff.state.record import RecordLayout
+from lowdiff.state.sharded import local
 
 STAT_KEYS = (
     "steps", "slot_wait_s", "full_wait_s", "full_copy_s", "fulls_requested", "fulls_written",
@@ -85,12 +87,19 @@ class EngineCore:
         self.job: JobMin | None = None if dist is None else JobMin(dist)
         self.extra = extra_state
         self.params = st.optimizer_params(model, optimizer)
+        if dist is not None and dist.sharded:
+            # under fully_shard a rank holds, snapshots and restores its own shard of every
+            # parameter: the layout is that of the local shards
+            self.params = [
+                (dataclasses.replace(info, shape=tuple(local(p).shape)), p)
+                for info, p in self.params
+            ]
         for info, p in self.params:
             if p.is_sparse:
                 raise ValueError(
                     f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only"
                 )
-        self.numels = [p.numel() for _, p in self.params]
+        self.numels = [local(p).numel() for _, p in self.params]
         devices = {p.device for _, p in self.params}
         if len(devices) > 1:
             raise ValueError(
@@ -118,7 +127,7 @@ class EngineCore:
         """The optimizer indices this rank checkpoints (all of them in one process)."""
         self.foreign: set[str] = set()
         """Under DDP: names of the parameters other ranks checkpoint."""
-        if dist is not None:
+        if dist is not None and not dist.sharded:
             owner = assign_shards(self.numels, dist.world_size)
             self.shard = [i for i, r in enumerate(owner) if r == dist.rank]
             self.foreign = {info.name for info, _ in self.params if owner[info.index] != dist.rank}
@@ -143,7 +152,7 @@ class EngineCore:
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], str]:
         """The optimizer's state tensors (this rank's shard under DDP) and its JSON."""
-        if self.dist is None:
+        if self.dist is None or self.dist.sharded:
             return st.optimizer_state_tensors(self.optimizer)
         return st.optimizer_state_tensors(
             self.optimizer, shard_state_dict(self.optimizer.state_dict(), self.shard)

@@ -61,8 +61,8 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
 
     def _install_ddp_hook(self) -> None:
         core = self.core
-        if core.dist is None:
-            return
+        if core.dist is None or core.dist.sharded:
+            return  # fully_shard: the post-accumulate hooks see the reduce-scattered shard
         owned = {id(p): k for k, (_, p) in enumerate(core.shard_params())}
         hook_state = PlusHookState(core.dist, owned, self._on_reduced_grad)
         try:
@@ -101,12 +101,14 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         assert session is not None and session.slots is not None
         if self.snapshotter is not None:
             self.snapshotter.close()
+        sharded = self.core.dist is not None and self.core.dist.sharded
         self.snapshotter = GradSnapshotter(
             self.core.shard_params(),
             session.slots.rows(),
             session.slots.views,
             self._acquire_slot,
-            autograd_hooks=self.core.dist is None,
+            autograd_hooks=self.core.dist is None or sharded,
+            compare_bytes=sharded,
         )
 
     def _acquire_slot(self) -> int:
@@ -222,13 +224,20 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             return False
         assert live is not None
         try:
-            parts = ctx.exchange(live.tensors(), dict(live.doc["meta"]))
             stats = RecoveryStats(full_step=lo, step=lo, source="memory")
-            stats.read_s = time.perf_counter() - t0
-            apply_sharded_state(
-                parts, ctx.rank, core.model, core.optimizer, core.scheduler, stats,
-                where="replicas in memory",
-            )  # fmt: skip
+            if ctx.sharded:  # fully_shard: each rank's replica holds all this rank restores
+                stats.read_s = time.perf_counter() - t0
+                apply_full_state(
+                    live.tensors(), live.doc["meta"], core.model, core.optimizer,
+                    core.scheduler, stats, where="replica in memory",
+                )  # fmt: skip
+            else:
+                parts = ctx.exchange(live.tensors(), dict(live.doc["meta"]))
+                stats.read_s = time.perf_counter() - t0
+                apply_sharded_state(
+                    parts, ctx.rank, core.model, core.optimizer, core.scheduler, stats,
+                    where="replicas in memory",
+                )  # fmt: skip
             stats.total_s = time.perf_counter() - t0
             adopted = self._adopt(live, stats)
         except BaseException:

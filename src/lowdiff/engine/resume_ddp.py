@@ -12,10 +12,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lowdiff.ddp.context import rank_dir
+from lowdiff.engine.resume_fsdp import resume_fsdp
 from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import layout
 from lowdiff.proc.locks import wait_for_writer
-from lowdiff.recovery.job import generation_dir, generations, job_manifest, recover_generations
+from lowdiff.recovery.job import (
+    generation_dir,
+    generations,
+    job_manifest,
+    recover_generations,
+    refuse_fsdp2_job,
+)
 from lowdiff.recovery.scan import is_empty_dir
 
 if TYPE_CHECKING:
@@ -27,6 +34,9 @@ def resume_ddp(s: CheckpointingStrategy) -> int:
     core = s.core
     ctx, job = core.dist, core.job_root
     assert ctx is not None and job is not None and core.root is not None
+    if ctx.sharded:
+        return resume_fsdp(s)
+    refuse_fsdp2_job(job, "continuing it under DDP")
     gens = generations(job)
     newest = gens[-1] if gens else None
     if newest is not None and newest.strategy != core.name:

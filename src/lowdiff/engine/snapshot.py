@@ -51,6 +51,13 @@ What the counters cannot settle (a parameter this rank did not use, under
 ``find_unused_parameters``: DDP leaves the ``.grad`` of one no rank used as it was, and
 creates the ``.grad`` of one only other ranks used) is compared with the bucket byte for
 byte, all such gradients in one comparison, and re-copied where they differ.
+
+Under ``fully_shard`` (FSDP2) each rank snapshots its own shard: the post-accumulate hook
+fires once the reduce-scatter has left the rank's gradient shard in ``.grad`` (a
+``DTensor``), whose local tensor is copied. In-place ops on a ``DTensor`` (gradient
+clipping's scaling) run on the local tensor beneath autograd and move no version counter,
+so ``finish()`` (``compare_bytes``) compares every snapshotted gradient with its slot copy,
+all in one comparison, and re-copies those that differ.
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from typing import Any
 import torch
 
 from lowdiff.state.capture import ParamInfo
+from lowdiff.state.sharded import local
 
 
 @dataclass
@@ -204,6 +212,7 @@ class GradSnapshotter:
         chunk_bytes: int = 8 << 20,
         autograd_hooks: bool = True,
         copy_mode: str = "auto",
+        compare_bytes: bool = False,
     ) -> None:
         self.params = params
         self.rows = slot_rows
@@ -223,9 +232,11 @@ class GradSnapshotter:
         # each member is cut (0: copied whole, else elements per piece) and, per slot, the
         # destinations of the block's one foreach copy, pieces included.
         self.dsts = [
-            [views[f"g{info.index}.values"].view(p.shape) for info, p in params]
+            [views[f"g{info.index}.values"].view(info.shape) for info, _ in params]
             for views in row_views
         ]
+        self.compare_bytes = compare_bytes
+        """Settle at finish() by comparing bytes, not version counters (module docstring)."""
         self.copy_mode = "cuda" if self.cuda else cpu_copy_mode(copy_mode)
         """``"cuda"``, or on CPU ``"inline"`` / ``"thread"`` (module docstring)."""
         # Per block, how a copy by a thread other than the trainer's cuts each member
@@ -332,7 +343,7 @@ class GradSnapshotter:
     def _on_grad(self, k: int, grad: torch.Tensor | None = None) -> None:
         """Gradient ``k`` is final for this backward: copy its block once complete."""
         if grad is None:
-            grad = self.params[k][1].grad
+            grad = self._grad(k)
         if grad is None:
             return
         slot = self._take_slot()
@@ -349,6 +360,11 @@ class GradSnapshotter:
         if self.deferred:
             return  # finish() copies every gradient
         self._copy_block(bi, b, slot)
+
+    def _grad(self, k: int) -> torch.Tensor | None:
+        """``.grad`` of parameter ``k``: under ``fully_shard`` this rank's shard of it."""
+        g = self.params[k][1].grad
+        return None if g is None else local(g)
 
     def _dst(self, slot: int, k: int) -> torch.Tensor:
         info = self.params[k][0]
@@ -474,8 +490,8 @@ class GradSnapshotter:
         again_dst: list[torch.Tensor] = []
         again_src: list[torch.Tensor] = []
         hooked = changed = 0
-        for k, (info, p) in enumerate(self.params):
-            g = p.grad
+        for k, (info, _) in enumerate(self.params):
+            g = self._grad(k)
             if g is None:
                 nograd.append(info.index)
                 continue
@@ -484,7 +500,7 @@ class GradSnapshotter:
                 self.stats.late += 1  # set outside backward
             else:
                 hooked += 1
-                verdict = self._verdict(k, g, seen)
+                verdict = _UNSURE if self.compare_bytes else self._verdict(k, g, seen)
                 changed += verdict == _CHANGED
                 if not deferred:
                     if verdict == _SAME:
@@ -501,7 +517,9 @@ class GradSnapshotter:
         else:  # device to pinned host memory: a copy each, as the CUDA path always did
             for d, g in zip(again_dst, again_src, strict=True):
                 d.copy_(g)
-        if unsure:
+        if unsure and self.compare_bytes:
+            changed = self._settle_against(unsure, dsts)
+        elif unsure:
             self._settle(unsure, dsts)
         if self.can_defer:
             self.stats.deferred += deferred
@@ -515,7 +533,7 @@ class GradSnapshotter:
         """Compare the gradients the counters could not settle; re-copy those that differ."""
         self.stats.compared += len(ks)
         snapped = [self.seen[k][0] for k in ks]  # type: ignore[index]
-        grads = [self.params[k][1].grad for k in ks]
+        grads = [self._grad(k) for k in ks]
         if _same_bytes(snapped, grads):  # type: ignore[arg-type]
             return
         for k, s, g in zip(ks, snapped, grads, strict=True):
@@ -523,6 +541,23 @@ class GradSnapshotter:
             if not _same_bytes([s], [g]):
                 self.stats.recopied += 1
                 dsts[k].copy_(g.detach())
+
+    def _settle_against(self, ks: list[int], dsts: list[torch.Tensor]) -> int:
+        """Compare gradients ``ks`` with their slot copies; re-copy those that differ, and
+        return how many did."""
+        self.stats.compared += len(ks)
+        grads = [self._grad(k) for k in ks]
+        copies = [dsts[k] for k in ks]
+        if _same_bytes(copies, grads):  # type: ignore[arg-type]
+            return 0
+        changed = 0
+        for d, g in zip(copies, grads, strict=True):
+            assert g is not None
+            if not _same_bytes([d], [g]):
+                changed += 1
+                d.copy_(g.detach())
+        self.stats.recopied += changed
+        return changed
 
     def abandon(self) -> int | None:
         """Forget a half-taken step (after an error); returns the slot it held, if any."""

@@ -40,6 +40,7 @@ from lowdiff.errors import (
     CorruptCheckpointError,
     NotACheckpointDirectoryError,
     RecoveryError,
+    UnsupportedSetupError,
 )
 from lowdiff.format import codec, layout, sfile
 from lowdiff.recovery.replay import (
@@ -68,13 +69,18 @@ from lowdiff.recovery.scan import (
 )
 from lowdiff.state import capture as st
 from lowdiff.state.record import RecordLayout
+from lowdiff.state.sharded import FSDP2
 
 JOB_KIND = "distributed"
 GEN_DIR = "gen-{gen}"
 
 
 def job_manifest(
-    world_size: int, strategy: str, generation: int = 0, start_step: int = 0
+    world_size: int,
+    strategy: str,
+    generation: int = 0,
+    start_step: int = 0,
+    sharding: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "format": "lowdiff",
@@ -83,6 +89,10 @@ def job_manifest(
         "world_size": world_size,
         "shards": [rank_dir(Path("."), r).name for r in range(world_size)],
     }
+    if sharding is not None:
+        # each shard holds every parameter's rank-local slice (fully_shard), not whole
+        # parameters: readers that merge DDP shards must not take it for one
+        body["sharding"] = sharding
     if generation:
         body.update(generation=generation, start_step=start_step)
     return body
@@ -151,6 +161,27 @@ def generations(job: str | Path) -> list[Generation]:
                     )
                 )
     return sorted(out, key=lambda g: g.index)
+
+
+def job_sharding(job: Path) -> str | None:
+    """How the job in ``job`` sharded its state: ``"fsdp2"`` (:data:`lowdiff.state.sharded.FSDP2`)
+    or None (DDP, or a single process)."""
+    m = _read(job)
+    return None if m is None else m.get("sharding")
+
+
+def refuse_fsdp2_job(job: Path, what: str) -> None:
+    """Raise :class:`UnsupportedSetupError` when ``job`` was written under ``fully_shard``."""
+    if job_sharding(job) == FSDP2:
+        m = _read(job) or {}
+        raise UnsupportedSetupError(
+            f"{job} was written under fully_shard (FSDP2) by {m.get('world_size')} ranks: "
+            "each shard directory holds every parameter's rank-local slice, and "
+            f"{what} is not supported for such a job; resume it with strategy "
+            f"'lowdiff+' under torchrun with {m.get('world_size')} ranks and the "
+            "fully_shard model, or read it in one process with lowdiff.restore or "
+            "`lowdiff export`"
+        )
 
 
 def is_job_dir(root: Path) -> bool:
@@ -375,6 +406,7 @@ def recover_job(
     gens = generations(root)
     if not is_job_dir(root):
         raise NotACheckpointDirectoryError(f"{root} holds no distributed lowdiff checkpoint")
+    refuse_fsdp2_job(root, "reading it in one process")
     world = max(g.world_size for g in gens)
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in 0..{world - 1} for a job of {world} ranks, got {rank}")

@@ -40,6 +40,7 @@ from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan
 from lowdiff.state import capture as st
 from lowdiff.state.record import RecordLayout
+from lowdiff.state.sharded import local, shard_model_state, shard_optimizer_state
 
 
 @dataclass
@@ -93,14 +94,15 @@ def check_compatible(
         problems.append(
             f"the checkpoint has {len(rl.params)} optimized parameters, the optimizer has {len(live)}"
         )
-    for (info, _), saved in zip(live, rl.params, strict=False):
-        if info.name != saved.name:
+    for (info, p), saved in zip(live, rl.params, strict=False):
+        shape = tuple(local(p).shape)  # under fully_shard the shard directory holds shards
+        if info.name != st.canonical_name(saved.name):
             problems.append(
                 f"parameter #{saved.index}: checkpoint name {saved.name!r}, model name {info.name!r}"
             )
-        elif info.shape != saved.shape:
+        elif shape != saved.shape:
             problems.append(
-                f"parameter {saved.name!r}: checkpoint shape {list(saved.shape)}, model shape {list(info.shape)}"
+                f"parameter {saved.name!r}: checkpoint shape {list(saved.shape)}, model shape {list(shape)}"
             )
         elif info.dtype != saved.dtype:
             problems.append(
@@ -159,13 +161,18 @@ def apply_full_state(
     """Load a full state (tensors + metadata, from a file or from the replica in memory)."""
     t1 = time.perf_counter()
     aliases = json.loads(md["model_aliases"])
-    msd = {k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")}
+    msd = {
+        st.canonical_name(k[len("model/") :]): v
+        for k, v in tensors.items()
+        if k.startswith("model/")
+    }
     for alias, canon in aliases.items():
-        msd[alias] = msd[canon]
+        msd[st.canonical_name(alias)] = msd[st.canonical_name(canon)]
     osd = codec.loads(md["optim"], lambda name: tensors[name].clone())
     sched_state = codec.loads(md["scheduler"])
     t2 = time.perf_counter()
     target = st.unwrap_model(model)
+    msd = shard_model_state(msd, target)
     try:
         target.load_state_dict(msd, strict=True)
     except RuntimeError as e:
@@ -173,7 +180,8 @@ def apply_full_state(
             f"{where}: the model does not match the checkpoint: {e}"
         ) from None
     try:
-        optimizer.load_state_dict(st.match_param_layout(osd, optimizer))
+        osd = shard_optimizer_state(st.match_param_layout(osd, optimizer), optimizer)
+        optimizer.load_state_dict(osd)
     except (ValueError, KeyError) as e:
         raise CheckpointMismatchError(
             f"{where}: the optimizer does not match the checkpoint: {e}"

@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from lowdiff.errors import CorruptCheckpointError, RecoveryError
-from lowdiff.recovery.job import is_job_dir, recover_job
+from lowdiff.recovery.fsdp2 import recover_fsdp2
+from lowdiff.recovery.job import is_job_dir, job_sharding, recover_job
 from lowdiff.recovery.replay import RecoveryStats, pass_over_full, replay, warn_damaged
 from lowdiff.recovery.scan import make_plan, scan
 from lowdiff.state import capture as st
+from lowdiff.state.sharded import FSDP2, refuse_sharded
 
-__all__ = ["recover", "restore"]
+__all__ = ["recover", "recover_shard", "restore"]
 
 
 def recover(
@@ -35,9 +37,24 @@ def recover(
     :func:`lowdiff.recovery.job.recover_job`).
     """
     st.check_training_objects(model, optimizer, scheduler)
+    refuse_sharded(model, optimizer, "lowdiff.restore")
     root = Path(root)
     if is_job_dir(root):
+        if job_sharding(root) == FSDP2:
+            return recover_fsdp2(root, model, optimizer, scheduler, step)
         return recover_job(root, model, optimizer, scheduler, step)
+    return recover_shard(root, model, optimizer, scheduler, step)
+
+
+def recover_shard(
+    root: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+    step: int | None = None,
+) -> RecoveryStats:
+    """Restore the live objects from one checkpoint directory (a single process's, or
+    under ``fully_shard`` this rank's shard directory, into its sharded model)."""
     sc = scan(root)
     skipped = warn_damaged(sc.problems)
     bad: set[Path] = set()

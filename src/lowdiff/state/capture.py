@@ -27,6 +27,7 @@ import torch
 
 from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import codec
+from lowdiff.state.sharded import local
 
 # --------------------------------------------------------------------------- arguments
 
@@ -73,11 +74,41 @@ class ParamInfo:
     dtype: torch.dtype
 
 
+COMPILED_PREFIX = "_orig_mod."
+"""What ``torch.compile``'s wrapper adds to every name of the module it compiles."""
+
+
+def _compiled_class() -> type | None:
+    # torch.compile's wrapper class, if torch.compile was ever used in this process (no
+    # import of torch._dynamo, which costs about a second, otherwise)
+    mod = sys.modules.get("torch._dynamo.eval_frame")
+    cls = getattr(mod, "OptimizedModule", None)
+    return cls if isinstance(cls, type) else None
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP / DataParallel style wrappers (their ``.module``)."""
-    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
-    return model
+    """The user's module inside DDP / DataParallel style wrappers (their ``.module``) and
+    ``torch.compile``'s (its ``_orig_mod``), in any order.
+
+    Names are taken from it, so they are canonical: those of
+    ``torch.distributed.checkpoint.state_dict.get_model_state_dict``, without the
+    ``module.`` and ``_orig_mod.`` prefixes, and a compiled model's checkpoint restores
+    into the same model uncompiled, and back.
+    """
+    compiled = _compiled_class()
+    while True:
+        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        elif compiled is not None and isinstance(model, compiled):
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without ``torch.compile``'s ``_orig_mod.`` (names in checkpoints written
+    before :func:`unwrap_model` removed it)."""
+    return name.replace(COMPILED_PREFIX, "")
 
 
 def optimizer_params(
@@ -110,9 +141,10 @@ def model_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[s
     """The model's ``state_dict`` without aliases, plus ``{alias: canonical name}``.
 
     Tied weights (e.g. a language model's input embedding and output head) appear under
-    two names that share storage; they are stored once.
+    two names that share storage; they are stored once. A ``fully_shard``ed model's
+    parameters are this rank's shards.
     """
-    sd = unwrap_model(model).state_dict()
+    sd = {k: local(v) for k, v in unwrap_model(model).state_dict().items()}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -170,6 +202,7 @@ def set_buffers(model: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> N
     all_b = dict(m.named_buffers())
     with torch.no_grad():
         for n, v in values.items():
+            n = canonical_name(n)  # a checkpoint of before names were canonical
             if n not in all_b:
                 raise CheckpointMismatchError(
                     f"the checkpoint has buffer {n!r}, the model has no such buffer"
@@ -396,7 +429,7 @@ def optimizer_state_tensors(
 
     def sink(path: str, t: torch.Tensor) -> str:
         name = "optim/" + path.removeprefix("$.")
-        tensors[name] = t
+        tensors[name] = local(t)  # under fully_shard: this rank's shard of the state
         return name
 
     text = codec.dumps(optimizer.state_dict() if state_dict is None else state_dict, sink)
