@@ -49,12 +49,10 @@ Example:
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import io
 import json
 import os
-import pickle
 import select
 import signal
 import socket
@@ -62,7 +60,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -78,8 +76,6 @@ _FIXED_AT_IMPORT = (
     "CUDA_VISIBLE_DEVICES",
 )
 _MAX_MSG = 1 << 20
-# the child of :meth:`PreforkServer.call`: unpickle (target, args) from argv, call it
-_CALL = "import base64, pickle, sys\nfn, args = pickle.loads(base64.b64decode(sys.argv[1]))\nfn(*args)\n"
 
 
 class PreforkError(RuntimeError):
@@ -619,17 +615,6 @@ class PreforkServer:
         return PreforkedProcess(
             args, self, int(reply["pid"]), mine.get("stdin"), mine.get("stdout"), mine.get("stderr")
         )
-
-    def call(self, target: Callable[..., Any], *args: Any, **popen_kwargs: Any) -> PreforkedProcess:
-        """``target(*args)`` in a forked child, as a ``multiprocessing.Process`` would run it.
-
-        ``target`` and ``args`` are pickled (a module-level function, plain data). The
-        child's exit code is 0 when ``target`` returns, 1 after an exception (its
-        traceback on the child's stderr), ``-N`` if it was killed by signal ``N``.
-        ``popen_kwargs`` go to :meth:`popen` (stdout, stderr, env, cwd).
-        """
-        blob = base64.b64encode(pickle.dumps((target, args))).decode()
-        return self.popen([sys.executable, "-c", _CALL, blob], **popen_kwargs)
 
     def run(
         self,

@@ -3,13 +3,23 @@ Python (``tests/launch.py``) rather than spawned (a new interpreter that imports
 
 from __future__ import annotations
 
+import base64
 import os
+import pickle
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tests import launch
+
+# the child: unpickle (target, args) from argv and call it, as a spawned Process would
+_CALL = (
+    "import base64, pickle, sys\n"
+    "fn, args = pickle.loads(base64.b64decode(sys.argv[1]))\n"
+    "fn(*args)\n"
+)
 
 
 def run_ranks(
@@ -22,7 +32,18 @@ def run_ranks(
     tests = Path(__file__).resolve().parents[1]
     env = launch.env()
     env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent), env["PYTHONPATH"]])
-    procs = [launch.server().call(target, r, *args, env=env) for r in range(world)]
+    procs = [
+        launch.popen(
+            [
+                sys.executable,
+                "-c",
+                _CALL,
+                base64.b64encode(pickle.dumps((target, (r, *args)))).decode(),
+            ],
+            env=env,
+        )
+        for r in range(world)
+    ]
     codes: list[int | None] = []
     for p in procs:
         try:

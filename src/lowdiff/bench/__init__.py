@@ -72,12 +72,9 @@ def run_bench(
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     ordered = [e for e in EXPERIMENTS if e in experiments]
-    try:
-        for i, name in enumerate(ordered):
-            ctx.progress = _prefixed(say, f"[{i + 1}/{len(ordered)} {name}]")
-            rows += RUNNERS[name](ctx)
-    finally:
-        ctx.close()
+    for i, name in enumerate(ordered):
+        ctx.progress = _prefixed(say, f"[{i + 1}/{len(ordered)} {name}]")
+        rows += RUNNERS[name](ctx)
     run = {
         "machine": machine,
         "background_env": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},

@@ -14,17 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowdiff.bench.core import BenchSettings
-from lowdiff.prefork import PreforkServer
-
-CHILD_PRELOAD = (
-    "transformers.models.gpt2.modeling_gpt2",
-    "lowdiff.baselines.checkfreq",
-    "lowdiff.baselines.gemini",
-    "lowdiff.baselines.naive_dc",
-    "lowdiff.bench.exp_recovery",
-    "lowdiff.bench.fidelity",
-)
-"""What the experiments' failing children import (see :meth:`Context.children`)."""
 
 
 @dataclass
@@ -97,21 +86,6 @@ class Context:
     cache: dict[str, Any] = field(default_factory=dict)
     methods: frozenset[str] | None = None
     """Strategies to run (None: all); the runs without checkpointing always run."""
-    _server: PreforkServer | None = field(default=None, repr=False)
-
-    def children(self) -> PreforkServer:
-        """The fork server the experiments' failing training processes are started from
-        (started at the first call; see :mod:`lowdiff.prefork`): a child that trains to its
-        failure then starts at its model build, not at an interpreter's start."""
-        if self._server is None:
-            self._server = PreforkServer(CHILD_PRELOAD)
-        return self._server
-
-    def close(self) -> None:
-        """Stop the fork server, if one was started."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
 
     def wants(self, strategy: str | None) -> bool:
         """Whether ``strategy`` runs: always the runs without checkpointing, else if asked for."""

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from lowdiff.bench.core import (
     make_checkpointer,
     make_optimizer,
 )
+from lowdiff.proc.spawn import spawn_context
 
 
 def recovery(ctx: Context) -> list[dict[str, Any]]:
@@ -211,16 +211,18 @@ def _killed_case(ctx: Context, arm: Arm, f: int, target: int) -> dict[str, Any]:
     d = Path(s.workdir) / f"lowdiff-bench-recovery-{os.getpid()}-{arm.strategy}-killed-{f}"
     shutil.rmtree(d, ignore_errors=True)
     try:
-        proc = ctx.children().call(_killed_child, s.as_dict(), str(d), arm, target)
-        try:
-            code = proc.wait(600)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        if code != -signal.SIGKILL:
+        proc = spawn_context().Process(
+            target=_killed_child,
+            args=(s.as_dict(), str(d), arm, target),
+        )
+        proc.start()
+        proc.join(600)
+        if proc.exitcode != -signal.SIGKILL:
+            if proc.is_alive():
+                proc.kill()
             raise RuntimeError(
                 f"the {arm.label} training child did not reach its failure point (exit code "
-                f"{code}); its traceback is above"
+                f"{proc.exitcode}); its traceback is above"
             )
         row, ck = _restart(s, arm, d, f, target)
         ck.close()

@@ -9,7 +9,7 @@ Call sequence, per setting (one child process per setting):
 
 0) (bench process) plan the cases: every strategy that fits the setting (LowDiff with
    gradient compression, LowDiff+ without, every baseline in both);
-1) (child, forked from the bench's fork server) build one model copy per case, each with its Checkpointer on its
+1) (child, spawned) build one model copy per case, each with its Checkpointer on its
    own directory, and train them all, step by step in lockstep, to the failure step k;
    each copy draws its dropout masks from RNG states of its own (swapped in around its
    steps), so it trains exactly as it would alone. Then ``flush()`` every Checkpointer
@@ -53,7 +53,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +78,7 @@ from lowdiff.bench.fidelity_runs import (
     reference_run,
     release,
 )
+from lowdiff.proc.spawn import spawn_context
 from lowdiff.workloads import text, zoo
 
 CAUSAL_LM_FAMILIES = ("gpt2", "qwen3")
@@ -211,23 +211,27 @@ def _train_and_kill(ctx: Context, sizes: Sizes, cases: list[Case], keys: str) ->
     """
     s, k = ctx.settings, sizes.failure_step
     ctx.progress(f"{keys}: training {len(cases)} runs to step {k} in one process, then SIGKILL")
-    proc = ctx.children().call(failing_child, s.as_dict(), cases, k, torch.get_num_threads())
-    try:
-        code = proc.wait(CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:  # hung: end it as the failure it was meant to have
+    proc = spawn_context().Process(
+        target=failing_child,
+        args=(s.as_dict(), cases, k, torch.get_num_threads()),
+        name="lowdiff-fidelity-child",
+    )
+    proc.start()
+    proc.join(CHILD_TIMEOUT_S)
+    if proc.exitcode is None:  # hung: end it as the failure it was meant to have
         proc.kill()
-        proc.wait()
+        proc.join()
         for c in cases:
             release(s, c)
         raise RuntimeError(
             f"fidelity ({keys}): the training process did not reach step {k} within "
             f"{CHILD_TIMEOUT_S:.0f} s"
-        ) from None
-    if code != -signal.SIGKILL:
+        )
+    if proc.exitcode != -signal.SIGKILL:
         for c in cases:
             release(s, c)
         raise RuntimeError(
-            f"fidelity ({keys}): the training process exited with {code} instead of "
+            f"fidelity ({keys}): the training process exited with {proc.exitcode} instead of "
             "being killed at its failure step; its error is printed above"
         )
 
