@@ -21,6 +21,7 @@ from lowdiff.errors import (
     NotACheckpointDirectoryError,
     RecoveryError,
     RecoveryWarning,
+    RemoteStorageError,
 )
 from lowdiff.exporting import export
 from lowdiff.inspect import DirectoryInfo, inspect_dir, verify_dir
@@ -47,6 +48,7 @@ __all__ = [
     "RecoveryError",
     "RecoveryStats",
     "RecoveryWarning",
+    "RemoteStorageError",
     "TopK",
     "attach",
     "own_strategy",

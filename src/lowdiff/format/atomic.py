@@ -4,7 +4,9 @@ A reader never sees a partial file under its final name: until the rename, the d
 lives under a ``.tmp-`` name that recovery ignores and a new session deletes.
 
 Fault-injection hook points (``before_write``, ``before_fsync``, ``before_rename``,
-``after_rename``, and ``retention`` just after retention deletes a file) let tests stop,
+``after_rename``, ``retention`` just after retention deletes a file, and for the remote
+tier ``before_upload``, ``upload_chunk`` after each chunk sent, ``before_commit`` between
+a complete data object and its commit object) let tests stop,
 kill or fail a writer at a precise point; they cost one dict lookup when unused. A test
 installs them in its own process with :func:`set_fault_hook`, or in a checkpointing
 process it is about to start through the ``LOWDIFF_FAULTS`` environment variable (read
@@ -25,7 +27,10 @@ from typing import BinaryIO
 
 TMP_PREFIX = ".tmp-"
 
-FAULT_POINTS = ("before_write", "before_fsync", "before_rename", "after_rename", "retention")
+FAULT_POINTS = (
+    "before_write", "before_fsync", "before_rename", "after_rename", "retention",
+    "before_upload", "upload_chunk", "before_commit",
+)  # fmt: skip
 FAULT_KINDS = ("records", "full", "manifest", "any")
 FAULT_ACTIONS = ("kill-self", "kill-parent", "kill-both", "enospc", "eio", "slow")
 FAULT_ENV = "LOWDIFF_FAULTS"
