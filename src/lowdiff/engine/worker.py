@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, Stage
+from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, RemoteError, Stage
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
@@ -54,6 +54,12 @@ from lowdiff.proc.channel import (
     RECORD_FILES,
     RECORD_WRITE_NS,
     RECORDS,
+    REMOTE_BEAT,
+    REMOTE_BYTES,
+    REMOTE_DURABLE,
+    REMOTE_ERRORS,
+    REMOTE_FILES,
+    REMOTE_NS,
     SLOTS_DONE,
     STAGING_DONE,
     Counters,
@@ -68,6 +74,7 @@ from lowdiff.proc.protocol import (
     Message,
     unexpected,
 )
+from lowdiff.remote.uploader import Uploader
 
 
 @dataclass(frozen=True)
@@ -82,9 +89,17 @@ class WorkerConfig:
     """The run that produced the state this session resumed from (``RecoveryStats.
     state_run_id``): the ``follows`` of its first record file. None for a fresh session
     (its first records follow its own step-0 full checkpoint) or an unknown run."""
+    remote: str | None = None
+    """The remote tier's fsspec URL (``remote=``), or None: no upload thread."""
+    remote_options: dict[str, Any] | None = None
+    remote_bandwidth: float | None = None
+    remote_timeout: float = 60.0
+    """Seconds ``Close`` waits for uploads that make no progress before it answers."""
 
 
-def retention(root: Path, keep_full: int | None) -> list[Path]:
+def retention(
+    root: Path, keep_full: int | None, protect: Callable[[], set[Path]] | None = None
+) -> list[Path]:
     """Delete the full checkpoints and records that no recovery can need any more.
 
     Runs in the checkpointing process after each full checkpoint it publishes, on its own
@@ -100,7 +115,8 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
     writing, or killed during, its next full checkpoint) leaves a full checkpoint common
     to all shards. A single-process directory is not affected.
 
-    ``keep_full=None`` keeps everything. Returns the deleted paths.
+    ``keep_full=None`` keeps everything. ``protect()`` names files to keep whatever their
+    step (those the remote tier has not committed yet). Returns the deleted paths.
 
     Example:
         >>> retention(Path("runs/ckpt/rank-00000"), keep_full=1)  # doctest: +SKIP
@@ -120,6 +136,9 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
         r = layout.parse_records_name(p.name)
         if r is not None and r[1] < oldest_kept:
             removed.append(p)
+    if protect is not None:
+        keep = protect()
+        removed = [p for p in removed if p not in keep]
     for p in removed:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
@@ -206,10 +225,13 @@ class FullWriter:
         announce_durable: bool = False,
         on_released: Any = None,
         progress: Any = None,
+        on_written: Callable[[Path], None] | None = None,
+        protect: Callable[[], set[Path]] | None = None,
     ) -> None:
         self.root, self.keep_full, self.send = root, keep_full, send
         self.announce_durable, self.on_released = announce_durable, on_released
         self.progress = progress
+        self.on_written, self.protect = on_written, protect
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.persisted = -1
@@ -235,8 +257,9 @@ class FullWriter:
         released = False
         try:
             t0 = time.perf_counter()
+            path = layout.full_path(self.root, step)
             nbytes = sfile.write(
-                layout.full_path(self.root, step),
+                path,
                 entries,
                 blob,
                 meta,
@@ -246,7 +269,9 @@ class FullWriter:
             released = True
             if self.on_released is not None:
                 self.on_released()
-            removed = retention(self.root, self.keep_full)
+            if self.on_written is not None:
+                self.on_written(path)
+            removed = retention(self.root, self.keep_full, self.protect)
             took = time.perf_counter() - t0
             self.next_auto = time.monotonic() + took
             self.persisted = max(self.persisted, step)
@@ -287,6 +312,8 @@ class _Writer:
         self.metas: list[str] = []
         self.steps: list[int] = []
         self.staging: torch.Tensor | None = None
+        self.uploader = self._uploader(cfg, counters) if cfg.remote else None
+        up = self.uploader
         self.full = FullWriter(
             self.root,
             cfg.keep_full,
@@ -294,6 +321,8 @@ class _Writer:
             announce_durable=True,
             on_released=lambda: counters.add(STAGING_DONE),
             progress=lambda _n: counters.add(BEAT),
+            on_written=None if up is None else up.submit,
+            protect=None if up is None else up.protected,
         )
         self.durable = -1
         self.acked = -1
@@ -303,6 +332,42 @@ class _Writer:
         self.follows: str | None = cfg.follows
         """The run whose state the next record file of a resumed session follows: the
         recovered state's run until this session has written a record file, then its own."""
+
+    def _uploader(self, cfg: WorkerConfig, counters: Counters) -> Uploader:
+        """The remote tier's upload thread, reporting through the ``REMOTE_*`` counters."""
+        assert cfg.remote is not None
+        stats = [0, 0, 0.0]  # files, bytes, seconds already counted
+
+        def progress() -> None:
+            counters.add(REMOTE_BEAT)
+            up = self.uploader
+            if up is not None and up.uploaded != stats[0]:
+                counters.add(REMOTE_FILES, up.uploaded - int(stats[0]))
+                counters.add(REMOTE_BYTES, up.uploaded_bytes - int(stats[1]))
+                counters.add(REMOTE_NS, int((up.upload_s - stats[2]) * 1e9))
+                stats[:] = [up.uploaded, up.uploaded_bytes, up.upload_s]
+
+        def error(text: str) -> None:
+            counters.add(REMOTE_ERRORS)
+            self.send(RemoteError(text))
+
+        up = Uploader(
+            self.root,
+            cfg.remote,
+            cfg.remote_options,
+            keep_full=cfg.keep_full,
+            bandwidth=cfg.remote_bandwidth,
+            on_durable=lambda step: counters.raise_to(REMOTE_DURABLE, step + 1),
+            on_progress=progress,
+            on_error=error,
+        )
+        return up  # started in the frame, once the writer lock is held (it cleans the remote)
+
+    def drain_remote(self) -> None:
+        """Wait for the uploads (``Close``), as long as they make progress within
+        ``remote_timeout``; the trainer sees the remote durable step either way."""
+        if self.uploader is not None:
+            self.uploader.drain(self.cfg.remote_timeout, beat=lambda: self.counters.add(BEAT))
 
     def ack(self) -> None:
         """Announce the newest durable step, once its records chain to a full checkpoint
@@ -363,6 +428,8 @@ class _Writer:
         t0 = time.perf_counter()
         path = layout.records_path(self.root, first, last)
         size = sfile.write(path, [entry], self.batch[:n].reshape(-1), meta)
+        if self.uploader is not None:
+            self.uploader.submit(path)
         self.follows = self.cfg.run_id
         took = time.perf_counter() - t0
         self.steps.clear()
@@ -429,6 +496,7 @@ class _Writer:
                 self.ack()
                 durable = max(self.acked, self.full.persisted)
                 if isinstance(msg, Close):
+                    self.drain_remote()
                     self.send(Closed(durable))
                     return False
                 self.send(Flushed(durable))
@@ -452,12 +520,15 @@ def worker_main(
     w = _Writer(cfg, slots, Counters(counters), end)
 
     def run() -> None:
+        if w.uploader is not None:
+            w.uploader.start()
         end.ready()
         if end.serve(w.handle):
             # The trainer died without close(): keep every record it managed to send.
             end.drain(w.handle_orphaned, (Kind.RECORD, Kind.FULL, Kind.STAGE, Kind.BATCH_SIZE))
             w.write_batch()
             w.wait_full()
+            w.drain_remote()
 
     # an error: the full checkpoint in flight completes (or removes its temp file) before
     # the trainer learns of it, so nothing of this process is still writing by then
