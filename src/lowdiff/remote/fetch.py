@@ -110,7 +110,10 @@ def _get(store: RemoteStore, c: Any, dest: Path, out: Fetched, *, full: bool) ->
     try:
         store.get(c, path)
         if full:
-            sfile.verify(path)  # damaged before upload: caught here, an older one is used
+            try:
+                sfile.verify(path)  # damaged before upload: caught here, an older one is used
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(store.where(c.object), e.reason) from None
     except CorruptCheckpointError as e:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
