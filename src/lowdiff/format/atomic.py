@@ -38,6 +38,9 @@ PARENT_ENV = "LOWDIFF_PARENT_PID"
 """Set by the trainer for each background process it starts: its own pid."""
 SLOW_ENV = "LOWDIFF_FAULT_SLOW_S"
 """Seconds the ``slow`` action sleeps (a disk that stalls; default 2)."""
+MARK_ENV = "LOWDIFF_FAULT_MARK"
+"""A file the ``slow`` action creates before it sleeps: a test knows the process is
+inside the stalled step (and can act while it is there)."""
 
 _HOOKS: dict[str, Callable[[Path], None]] = {}
 
@@ -86,6 +89,9 @@ class _Fault:
         if self.action in ("kill-self", "kill-both"):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.action == "slow":
+            mark = os.environ.get(MARK_ENV)
+            if mark:
+                Path(mark).touch()
             time.sleep(float(os.environ.get(SLOW_ENV, "2")))
         if self.action in ("enospc", "eio"):
             code = errno.ENOSPC if self.action == "enospc" else errno.EIO
@@ -98,7 +104,8 @@ def parse_faults(spec: str) -> dict[str, Callable[[Path], None]]:
     ``point`` is one of :data:`FAULT_POINTS`, ``kind`` one of :data:`FAULT_KINDS`,
     ``nth`` counts matching events from 1, and ``action`` is one of :data:`FAULT_ACTIONS`:
     SIGKILL this process, its parent or both, fail with ``ENOSPC`` / ``EIO``, or stall
-    (``slow``: sleep ``LOWDIFF_FAULT_SLOW_S`` seconds, default 2, then go on).
+    (``slow``: create the file ``LOWDIFF_FAULT_MARK`` names, if set, sleep
+    ``LOWDIFF_FAULT_SLOW_S`` seconds, default 2, then go on).
 
     Example:
         >>> sorted(parse_faults("before_rename:records:2:kill-self"))

@@ -19,7 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowdiff.errors import CorruptCheckpointError, NotACheckpointDirectoryError, RecoveryWarning
+from lowdiff.errors import (
+    CorruptCheckpointError,
+    NotACheckpointDirectoryError,
+    RecoveryWarning,
+    RemoteStorageError,
+)
 from lowdiff.format import layout, sfile
 from lowdiff.remote.store import RemoteStore
 
@@ -35,14 +40,26 @@ class Fetched:
 
 
 def has_commits(url: str, options: dict[str, Any] | None = None) -> bool:
-    """Whether the remote tier at ``url`` holds a committed manifest."""
-    store = RemoteStore(url, options)
+    """Whether the remote tier at ``url`` holds a committed manifest.
+
+    Raises:
+        RemoteStorageError: the remote cannot be read (unreachable, refused): whether it
+            holds checkpoints is unknown, and a new session must not write over them.
+    """
     try:
+        store = RemoteStore(url, options)
         store.read_commit(layout.MANIFEST)
     except FileNotFoundError:
         return False
     except CorruptCheckpointError:
         return True  # something is there; fetch() names what is wrong
+    except RemoteStorageError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- every client has its own connection errors
+        raise RemoteStorageError(
+            f"cannot read the remote tier {url} to learn whether it holds checkpoints: "
+            f"{type(e).__name__}: {e}"
+        ) from e
     return True
 
 

@@ -111,6 +111,10 @@ class Uploader:
         self.last_error: str | None = None
         self.last_progress = time.monotonic()
         self._manifest: bytes | None = None
+        self._sent = 0
+        """Bytes sent by the current attempt at the current file."""
+        self._high = 0
+        """The most any attempt at the current file has sent."""
         self.store: RemoteStore | None = None
         self.thread = threading.Thread(target=self._run, name="lowdiff-upload", daemon=True)
 
@@ -158,7 +162,16 @@ class Uploader:
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ the thread
-    def _progress(self, _n: int = 0) -> None:
+    def _chunk(self, n: int) -> None:
+        """A chunk of the current attempt was sent. Progress only past what an earlier
+        attempt at the same file sent: a retry that fails at the same point again (a
+        server that is gone) is no progress, and the waits on the remote end."""
+        self._sent += n
+        if self._sent > self._high:
+            self._high = self._sent
+            self._progress()
+
+    def _progress(self) -> None:
         self.last_progress = time.monotonic()
         self.on_progress()
 
@@ -184,7 +197,7 @@ class Uploader:
         self.store = self._retrying(
             f"connecting to {self.url}",
             lambda: RemoteStore(
-                self.url, self.options, bandwidth=self.bandwidth, progress=self._progress
+                self.url, self.options, bandwidth=self.bandwidth, progress=self._chunk
             ),
         )
         if self.store is None or self._retrying(f"catching up with {self.url}", self._catch_up) is None:
@@ -196,6 +209,7 @@ class Uploader:
                 if self.stopping:
                     return
                 name = self.inflight = self.queue.pop(0)
+                self._high = 0
             try:
                 if self._retrying(f"uploading {name} to {self.url}", lambda n=name: self._upload(n)) is None:
                     return
@@ -264,6 +278,7 @@ class Uploader:
         if name.startswith(layout.FULL_DIR + "/"):
             self._upload_manifest()  # a reader of the remote needs the manifest first
         _hook("before_upload", local)
+        self._sent = 0
         t0 = time.perf_counter()
         commit = store.put(local, name, hook=lambda stage: _hook(_POINTS[stage], local))
         self.upload_s += time.perf_counter() - t0
