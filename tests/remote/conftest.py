@@ -63,7 +63,11 @@ class MotoServer:
             "endpoint_url": self.endpoint,
             "client_kwargs": {"region_name": "us-east-1"},
             # a server that is gone fails fast, not after minutes of retries
-            "config_kwargs": {"connect_timeout": 1, "read_timeout": 5, "retries": {"max_attempts": 1}},
+            "config_kwargs": {
+                "connect_timeout": 1,
+                "read_timeout": 5,
+                "retries": {"max_attempts": 1},
+            },
         }
 
     def stop(self) -> None:

@@ -44,7 +44,9 @@ def _build(seed: int, width: int = 8) -> tuple[nn.Module, Any, Any, Counter]:
     return m, o, s, Counter()
 
 
-def _ck(m: nn.Module, o: Any, s: Any, c: Counter, local: Path, backend: Backend, **kw: Any) -> lowdiff.Checkpointer:
+def _ck(
+    m: nn.Module, o: Any, s: Any, c: Counter, local: Path, backend: Backend, **kw: Any
+) -> lowdiff.Checkpointer:
     kw.setdefault("remote_timeout", 5)
     return lowdiff.Checkpointer(
         m, o, local, scheduler=s, extra_state={"data": c}, full_every=F, batch_size=B,
@@ -116,7 +118,9 @@ def test_a_partial_newest_full_checkpoint_falls_back_to_an_older_one(
     newest = store.read_commit("full/full-000000000008.safetensors")
     data = store.fs.cat_file(store.key(newest.object))
     store.fs.pipe_file(store.key(newest.object), data[: len(data) // 2])  # a partial object
-    with pytest.warns(lowdiff.RecoveryWarning, match=r"full-000000000008\.safetensors\.[0-9a-f]+: .*truncated"):
+    with pytest.warns(
+        lowdiff.RecoveryWarning, match=r"full-000000000008\.safetensors\.[0-9a-f]+: .*truncated"
+    ):
         got = fetch(backend.url, tmp_path / "new", backend.options)
     assert "full/full-000000000004.safetensors" in got.files
     assert "full/full-000000000008.safetensors" not in got.files
@@ -181,7 +185,12 @@ def test_a_failing_upload_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyP
     store = RemoteStore(backend.url)
     committed = {c.object for d in ("", "full", "records") for c in store.commits(d)[0].values()}
     # the data object of the commit that failed is not published (the next start removes it)
-    assert len([p for p in leftovers if p.relative_to(tmp_path / "remote").as_posix() not in committed]) == 1
+    assert (
+        len(
+            [p for p in leftovers if p.relative_to(tmp_path / "remote").as_posix() not in committed]
+        )
+        == 1
+    )
 
 
 def test_kill_between_upload_and_commit_publishes_nothing(
@@ -283,7 +292,9 @@ def test_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="remote_bandwidth"):
         lowdiff.Checkpointer(m, o, tmp_path, remote="file:///x", remote_bandwidth=0)
     with pytest.raises(ValueError, match="remote= is supported by strategy 'lowdiff'"):
-        lowdiff.Checkpointer(m, o, tmp_path, strategy="lowdiff+", compressor=None, remote="file:///x")
+        lowdiff.Checkpointer(
+            m, o, tmp_path, strategy="lowdiff+", compressor=None, remote="file:///x"
+        )
     ck = lowdiff.Checkpointer(m, o, tmp_path / "plain")
     assert ck.remote_durable_step == -1
     with pytest.raises(ValueError, match="no remote tier"):

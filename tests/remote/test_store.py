@@ -63,10 +63,16 @@ def test_damaged_or_foreign_commit_objects_are_named(backend: Backend, tmp_path:
     store.fs.pipe_file(store.key("full/c.bin" + COMMIT_SUFFIX), raw.replace(b"a.bin", b"c.bin"))
     found, bad = store.commits("full")
     assert set(found) == {"full/b.bin"}
-    assert len(bad) == 2 and any("a.bin.commit" in b for b in bad) and any("c.bin.commit" in b for b in bad)
+    assert (
+        len(bad) == 2
+        and any("a.bin.commit" in b for b in bad)
+        and any("c.bin.commit" in b for b in bad)
+    )
 
 
-def test_clean_removes_uncommitted_data_and_keeps_committed(backend: Backend, tmp_path: Path) -> None:
+def test_clean_removes_uncommitted_data_and_keeps_committed(
+    backend: Backend, tmp_path: Path
+) -> None:
     store = RemoteStore(backend.url, backend.options)
     c = store.put(_file(tmp_path, "a.bin", b"a" * 100), "records/a.bin")
     orphan = f"{DATA_DIR}/records/b.bin.0123456789abcdef"  # a crash before its commit
@@ -126,7 +132,10 @@ def test_uploader_protects_pending_files_and_retention_keeps_live_chain(tmp_path
     store = RemoteStore(url)
     fulls, _ = store.commits("full")
     records, _ = store.commits("records")
-    assert sorted(fulls) == ["full/full-000000000004.safetensors", "full/full-000000000008.safetensors"]
+    assert sorted(fulls) == [
+        "full/full-000000000004.safetensors",
+        "full/full-000000000008.safetensors",
+    ]
     assert sorted(records) == [
         "records/rec-000000000004-000000000007.safetensors",
         "records/rec-000000000008-000000000009.safetensors",

@@ -36,8 +36,8 @@ from lowdiff.engine.gradients import CompressedGradients
 from lowdiff.engine.handover import Handover, OptimizerHooks
 from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.session import ProcessSession, remote_stalled
-from lowdiff.errors import RemoteStorageError
 from lowdiff.engine.storage_policy import CheckpointingSuspended, StoragePolicy
+from lowdiff.errors import RemoteStorageError
 from lowdiff.plan import START_B, START_F
 from lowdiff.proc import channel
 from lowdiff.proc.protocol import Close, Flush, Kind

@@ -9,4 +9,13 @@ from lowdiff.remote.fetch import Fetched, fetch, has_commits
 from lowdiff.remote.store import Commit, RemoteStore, is_url
 from lowdiff.remote.uploader import Uploader, reach
 
-__all__ = ["Commit", "Fetched", "RemoteStore", "Uploader", "fetch", "has_commits", "is_url", "reach"]
+__all__ = [
+    "Commit",
+    "Fetched",
+    "RemoteStore",
+    "Uploader",
+    "fetch",
+    "has_commits",
+    "is_url",
+    "reach",
+]

@@ -99,7 +99,11 @@ def fetch(
     records, bad_r = store.commits(layout.RECORDS_DIR)
     out.damaged += bad + bad_r
     by_step = sorted(
-        ((s, c) for n, c in fulls.items() if (s := layout.parse_full_name(n.split("/")[-1])) is not None),
+        (
+            (s, c)
+            for n, c in fulls.items()
+            if (s := layout.parse_full_name(n.split("/")[-1])) is not None
+        ),
         key=lambda sc: sc[0],
         reverse=True,
     )

@@ -84,7 +84,9 @@ class Commit:
         try:
             obj = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CorruptCheckpointError(where, "commit object is not valid JSON (torn or corrupt)") from None
+            raise CorruptCheckpointError(
+                where, "commit object is not valid JSON (torn or corrupt)"
+            ) from None
         if not isinstance(obj, dict) or set(obj) != {"checksum", "lowdiff_commit"}:
             raise CorruptCheckpointError(where, "not a lowdiff commit object")
         body = obj["lowdiff_commit"]
@@ -291,7 +293,8 @@ class RemoteStore:
                         break
                 if size != commit.size:
                     raise CorruptCheckpointError(
-                        where, f"{size} bytes or more, the commit says {commit.size} (truncated or replaced)"
+                        where,
+                        f"{size} bytes or more, the commit says {commit.size} (truncated or replaced)",
                     )
                 if h.hexdigest() != commit.xxh3:
                     raise CorruptCheckpointError(where, "checksum mismatch with its commit")

@@ -19,6 +19,7 @@ newest ``keep_full`` committed full checkpoints and the record files that reach 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -135,7 +136,11 @@ class Uploader:
         with self.cond:
             names = list(self.queue) + ([self.inflight] if self.inflight else [])
             if not self.ready:  # the catch-up has not listed them yet: keep everything
-                return {p for d in (layout.FULL_DIR, layout.RECORDS_DIR) for p in (self.root / d).glob("*")}
+                return {
+                    p
+                    for d in (layout.FULL_DIR, layout.RECORDS_DIR)
+                    for p in (self.root / d).glob("*")
+                }
         return {self.root / n for n in names}
 
     def idle(self) -> bool:
@@ -200,7 +205,10 @@ class Uploader:
                 self.url, self.options, bandwidth=self.bandwidth, progress=self._chunk
             ),
         )
-        if self.store is None or self._retrying(f"catching up with {self.url}", self._catch_up) is None:
+        if (
+            self.store is None
+            or self._retrying(f"catching up with {self.url}", self._catch_up) is None
+        ):
             return
         while True:
             with self.cond:
@@ -211,7 +219,10 @@ class Uploader:
                 name = self.inflight = self.queue.pop(0)
                 self._high = 0
             try:
-                if self._retrying(f"uploading {name} to {self.url}", lambda n=name: self._upload(n)) is None:
+                done = self._retrying(
+                    f"uploading {name} to {self.url}", functools.partial(self._upload, name)
+                )
+                if done is None:
                     return
             finally:
                 with self.cond:
@@ -314,7 +325,9 @@ class Uploader:
         store = self.store
         assert store is not None and self.keep_full is not None
         fulls, _ = store.commits(layout.FULL_DIR)
-        steps = sorted(s for n in fulls if (s := layout.parse_full_name(n.split("/")[-1])) is not None)
+        steps = sorted(
+            s for n in fulls if (s := layout.parse_full_name(n.split("/")[-1])) is not None
+        )
         if len(steps) <= self.keep_full:
             return
         oldest_kept = steps[-self.keep_full]
