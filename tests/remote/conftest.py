@@ -7,6 +7,7 @@ cases are skipped, and say why.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -17,6 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+
+with contextlib.suppress(ImportError):
+    # imported before any test starts lowdiff's process server (forked from this process
+    # at the first Checkpointer), as lowdiff.remote.store.preload arranges for a trainer
+    # whose first Checkpointer has remote=: its checkpointing processes find s3fs loaded
+    import s3fs  # noqa: F401
 
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 

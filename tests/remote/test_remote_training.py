@@ -47,7 +47,8 @@ def _build(seed: int, width: int = 8) -> tuple[nn.Module, Any, Any, Counter]:
 def _ck(
     m: nn.Module, o: Any, s: Any, c: Counter, local: Path, backend: Backend, **kw: Any
 ) -> lowdiff.Checkpointer:
-    kw.setdefault("remote_timeout", 5)
+    # generous: a wait that succeeds ends early; the fault tests set their own
+    kw.setdefault("remote_timeout", 60)
     return lowdiff.Checkpointer(
         m, o, local, scheduler=s, extra_state={"data": c}, full_every=F, batch_size=B,
         remote=backend.url, remote_options=backend.options, **kw,
@@ -291,12 +292,36 @@ def test_options_are_checked(tmp_path: Path) -> None:
         lowdiff.Checkpointer(m, o, tmp_path, remote="file:///x", remote_options=["a"])
     with pytest.raises(ValueError, match="remote_bandwidth"):
         lowdiff.Checkpointer(m, o, tmp_path, remote="file:///x", remote_bandwidth=0)
-    with pytest.raises(ValueError, match="remote= is supported by strategy 'lowdiff'"):
-        lowdiff.Checkpointer(
-            m, o, tmp_path, strategy="lowdiff+", compressor=None, remote="file:///x"
-        )
+    with pytest.raises(ValueError, match="remote= is supported by strategies"):
+        lowdiff.Checkpointer(m, o, None, strategy="none", remote="file:///x")
     ck = lowdiff.Checkpointer(m, o, tmp_path / "plain")
     assert ck.remote_durable_step == -1
     with pytest.raises(ValueError, match="no remote tier"):
         ck.flush(remote=True)
     ck.close()
+
+
+def test_lowdiff_plus_uploads_its_persisted_checkpoints(backend: Backend, tmp_path: Path) -> None:
+    """LowDiff+'s replica uploads each full checkpoint it persists; a new node recovers
+    the newest one bit-identically."""
+    m, o, s, c = _build(0)
+    ck = lowdiff.Checkpointer(
+        m, o, tmp_path / "local", strategy="lowdiff+", compressor=None, scheduler=s,
+        extra_state={"data": c}, persist_every=3, remote=backend.url,
+        remote_options=backend.options, remote_timeout=60,
+    )  # fmt: skip
+    assert ck.resume() == 0
+    _train(ck, m, c, 0, 7)
+    assert ck.flush(remote=True) == ck.durable_step == 7
+    ck.close()
+    assert ck.remote_durable_step == 7
+    want = _state(m, o, s, c)
+    shutil.rmtree(tmp_path / "local")
+    m2, o2, s2, c2 = _build(2)
+    ck2 = lowdiff.Checkpointer(
+        m2, o2, tmp_path / "local", strategy="lowdiff+", compressor=None, scheduler=s2,
+        extra_state={"data": c2}, remote=backend.url, remote_options=backend.options,
+    )  # fmt: skip
+    assert ck2.resume() == 7
+    assert diff_states(want, _state(m2, o2, s2, c2)) == []
+    ck2.close()

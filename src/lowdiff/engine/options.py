@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from lowdiff.compressors.base import Compressor
+from lowdiff.engine.remote_tier import RemoteSettings
 from lowdiff.strategy import AUTO, check_int, check_int_or_auto, check_seconds
 
 STORAGE_ERROR_POLICIES = ("raise", "warn")
@@ -63,6 +64,14 @@ class EngineOptions:
         if self.sigterm_timeout is not None:
             self._set("sigterm_timeout", check_seconds("sigterm_timeout", self.sigterm_timeout))
 
+    def remote_settings(self) -> RemoteSettings | None:
+        """The remote tier as a checkpointing process takes it, or None."""
+        if self.remote is None:
+            return None
+        return RemoteSettings(
+            self.remote, self.remote_options, self.remote_bandwidth, self.remote_timeout
+        )
+
     def _check_remote(self) -> None:
         if self.remote is not None:
             if not isinstance(self.remote, str):
@@ -113,12 +122,13 @@ class EngineOptions:
             )
         if replica:
             self._check_replica()
-        if self.remote is not None and (strategy != "lowdiff" or ddp):
-            # LowDiff+'s persister and the DDP job's shards do not upload yet: refused
-            # rather than running without the remote tier the caller asked for
+        if self.remote is not None and (strategy not in ("lowdiff", "lowdiff+") or ddp):
+            # a DDP job's shards do not upload yet: refused rather than running without
+            # the remote tier the caller asked for
             raise ValueError(
-                f"remote= is supported by strategy 'lowdiff' in a single process only, got "
-                f"strategy {strategy!r}{' under DistributedDataParallel' if ddp else ''}"
+                "remote= is supported by strategies 'lowdiff' and 'lowdiff+' in a single "
+                f"process only, got strategy {strategy!r}"
+                f"{' under DistributedDataParallel' if ddp else ''}"
             )
         if ddp and self.on_storage_error == "warn":
             raise ValueError(

@@ -31,6 +31,7 @@ from lowdiff.recovery.job import generations
 from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import is_empty_dir
 from lowdiff.remote.fetch import fetch, has_commits
+from lowdiff.remote.store import preload
 
 
 class CheckpointingStrategy(EngineStrategy):
@@ -48,6 +49,8 @@ class CheckpointingStrategy(EngineStrategy):
             raise ValueError(f"strategy {self.name!r} needs a checkpoint directory, got None")
         self._install_ddp_hook()
         self.core.open_directory(directory)
+        if self.options.remote is not None:
+            preload(self.options.remote)  # before the process server is forked from here
         warm_up()  # the process server starts while the trainer resumes
         opts = self.options
         self.session = ProcessSession(

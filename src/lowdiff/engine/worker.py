@@ -43,7 +43,8 @@ from typing import Any
 
 import torch
 
-from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, RemoteError, Stage
+from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, Stage
+from lowdiff.engine.remote_tier import RemoteSettings, drain, start_uploader
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
@@ -54,12 +55,6 @@ from lowdiff.proc.channel import (
     RECORD_FILES,
     RECORD_WRITE_NS,
     RECORDS,
-    REMOTE_BEAT,
-    REMOTE_BYTES,
-    REMOTE_DURABLE,
-    REMOTE_ERRORS,
-    REMOTE_FILES,
-    REMOTE_NS,
     SLOTS_DONE,
     STAGING_DONE,
     Counters,
@@ -89,12 +84,8 @@ class WorkerConfig:
     """The run that produced the state this session resumed from (``RecoveryStats.
     state_run_id``): the ``follows`` of its first record file. None for a fresh session
     (its first records follow its own step-0 full checkpoint) or an unknown run."""
-    remote: str | None = None
-    """The remote tier's fsspec URL (``remote=``), or None: no upload thread."""
-    remote_options: dict[str, Any] | None = None
-    remote_bandwidth: float | None = None
-    remote_timeout: float = 60.0
-    """Seconds ``Close`` waits for uploads that make no progress before it answers."""
+    remote: RemoteSettings | None = None
+    """The remote tier (``remote=``), or None: no upload thread."""
 
 
 def retention(
@@ -312,8 +303,8 @@ class _Writer:
         self.metas: list[str] = []
         self.steps: list[int] = []
         self.staging: torch.Tensor | None = None
-        self.uploader = self._uploader(cfg, counters) if cfg.remote else None
-        up = self.uploader
+        self.uploader: Uploader | None = None
+        remote = cfg.remote is not None
         self.full = FullWriter(
             self.root,
             cfg.keep_full,
@@ -321,8 +312,8 @@ class _Writer:
             announce_durable=True,
             on_released=lambda: counters.add(STAGING_DONE),
             progress=lambda _n: counters.add(BEAT),
-            on_written=None if up is None else up.submit,
-            protect=None if up is None else up.protected,
+            on_written=self.upload if remote else None,
+            protect=self.not_uploaded if remote else None,
         )
         self.durable = -1
         self.acked = -1
@@ -333,41 +324,27 @@ class _Writer:
         """The run whose state the next record file of a resumed session follows: the
         recovered state's run until this session has written a record file, then its own."""
 
-    def _uploader(self, cfg: WorkerConfig, counters: Counters) -> Uploader:
-        """The remote tier's upload thread, reporting through the ``REMOTE_*`` counters."""
-        assert cfg.remote is not None
-        stats = [0, 0, 0.0]  # files, bytes, seconds already counted
+    def start_remote(self) -> None:
+        """Start the upload thread (once the writer lock is held: it cleans the remote)."""
+        if self.cfg.remote is not None:
+            self.uploader = start_uploader(
+                self.root, self.cfg.remote, self.cfg.keep_full, lambda: self.counters, self.send
+            )
 
-        def progress() -> None:
-            counters.add(REMOTE_BEAT)
-            up = self.uploader
-            if up is not None and up.uploaded != stats[0]:
-                counters.add(REMOTE_FILES, up.uploaded - int(stats[0]))
-                counters.add(REMOTE_BYTES, up.uploaded_bytes - int(stats[1]))
-                counters.add(REMOTE_NS, int((up.upload_s - stats[2]) * 1e9))
-                stats[:] = [up.uploaded, up.uploaded_bytes, up.upload_s]
+    def upload(self, path: Path) -> None:
+        if self.uploader is not None:
+            self.uploader.submit(path)
 
-        def error(text: str) -> None:
-            counters.add(REMOTE_ERRORS)
-            self.send(RemoteError(text))
-
-        up = Uploader(
-            self.root,
-            cfg.remote,
-            cfg.remote_options,
-            keep_full=cfg.keep_full,
-            bandwidth=cfg.remote_bandwidth,
-            on_durable=lambda step: counters.raise_to(REMOTE_DURABLE, step + 1),
-            on_progress=progress,
-            on_error=error,
-        )
-        return up  # started in the frame, once the writer lock is held (it cleans the remote)
+    def not_uploaded(self) -> set[Path]:
+        """Files local retention must keep: every file until the upload thread runs."""
+        if self.uploader is None:
+            return {p for d in (layout.FULL_DIR, layout.RECORDS_DIR) for p in (self.root / d).glob("*")}
+        return self.uploader.protected()
 
     def drain_remote(self) -> None:
-        """Wait for the uploads (``Close``), as long as they make progress within
-        ``remote_timeout``; the trainer sees the remote durable step either way."""
-        if self.uploader is not None:
-            self.uploader.drain(self.cfg.remote_timeout, beat=lambda: self.counters.add(BEAT))
+        """Wait for the uploads (``Close``), as long as they make progress within the
+        remote's timeout; the trainer sees the remote durable step either way."""
+        drain(self.uploader, self.cfg.remote, lambda: self.counters)
 
     def ack(self) -> None:
         """Announce the newest durable step, once its records chain to a full checkpoint
@@ -428,8 +405,7 @@ class _Writer:
         t0 = time.perf_counter()
         path = layout.records_path(self.root, first, last)
         size = sfile.write(path, [entry], self.batch[:n].reshape(-1), meta)
-        if self.uploader is not None:
-            self.uploader.submit(path)
+        self.upload(path)
         self.follows = self.cfg.run_id
         took = time.perf_counter() - t0
         self.steps.clear()
@@ -520,8 +496,7 @@ def worker_main(
     w = _Writer(cfg, slots, Counters(counters), end)
 
     def run() -> None:
-        if w.uploader is not None:
-            w.uploader.start()
+        w.start_remote()
         end.ready()
         if end.serve(w.handle):
             # The trainer died without close(): keep every record it managed to send.

@@ -47,6 +47,29 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return "://" in str(path)
 
 
+def preload(url: str) -> None:
+    """Import the fsspec implementation of ``url``'s protocol now (s3fs, gcsfs, ...).
+
+    Called by the trainer before lowdiff's process server is forked from it, so that
+    every checkpointing process finds the client imported: a process importing s3fs
+    itself takes seconds of CPU at its low priority, all of it before the first upload.
+    An unknown protocol or a missing package is an error here, at construction.
+    """
+    try:
+        import fsspec
+    except ImportError:
+        raise RemoteStorageError(
+            "remote= needs fsspec (pip install 'lowdiff[remote]', and s3fs for s3://)"
+        ) from None
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        raise RemoteStorageError(
+            f"remote={url!r}: no fsspec backend for {protocol!r}: {e}"
+        ) from None
+
+
 def _canonical(obj: Any) -> bytes:
     return (json.dumps(obj, sort_keys=True, indent=1, allow_nan=False) + "\n").encode("utf-8")
 
