@@ -199,6 +199,20 @@ def recovery(remote_run: dict[str, Any], options: dict[str, Any], work: Path) ->
     }
 
 
+def _revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -220,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         last = rounds["remote"][-1]
         full = max(Path(rounds["local"][-1]["directory"]).glob("full/*.safetensors"))
         result = {
+            "revision": _revision(),
             "machine": {
                 "cpus": os.cpu_count(),
                 "torch": torch.__version__,

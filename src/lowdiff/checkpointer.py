@@ -109,12 +109,14 @@ class Checkpointer:
             ``lowdiff.restore(..., extra_state=...)``. Saved as JSON with tensors inline,
             never pickled; a state that cannot be saved so is a ``TypeError`` at the first
             step naming the object and the value.
-        remote: strategy ``"lowdiff"``, single process: a second, remote tier as any
-            fsspec URL (``"s3://bucket/run"``, ``"gcs://..."``, ``"file:///mnt/shared/run"``).
-            The checkpointing process uploads every record file and full checkpoint to it
-            in a thread of its own, publishing each through a commit object (see
-            ``docs/format.md``); :attr:`remote_durable_step` says how far it reaches, and
-            ``resume()`` with an empty local directory recovers from it.
+        remote: strategies ``"lowdiff"`` and ``"lowdiff+"``, single process (refused under
+            DDP): a second, remote tier as any fsspec URL (``"s3://bucket/run"``,
+            ``"gcs://..."``, ``"file:///mnt/shared/run"``). The checkpointing process
+            uploads every record file and full checkpoint it writes (LowDiff+: every
+            full checkpoint it persists) in a thread of its own, publishing each through
+            a commit object (see ``docs/format.md``); :attr:`remote_durable_step` says
+            how far it reaches, and ``resume()`` with an empty local directory recovers
+            from it.
         remote_options: keyword arguments for the fsspec file system (credentials,
             ``endpoint_url``, ``client_kwargs``, ...), passed through unchanged.
         remote_bandwidth: upload cap in bytes per second; None (default): no cap.
