@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -65,6 +66,9 @@ def start_moto() -> tuple[subprocess.Popen[str], str]:
         if not line:
             raise RuntimeError("moto server exited")
         if "Running on http://" in line:
+            # keep reading its log: a full pipe would block the server's logging, and
+            # with it every request (moto logs each one)
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, line.split("Running on ", 1)[1].strip()
 
 

@@ -11,6 +11,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -61,6 +62,9 @@ class MotoServer:
                 raise RuntimeError("moto server exited before it listened")
             if "Running on http://" in line:
                 self.endpoint = line.split("Running on ", 1)[1].strip()
+                # keep reading its log: a full pipe would block the server's logging,
+                # and with it every request (moto logs each one)
+                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
                 return
         raise RuntimeError("moto server did not start within 60 s")
 
