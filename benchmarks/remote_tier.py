@@ -68,8 +68,13 @@ def start_moto() -> tuple[subprocess.Popen[str], str]:
         if "Running on http://" in line:
             # keep reading its log: a full pipe would block the server's logging, and
             # with it every request (moto logs each one)
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            threading.Thread(target=_discard, args=(proc.stdout,), daemon=True).start()
             return proc, line.split("Running on ", 1)[1].strip()
+
+
+def _discard(stream: Any) -> None:
+    for _line in stream:
+        pass
 
 
 def s3_options(endpoint: str) -> dict[str, Any]:
@@ -183,9 +188,7 @@ def recovery(remote_run: dict[str, Any], options: dict[str, Any], work: Path) ->
     fresh = work / "new-node"
     w2, o2 = _objects(2)
     t0 = time.perf_counter()
-    ck = lowdiff.Checkpointer(
-        w2.model, o2, fresh, remote=remote_run["url"], remote_options=options
-    )
+    ck = lowdiff.Checkpointer(w2.model, o2, fresh, remote=remote_run["url"], remote_options=options)
     step_remote = ck.resume()
     remote_s = time.perf_counter() - t0
     remote_diff = diff_states(want, snapshot_state(w2.model, o2))
@@ -250,11 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "rounds": args.rounds,
             "step_s": step,
-            "overhead_pct": {
-                a: 100 * (step[a] / step["none"] - 1) for a in ("local", "remote")
-            },
+            "overhead_pct": {a: 100 * (step[a] / step["none"] - 1) for a in ("local", "remote")},
             "remote_minus_local_pp": 100 * (step["remote"] - step["local"]) / step["none"],
-            "close_s": {a: statistics.median(r["close_s"] for r in runs) for a, runs in rounds.items()},
+            "close_s": {
+                a: statistics.median(r["close_s"] for r in runs) for a, runs in rounds.items()
+            },
             "remote_lag_steps": {
                 "max": max(r["max_lag_steps"] for r in rounds["remote"]),
                 "median": statistics.median(r["median_lag_steps"] for r in rounds["remote"]),

@@ -64,7 +64,7 @@ class MotoServer:
                 self.endpoint = line.split("Running on ", 1)[1].strip()
                 # keep reading its log: a full pipe would block the server's logging,
                 # and with it every request (moto logs each one)
-                threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+                threading.Thread(target=_discard, args=(self.proc.stdout,), daemon=True).start()
                 return
         raise RuntimeError("moto server did not start within 60 s")
 
@@ -85,6 +85,11 @@ class MotoServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def _discard(stream: Any) -> None:
+    for _line in stream:
+        pass
 
 
 def _have_s3() -> str:
