@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 import lowdiff
-from lowdiff.remote import RemoteStore
+from lowdiff.remote import RemoteStore, fetch
 from lowdiff.state.capture import diff_states, snapshot_state
 from lowdiff.workloads.zoo import build_workload
 
@@ -158,12 +158,15 @@ def upload_throughput(full: Path, options: dict[str, Any], repeats: int) -> dict
     plain: list[float] = []
     ours: list[float] = []
     for i in range(repeats):
-        t0 = time.perf_counter()
-        store.fs.put_file(str(full), f"{bucket}/plain/{i}.safetensors")
-        plain.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        store.put(full, f"full/{full.name}")
-        ours.append(time.perf_counter() - t0)
+        # alternating which goes first, so neither always follows the other
+        for which in ("plain", "ours") if i % 2 == 0 else ("ours", "plain"):
+            t0 = time.perf_counter()
+            if which == "plain":
+                store.fs.put_file(str(full), f"{bucket}/plain/{i}.safetensors")
+                plain.append(time.perf_counter() - t0)
+            else:
+                store.put(full, f"full/{full.name}")
+                ours.append(time.perf_counter() - t0)
     n = full.stat().st_size
     p, o = statistics.median(plain), statistics.median(ours)
     return {
@@ -185,24 +188,43 @@ def recovery(remote_run: dict[str, Any], options: dict[str, Any], work: Path) ->
     local_s = time.perf_counter() - t0
     local_diff = diff_states(want, snapshot_state(w1.model, o1))
 
+    # a new node: download the newest chain into an empty directory, then restore
     fresh = work / "new-node"
     w2, o2 = _objects(2)
     t0 = time.perf_counter()
-    ck = lowdiff.Checkpointer(w2.model, o2, fresh, remote=remote_run["url"], remote_options=options)
-    step_remote = ck.resume()
-    remote_s = time.perf_counter() - t0
+    got = fetch(remote_run["url"], fresh, options)
+    fetch_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step_remote = lowdiff.restore(fresh, w2.model, o2)
+    restore_s = time.perf_counter() - t0
     remote_diff = diff_states(want, snapshot_state(w2.model, o2))
-    fetched = sum(p.stat().st_size for p in fresh.rglob("*.safetensors"))
+
+    # and as a trainer does it: Checkpointer(remote=...).resume() on an empty directory
+    w3, o3 = _objects(3)
+    t0 = time.perf_counter()
+    ck = lowdiff.Checkpointer(
+        w3.model, o3, work / "new-node-2", remote=remote_run["url"], remote_options=options
+    )
+    step_resume = ck.resume()
+    resume_s = time.perf_counter() - t0
+    resume_diff = diff_states(want, snapshot_state(w3.model, o3))
     ck.close()
     return {
         "local_step": step_local,
         "local_s": local_s,
         "local_bit_identical": not local_diff,
         "new_node_step": step_remote,
-        "new_node_s": remote_s,
+        "new_node_fetch_s": fetch_s,
+        "new_node_restore_s": restore_s,
+        "new_node_s": fetch_s + restore_s,
         "new_node_bit_identical": not remote_diff,
-        "new_node_downloaded_bytes": fetched,
-        "note": "new_node_s includes the Checkpointer's start (its checkpointing process)",
+        "new_node_downloaded_bytes": got.nbytes,
+        "new_node_downloaded_files": sorted(got.files),
+        "resume_step": step_resume,
+        "resume_s": resume_s,
+        "resume_bit_identical": not resume_diff,
+        "note": "resume_s: Checkpointer(remote=...).resume() on an empty directory, its "
+        "checkpointing process's start included",
     }
 
 

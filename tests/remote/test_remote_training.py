@@ -235,8 +235,10 @@ def test_kill_between_upload_and_commit_publishes_nothing(
 @pytest.mark.timeout(120)
 def test_server_killed_mid_upload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The S3 server is killed while a full checkpoint's upload is open (its first chunk
-    sent, the object not complete): nothing of it is published, training and the local
-    tier go on, and flush(remote=True) and close() say the remote is unreachable."""
+    written to the remote file, the object not complete): nothing of it is published,
+    training and the local tier go on, and flush(remote=True) and close() say the remote
+    is unreachable. (A bandwidth cap, set far above what is used, streams every file
+    through an open remote file, the path large checkpoints take.)"""
     why = _s3_missing()
     if why:
         pytest.skip(why)
@@ -249,7 +251,7 @@ def test_server_killed_mid_upload(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("LOWDIFF_FAULT_MARK", str(mark))
         backend = Backend("s3", f"s3://{new_bucket(server)}/run", server.options())
         m, o, s, c = _build(0)
-        ck = _ck(m, o, s, c, tmp_path / "local", backend, remote_timeout=3)
+        ck = _ck(m, o, s, c, tmp_path / "local", backend, remote_timeout=3, remote_bandwidth=1e12)
         ck.resume()
         _train(ck, m, c, 0, 5)
         deadline = time.monotonic() + 30

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import lowdiff.errors as lowdiff_errors
 from lowdiff.errors import CorruptCheckpointError, NotACheckpointDirectoryError, RecoveryWarning
 from lowdiff.remote import RemoteStore, fetch, reach
 from lowdiff.remote.store import COMMIT_SUFFIX, DATA_DIR
@@ -92,6 +93,31 @@ def test_clean_aborts_multipart_uploads_under_its_prefix_only(moto_server: MotoS
     assert removed == ["multipart:run/data/full/x.1"]
     left = {u["UploadId"] for u in store.fs.list_multipart_uploads(bucket)}
     assert other["UploadId"] in left and mine["UploadId"] not in left
+
+
+def test_bandwidth_cap_paces_the_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a cap the file is streamed in chunks, and the uploader sleeps so that the
+    bytes sent never run ahead of the cap (the sleeps asked for are recorded here)."""
+    import lowdiff.remote.store as store_mod
+
+    monkeypatch.setattr(store_mod, "CHUNK_BYTES", 1000)
+    slept: list[float] = []
+    monkeypatch.setattr(store_mod.time, "sleep", slept.append)
+    store = RemoteStore(f"file://{tmp_path}/remote", bandwidth=1000.0)
+    chunks: list[str] = []
+    c = store.put(_file(tmp_path, "a.bin", b"z" * 5000), "records/a.bin", hook=chunks.append)
+    assert chunks == ["chunk"] * 5 + ["commit"] and c.size == 5000
+    assert len(slept) == 5 and sum(slept) > 4.0  # about 5 s of pacing for 5000 B at 1000 B/s
+
+
+def test_a_short_object_is_not_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remote reports fewer bytes than were sent (a partial object): no commit."""
+    store = RemoteStore(f"file://{tmp_path}/remote")
+    real_info = store.fs.info
+    monkeypatch.setattr(store.fs, "info", lambda p: {**real_info(p), "size": 10})
+    with pytest.raises(lowdiff_errors.RemoteStorageError, match="not committed"):
+        store.put(_file(tmp_path, "a.bin", b"q" * 100), "records/a.bin")
+    assert store.commits("records")[0] == {}
 
 
 def test_reach_needs_a_full_checkpoint_and_no_gap() -> None:

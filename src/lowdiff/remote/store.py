@@ -40,6 +40,9 @@ TMP_MARK = ".tmp-"
 COMMIT_FORMAT_VERSION = 1
 CHUNK_BYTES = 8 << 20
 """Bytes per write to the remote file (the unit of the bandwidth cap and of progress)."""
+SINGLE_PUT_BYTES = 64 << 20
+"""Files up to this size go up in one PUT when no bandwidth cap is set; larger ones (and
+every file under a cap) are streamed in chunks, so memory stays bounded."""
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -220,24 +223,16 @@ class RemoteStore:
         the data object is complete and the remote reports its full size, then the data
         object of the commit it replaces (if any) is deleted. A failure at any point
         leaves the previous commit of ``name`` as it was. ``hook`` (tests) is called with
-        ``"chunk"`` after each chunk and ``"commit"`` just before the commit is written.
+        ``"chunk"`` after each chunk written to the open remote file (for a file sent in
+        one PUT: once, before it) and ``"commit"`` just before the commit is written.
         """
         token = uuid.uuid4().hex[:16]
         obj = f"{DATA_DIR}/{name}.{token}"
-        h = xxhash.xxh3_64()
-        size = 0
         self._makedirs(obj)
-        t0 = time.monotonic()
-        with open(local, "rb") as src, self.fs.open(self.key(obj), "wb") as dst:
-            while chunk := src.read(CHUNK_BYTES):
-                dst.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
-                if self.progress is not None:
-                    self.progress(len(chunk))
-                if hook is not None:
-                    hook("chunk")
-                self._throttle(size, t0)
+        if self.bandwidth is None and local.stat().st_size <= SINGLE_PUT_BYTES:
+            size, digest = self._put_whole(local, obj, hook)
+        else:
+            size, digest = self._put_chunks(local, obj, hook)
         remote_size = int(self._info(obj)["size"])
         if remote_size != size:
             raise RemoteStorageError(
@@ -249,12 +244,46 @@ class RemoteStore:
         old = None
         with contextlib.suppress(Exception):
             old = self.read_commit(name)
-        commit = Commit(name, obj, size, h.hexdigest())
+        commit = Commit(name, obj, size, digest)
         self._publish_small(name + COMMIT_SUFFIX, commit.encode())
         if old is not None and old.object != obj:
             with contextlib.suppress(Exception):
                 self.fs.rm_file(self.key(old.object))
         return commit
+
+    def _put_whole(
+        self, local: Path, obj: str, hook: Callable[[str], None] | None
+    ) -> tuple[int, str]:
+        """One PUT of the whole file (read once, hashed from memory): what a plain
+        ``put_file`` of a file this size does, so an upload costs no more than one."""
+        data = local.read_bytes()
+        digest = xxhash.xxh3_64_hexdigest(data)
+        if hook is not None:
+            hook("chunk")
+        self.fs.pipe_file(self.key(obj), data)
+        if self.progress is not None:
+            self.progress(len(data))
+        return len(data), digest
+
+    def _put_chunks(
+        self, local: Path, obj: str, hook: Callable[[str], None] | None
+    ) -> tuple[int, str]:
+        """Stream the file in chunks (a multipart upload on S3 past its block size),
+        keeping to the bandwidth cap."""
+        h = xxhash.xxh3_64()
+        size = 0
+        t0 = time.monotonic()
+        with open(local, "rb") as src, self.fs.open(self.key(obj), "wb") as dst:
+            while chunk := src.read(CHUNK_BYTES):
+                dst.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+                if self.progress is not None:
+                    self.progress(len(chunk))
+                if hook is not None:
+                    hook("chunk")
+                self._throttle(size, t0)
+        return size, h.hexdigest()
 
     def _info(self, rel: str) -> dict[str, Any]:
         with contextlib.suppress(Exception):
