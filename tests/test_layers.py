@@ -17,7 +17,7 @@ import lowdiff
 SRC = Path(lowdiff.__file__).resolve().parent
 
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("errors", "format", "compressors", "machine")),
+    (0, ("errors", "format", "compressors", "machine", "remote")),
     (1, ("state",)),
     (2, ("strategy", "proc")),
     (3, ("ddp",)),

@@ -21,6 +21,7 @@ from lowdiff.errors import (
     NotACheckpointDirectoryError,
     RecoveryError,
     RecoveryWarning,
+    RemoteStorageError,
     UnsupportedSetupError,
 )
 from lowdiff.exporting import export
@@ -48,6 +49,7 @@ __all__ = [
     "RecoveryError",
     "RecoveryStats",
     "RecoveryWarning",
+    "RemoteStorageError",
     "TopK",
     "UnsupportedSetupError",
     "attach",

@@ -109,6 +109,20 @@ class Checkpointer:
             ``lowdiff.restore(..., extra_state=...)``. Saved as JSON with tensors inline,
             never pickled; a state that cannot be saved so is a ``TypeError`` at the first
             step naming the object and the value.
+        remote: strategies ``"lowdiff"`` and ``"lowdiff+"``, single process (refused under
+            DDP): a second, remote tier as any fsspec URL (``"s3://bucket/run"``,
+            ``"gcs://..."``, ``"file:///mnt/shared/run"``). The checkpointing process
+            uploads every record file and full checkpoint it writes (LowDiff+: every
+            full checkpoint it persists) in a thread of its own, publishing each through
+            a commit object (see ``docs/format.md``); :attr:`remote_durable_step` says
+            how far it reaches, and ``resume()`` with an empty local directory recovers
+            from it.
+        remote_options: keyword arguments for the fsspec file system (credentials,
+            ``endpoint_url``, ``client_kwargs``, ...), passed through unchanged.
+        remote_bandwidth: upload cap in bytes per second; None (default): no cap.
+        remote_timeout: seconds ``flush(remote=True)`` and ``close()`` wait for uploads
+            that make no progress (an unreachable endpoint) before they raise
+            :class:`lowdiff.RemoteStorageError`; default 60.
 
     Every other keyword goes to the strategy (a baseline's own options, such as
     ``persist_every`` of ``"gemini"``); an option a strategy does not take is a
@@ -184,12 +198,20 @@ class Checkpointer:
         """
         self._impl.step(metric)
 
-    def flush(self) -> int:
+    def flush(self, remote: bool = False) -> int:
         """Make everything taken so far durable and wait for it; the newest durable step.
 
         Under DDP this is a collective call (every rank calls it at the same point): it
         returns the newest step that every shard has made durable.
+
+        Args:
+            remote: also wait until the remote tier (``remote=``) can recover that step,
+                and return the remote durable step. Raises
+                :class:`lowdiff.RemoteStorageError` when uploads make no progress for
+                ``remote_timeout`` seconds (the local tier is not affected).
         """
+        if remote:
+            return self._impl.flush_remote()
         return self._impl.flush()
 
     def close(self) -> None:
@@ -212,6 +234,14 @@ class Checkpointer:
         return self._impl.durable_step
 
     @property
+    def remote_durable_step(self) -> int:
+        """Newest step recoverable from the remote tier (``remote=``): a committed full
+        checkpoint and committed record files reaching it. -1 before the first such
+        chain, and always without ``remote=``. It trails :attr:`durable_step` by the
+        uploads in flight (``flush(remote=True)`` waits for them)."""
+        return self._impl.remote_durable_step
+
+    @property
     def stats(self) -> dict[str, float]:
         """Counters and timings of this session; times in seconds, summed over the session.
 
@@ -223,7 +253,9 @@ class Checkpointer:
         replica ``max_lag`` steps behind). From the checkpointing process:
         ``records_written``, ``record_files_written``, ``record_bytes``,
         ``record_write_s``, ``fulls_written``, ``full_bytes``, ``full_write_s``;
-        LowDiff+: ``replica_merges``, ``replica_merge_s``. And ``durable_step``,
+        LowDiff+: ``replica_merges``, ``replica_merge_s``. With ``remote=``:
+        ``remote_durable_step``, ``remote_files``, ``remote_bytes``, ``remote_upload_s``,
+        ``remote_errors`` (failed upload attempts, each retried). And ``durable_step``,
         ``record_row_bytes``, ``full_every``, ``batch_size``. The baselines report
         ``steps``, ``checkpoints``, ``stall_s`` (time ``step()`` was blocked),
         ``bytes_written``, ``write_s`` and their own counters.

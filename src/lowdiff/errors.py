@@ -7,6 +7,7 @@ instead, naming the argument and the value.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -20,7 +21,8 @@ class CorruptCheckpointError(LowDiffError):
     def __init__(self, path: str | Path, reason: str) -> None:
         self.path = Path(path)
         self.reason = reason
-        super().__init__(f"{self.path}: {reason}")
+        # as given: a remote object's URL keeps its "//" (a Path would fold it)
+        super().__init__(f"{os.fspath(path)}: {reason}")
 
 
 class CheckpointMismatchError(LowDiffError):
@@ -60,6 +62,11 @@ class CheckpointWorkerError(LowDiffError):
             else f"{message}\n\n--- checkpointing process traceback ---\n{remote_traceback}"
         )
         super().__init__(text)
+
+
+class RemoteStorageError(LowDiffError):
+    """The remote tier (``remote=``) cannot be reached or refused an upload, or an object
+    on it is torn, truncated or foreign. The local tier is not affected."""
 
 
 class RecoveryWarning(UserWarning):

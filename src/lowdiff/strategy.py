@@ -326,6 +326,17 @@ class Strategy(abc.ABC):
         """The (f, b) plans of ``"auto"`` (empty for strategies without one)."""
         return []
 
+    @property
+    def remote_durable_step(self) -> int:
+        """Newest step recoverable from the remote tier (-1: none, or no ``remote=``)."""
+        return -1
+
+    def flush_remote(self) -> int:
+        """Flush, then wait until the remote tier holds every durable step; that step."""
+        raise ValueError(
+            f"flush(remote=True) needs remote=..., which strategy {self.name!r} does not take"
+        )
+
     def __enter__(self) -> Strategy:
         return self
 

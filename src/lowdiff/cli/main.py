@@ -6,10 +6,13 @@ Every command is a thin layer over the Python API, callable as ``main([...])``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,52 @@ from lowdiff.errors import LowDiffError
 from lowdiff.harness import Progress, fmt_bytes
 
 
+@contextlib.contextmanager
+def _local(args: argparse.Namespace, *, everything: bool) -> Iterator[list[str]]:
+    """``args.directory`` as a local directory: a URL of a remote tier (``remote=``) is
+    downloaded into a temporary one first (every committed object with ``everything``,
+    else the newest chain), removed afterwards. Yields what the download left out as
+    damaged (each named)."""
+    from lowdiff.remote import fetch, is_url
+
+    where = str(args.directory)
+    if not is_url(where):
+        args.directory = Path(where)
+        yield []
+        return
+    with tempfile.TemporaryDirectory(prefix="lowdiff-remote-") as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the damaged objects are reported by the caller
+            got = fetch(where, tmp, _remote_options(args.remote_option), everything=everything)
+        args.directory = Path(tmp)
+        print(
+            f"remote tier {where}: {len(got.files)} committed object(s) downloaded", file=sys.stderr
+        )
+        for why in got.damaged:
+            print(f"warning: remote tier: left out {why}", file=sys.stderr)
+        yield got.damaged
+
+
+def _remote_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items as fsspec options (a VALUE that parses as JSON is taken so)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--remote-option must be KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    with _local(args, everything=True):
+        return _cmd_inspect(args)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
     from lowdiff.inspect import inspect_dir, is_job
     from lowdiff.recovery.scan import FileInfo
 
@@ -189,14 +237,24 @@ def _inspect_job(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from lowdiff.inspect import verify_dir
 
-    checked, bad = verify_dir(args.directory)
+    with _local(args, everything=True) as damaged:
+        checked, bad = verify_dir(args.directory)
     for p, reason in bad:
         print(f"BAD  {p}: {reason}")
-    print(f"{checked} file(s) checked, {len(bad)} bad")
-    return 1 if bad else 0
+    for why in damaged:  # remote objects that failed their commit's size or checksum
+        print(f"BAD  {why}")
+    n_bad = len(bad) + len(damaged)
+    print(f"{checked + len(damaged)} file(s) checked, {n_bad} bad")
+    return 1 if n_bad else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # a step other than the newest may need an older full checkpoint: fetch them all
+    with _local(args, everything=args.step is not None):
+        return _cmd_export(args)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
     from lowdiff.exporting import export
 
     step = export(args.directory, args.step, args.out, format=args.format)
@@ -256,6 +314,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+_DIR_HELP = "a checkpoint directory, or the URL of a remote tier (remote=, e.g. s3://bucket/run)"
+
+
+def _remote_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--remote-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec option for a URL (repeatable; VALUE as JSON when it parses), "
+        "e.g. endpoint_url=http://127.0.0.1:9000",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from lowdiff import __version__
     from lowdiff.cli import bench, chaos, demo, plan
@@ -273,20 +345,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "inspect", help="list full checkpoints, record files and the recoverable range"
     )
-    p.add_argument("directory", type=Path)
+    p.add_argument("directory", help=_DIR_HELP)
+    _remote_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--all", action="store_true", help="list every record file")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad file")
-    p.add_argument("directory", type=Path)
+    p.add_argument("directory", help=_DIR_HELP)
+    _remote_option(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser(
         "export",
         help="write the state at a recoverable step (safetensors, torch.save, DCP, Hugging Face)",
     )
-    p.add_argument("directory", type=Path, help="a checkpoint directory or a distributed job's")
+    p.add_argument(
+        "directory", help="a checkpoint directory or a distributed job's, or a remote tier's URL"
+    )
+    _remote_option(p)
     p.add_argument(
         "--step", type=_non_negative_int, default=None, help="recoverable step (default: newest)"
     )

@@ -35,9 +35,11 @@ from lowdiff.engine.core import EngineCore
 from lowdiff.engine.gradients import CompressedGradients
 from lowdiff.engine.handover import Handover, OptimizerHooks
 from lowdiff.engine.options import EngineOptions
-from lowdiff.engine.session import ProcessSession
+from lowdiff.engine.session import ProcessSession, remote_stalled
 from lowdiff.engine.storage_policy import CheckpointingSuspended, StoragePolicy
+from lowdiff.errors import RemoteStorageError
 from lowdiff.plan import START_B, START_F
+from lowdiff.proc import channel
 from lowdiff.proc.protocol import Close, Flush, Kind
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.state import capture as st
@@ -199,6 +201,14 @@ class EngineStrategy(Strategy):
         return self.core.durable_step()
 
     @property
+    def remote_durable_step(self) -> int:
+        """Newest step the remote tier (``remote=``) can recover: a committed full
+        checkpoint and committed record files reaching it; -1 before the first such
+        chain, and always without ``remote=``."""
+        self._poll()
+        return self.core.remote_durable
+
+    @property
     def stats(self) -> dict[str, float]:
         """Counters and timings of this session (see :attr:`lowdiff.Checkpointer.stats`)."""
         self._poll()
@@ -210,6 +220,19 @@ class EngineStrategy(Strategy):
             full_every=core.full_every,
             batch_size=core.batch_size,
         )
+        if (
+            self.options.remote is not None
+            and self.session is not None
+            and self.session.counters is not None
+        ):
+            c = self.session.counter
+            out.update(
+                remote_durable_step=core.remote_durable,
+                remote_files=c(channel.REMOTE_FILES),
+                remote_bytes=c(channel.REMOTE_BYTES),
+                remote_upload_s=c(channel.REMOTE_NS) / 1e9,
+                remote_errors=c(channel.REMOTE_ERRORS),
+            )
         hook = self.ddp_hook_state
         if hook is not None:  # DDP: bytes of lowdiff's gradient exchange
             out.update(hook.wire.as_dict())
@@ -291,8 +314,33 @@ class EngineStrategy(Strategy):
             return core.job.now(core.durable)
         return core.durable
 
+    def flush_remote(self) -> int:
+        """:meth:`flush`, then wait until the remote tier can recover the durable step.
+
+        Waits as long as uploads make progress within ``remote_timeout`` seconds; then
+        raises :class:`lowdiff.RemoteStorageError` (the local tier is not affected).
+
+        Returns:
+            The newest step the remote tier can recover.
+        """
+        url = self.options.remote
+        if url is None:
+            raise ValueError("flush(remote=True) needs remote=... (no remote tier is configured)")
+        self.flush()
+        core, session = self.core, self.session
+        if session is None or not core.started or core.closed or self.policy.suspended:
+            return core.remote_durable
+        session.wait_remote(core.durable, self.options.remote_timeout, url)
+        return core.remote_durable
+
     def close(self) -> None:
-        """Flush everything, wait until it is durable and stop the checkpointing process."""
+        """Flush everything, wait until it is durable and stop the checkpointing process.
+
+        With ``remote=``: the checkpointing process also waits for its uploads (as long
+        as they make progress within ``remote_timeout``); when the remote tier is then
+        behind the local one, :class:`lowdiff.RemoteStorageError` is raised after
+        everything is released (the local tier holds every step either way).
+        """
         core = self.core
         if core.closed:
             return
@@ -306,6 +354,8 @@ class EngineStrategy(Strategy):
                 self.handover.finish()  # steps driven by the optimizer's hooks
             self._close_session()
             closed = self.policy.suspended is None
+            if self.options.remote is not None and self.session is not None and closed:
+                self._poll()  # the remote durable step the process reached before it closed
         except CheckpointingSuspended:
             pass
         finally:
@@ -321,6 +371,10 @@ class EngineStrategy(Strategy):
             self._release()
         if self.policy.suspended is not None:
             self.policy.warn_not_durable("close()")
+        elif closed and self.options.remote is not None and core.remote_durable < core.durable:
+            raise RemoteStorageError(
+                remote_stalled(self.options.remote, self.options.remote_timeout, core)
+            )
 
     def _request_close(self) -> None:
         """Tell the checkpointing process to close, and wait for its answer."""

@@ -116,6 +116,10 @@ class EngineCore:
         self.closed = False
         self.durable = -1
         """Newest step this rank's checkpointing process made durable (-1: none)."""
+        self.remote_durable = -1
+        """Newest step the remote tier can recover (-1: none, or no remote tier)."""
+        self.remote_error: str | None = None
+        """The last failed upload attempt the checkpointing process reported."""
         self.last_full = 0
         """Step of the newest full checkpoint (``"auto"`` schedules the next one from it)."""
         self.run_id = uuid.uuid4().hex

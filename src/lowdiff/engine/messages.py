@@ -96,6 +96,15 @@ class FullDone(Message):
 
 
 @dataclass(frozen=True)
+class RemoteError(Message):
+    """LowDiff with ``remote=``: an attempt to upload to the remote tier failed (it is
+    retried; the local tier goes on). ``text`` names the object and the error."""
+
+    kind: ClassVar[Kind] = Kind.REMOTE_ERROR
+    text: str
+
+
+@dataclass(frozen=True)
 class Merged(Message):
     """LowDiff+: the replica is at ``step``; ``seconds`` of CPU time the merge took
     (None for the initial state)."""

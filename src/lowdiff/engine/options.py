@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from lowdiff.compressors.base import Compressor
+from lowdiff.engine.remote_tier import RemoteSettings
 from lowdiff.strategy import AUTO, check_int, check_int_or_auto, check_seconds
 
 STORAGE_ERROR_POLICIES = ("raise", "warn")
@@ -36,8 +37,13 @@ class EngineOptions:
     on_storage_error: str = "raise"
     mtbf: float | None = None
     sigterm_timeout: float | None = 30.0
+    remote: str | None = None
+    remote_options: dict[str, Any] | None = None
+    remote_bandwidth: float | None = None
+    remote_timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        self._check_remote()
         if self.on_storage_error not in STORAGE_ERROR_POLICIES:
             raise ValueError(
                 f"on_storage_error must be one of {', '.join(map(repr, STORAGE_ERROR_POLICIES))}, "
@@ -57,6 +63,41 @@ class EngineOptions:
         self._set("stall_timeout", check_seconds("stall_timeout", self.stall_timeout))
         if self.sigterm_timeout is not None:
             self._set("sigterm_timeout", check_seconds("sigterm_timeout", self.sigterm_timeout))
+
+    def remote_settings(self) -> RemoteSettings | None:
+        """The remote tier as a checkpointing process takes it, or None."""
+        if self.remote is None:
+            return None
+        return RemoteSettings(
+            self.remote, self.remote_options, self.remote_bandwidth, self.remote_timeout
+        )
+
+    def _check_remote(self) -> None:
+        if self.remote is not None:
+            if not isinstance(self.remote, str):
+                raise TypeError(
+                    f"remote must be an fsspec URL (str), got {type(self.remote).__name__}"
+                )
+            if "://" not in self.remote or self.remote.endswith("://"):
+                raise ValueError(
+                    f"remote must be an fsspec URL such as 's3://bucket/prefix' or "
+                    f"'file:///mnt/shared/run', got {self.remote!r}"
+                )
+        if self.remote_options is not None:
+            if not isinstance(self.remote_options, dict):
+                raise TypeError(
+                    f"remote_options must be a dict of fsspec options, got {type(self.remote_options).__name__}"
+                )
+            if self.remote is None:
+                raise ValueError("remote_options is given without remote=")
+        bw = self.remote_bandwidth
+        if bw is not None:
+            if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
+                raise ValueError(
+                    f"remote_bandwidth must be bytes per second > 0 or None, got {bw!r}"
+                )
+            self._set("remote_bandwidth", float(bw))
+        self._set("remote_timeout", check_seconds("remote_timeout", self.remote_timeout))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -85,6 +126,14 @@ class EngineOptions:
             )
         if replica:
             self._check_replica()
+        if self.remote is not None and (strategy not in ("lowdiff", "lowdiff+") or ddp):
+            # a DDP job's shards do not upload yet: refused rather than running without
+            # the remote tier the caller asked for
+            raise ValueError(
+                "remote= is supported by strategies 'lowdiff' and 'lowdiff+' in a single "
+                f"process only, got strategy {strategy!r}"
+                f"{' under DistributedDataParallel' if ddp else ''}"
+            )
         if ddp and self.on_storage_error == "warn":
             raise ValueError(
                 "on_storage_error='warn' is not supported under DistributedDataParallel: every "

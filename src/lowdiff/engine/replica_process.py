@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from lowdiff.engine.messages import Adopt, Durable, Init, Merged, Stage, Step
+from lowdiff.engine.remote_tier import announce, drain, start_uploader
 from lowdiff.engine.replica_optim import optimizer_class
 from lowdiff.engine.replica_worker import Persister, Replica, ReplicaConfig
 from lowdiff.format import codec, layout
@@ -71,6 +72,7 @@ from lowdiff.proc.spawn import (
     release_trainer_stdio,
     use_env,
 )
+from lowdiff.remote.uploader import Uploader
 from lowdiff.state.record import RecordLayout
 
 _POLL_S = 0.05
@@ -97,6 +99,7 @@ class ReplicaProcess:
         """Set by SIGTERM: persist what is held and exit (a flag, set from a handler)."""
         self.rep: Replica | None = None
         self.persister: Persister | None = None
+        self.uploader: Uploader | None = None
         self.staging: torch.Tensor | None = None
         self.ctl_shm: Any = None
         self.listener: AdoptionListener | None = None
@@ -121,12 +124,32 @@ class ReplicaProcess:
         )
         _warm_up(cfg.optimizer)
         self.rep = Replica(cfg, ctl)
+        remote = cfg.remote is not None
         self.persister = Persister(
             self.root,
             cfg.keep_full,
             lambda msg: self.end.send(msg),  # to whichever trainer is served now
             progress=lambda _n: self.ctr.add(BEAT),
+            on_written=self.upload if remote else None,
+            protect=self.not_uploaded if remote else None,
         )
+        if cfg.remote is not None:
+            self.uploader = start_uploader(
+                self.root, cfg.remote, cfg.keep_full, lambda: self.ctr, lambda m: self.end.send(m)
+            )
+
+    def upload(self, path: Path) -> None:
+        if self.uploader is not None:
+            self.uploader.submit(path)
+
+    def not_uploaded(self) -> set[Path]:
+        """Files local retention must keep (every file until the upload thread runs)."""
+        if self.uploader is None:
+            return set((self.root / layout.FULL_DIR).glob("*"))
+        return self.uploader.protected()
+
+    def drain_remote(self) -> None:
+        drain(self.uploader, self.cfg.remote, lambda: self.ctr)
 
     def maybe_persist(self) -> None:
         rep, persister = self.rep, self.persister
@@ -169,6 +192,7 @@ class ReplicaProcess:
                     persister.snapshot(rep)
                     persister.wait()
                 if isinstance(msg, Close):
+                    self.drain_remote()
                     self.end.send(Closed(persister.persisted))
                     return False
                 self.end.send(Flushed(persister.persisted))
@@ -206,6 +230,7 @@ class ReplicaProcess:
             if conn is not None and self.adopt(conn):
                 return True
         persister.wait()
+        self.drain_remote()
         return False
 
     def adopt(self, conn: Connection) -> bool:
@@ -250,7 +275,7 @@ class ReplicaProcess:
         if not isinstance(msg, Adopt) or not isinstance(msg.cfg, ReplicaConfig):
             return "not a request to take over a LowDiff+ replica"
         mine, theirs = self.cfg, msg.cfg
-        for field in ("run_id", "layout", "optimizer", "shard", "keep_full", "threads"):
+        for field in ("run_id", "layout", "optimizer", "shard", "keep_full", "threads", "remote"):
             if getattr(mine, field) != getattr(theirs, field):
                 return f"the new trainer's {field} differs from the replica's"
         if Path(theirs.root).resolve() != self.root.resolve():
@@ -279,6 +304,7 @@ class ReplicaProcess:
         counters = torch.frombuffer(ctr.buf, dtype=torch.int64, count=channel.N_COUNTERS)
         counters.zero_()
         self.ctr = Counters(counters)
+        announce(self.uploader, self.ctr)
         for shm in old:
             rp.unlink_and_close(shm)
         return {"slots": slots.name, "counters": ctr.name, "n_slots": n, "row_bytes": row}

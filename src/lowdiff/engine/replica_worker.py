@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lowdiff.engine.remote_tier import RemoteSettings
 from lowdiff.engine.replica_optim import ShardedOptimizer, optimizer_class
 from lowdiff.engine.worker import FullWriter
 from lowdiff.format import codec, sfile
@@ -37,6 +38,8 @@ class ReplicaConfig:
     threads: int
     shard: list[int] | None = None
     """Under DDP: the optimizer indices this replica holds (its optimizer numbers them 0..n-1)."""
+    remote: RemoteSettings | None = None
+    """The remote tier its persisted full checkpoints are uploaded to (``remote=``)."""
 
 
 class Replica:
@@ -344,8 +347,10 @@ class Replica:
 class Persister(FullWriter):
     """Writes exact snapshots of the replica in a background thread, one at a time."""
 
-    def __init__(self, root: Path, keep_full: int | None, send: Any, progress: Any = None) -> None:
-        super().__init__(root, keep_full, send, announce_durable=True, progress=progress)
+    def __init__(
+        self, root: Path, keep_full: int | None, send: Any, progress: Any = None, **kw: Any
+    ) -> None:
+        super().__init__(root, keep_full, send, announce_durable=True, progress=progress, **kw)
         self.buf: torch.Tensor | None = None
 
     def snapshot(self, rep: Replica) -> None:

@@ -30,6 +30,8 @@ from lowdiff.proc.spawn import warm_up
 from lowdiff.recovery.job import generations
 from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import is_empty_dir
+from lowdiff.remote.fetch import fetch, has_commits
+from lowdiff.remote.store import preload
 
 
 class CheckpointingStrategy(EngineStrategy):
@@ -47,6 +49,8 @@ class CheckpointingStrategy(EngineStrategy):
             raise ValueError(f"strategy {self.name!r} needs a checkpoint directory, got None")
         self._install_ddp_hook()
         self.core.open_directory(directory)
+        if self.options.remote is not None:
+            preload(self.options.remote)  # before the process server is forked from here
         warm_up()  # the process server starts while the trainer resumes
         opts = self.options
         self.session = ProcessSession(
@@ -131,13 +135,25 @@ class CheckpointingStrategy(EngineStrategy):
             return core.step
         self.wait_for_previous_writer()
         core.remove_stale_temps()
-        if is_empty_dir(core.root):
+        if is_empty_dir(core.root) and not self._fetch_remote():
             self.start_fresh()
             return 0
         core.check_manifest(layout.read_manifest(core.root))
         stats = recover(core.root, core.model, core.optimizer, core.scheduler)
         core.adopt_recovered(stats, core.root)
         return self.continue_recovered()
+
+    def _fetch_remote(self) -> bool:
+        """A new node (the local directory empty or lost): download the remote tier's
+        newest committed full checkpoint and the records after it into the directory.
+        Returns whether there was anything to download."""
+        url = self.options.remote
+        if url is None or not has_commits(url, self.options.remote_options):
+            return False
+        assert self.core.root is not None
+        self.core.make_dirs()
+        fetch(url, self.core.root, self.options.remote_options)
+        return True
 
     def _resume_from_memory(self) -> bool:
         """Restore from a replica left in memory by a crashed trainer (LowDiff+)."""
@@ -169,6 +185,16 @@ class CheckpointingStrategy(EngineStrategy):
             resume_ddp(self)
             return
         self.wait_for_previous_writer()
+        url = self.options.remote
+        if (
+            is_empty_dir(core.root)
+            and url is not None
+            and has_commits(url, self.options.remote_options)
+        ):
+            raise LowDiffError(
+                f"the remote tier {url} already holds checkpoints; call ck.resume() before the "
+                "first step() to continue from them, or use a new remote prefix"
+            )
         if not is_empty_dir(core.root):
             raise LowDiffError(
                 f"{core.root} already holds checkpoints; call ck.resume() before the first step() to continue "

@@ -10,20 +10,32 @@ which raises what the process reported, or that it is gone, or that it stalled.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lowdiff.engine.core import EngineCore
-from lowdiff.engine.messages import Durable, FullDone, Merged
+from lowdiff.engine.messages import Durable, FullDone, Merged, RemoteError
 from lowdiff.engine.slots import RecordSlots
+from lowdiff.errors import RemoteStorageError
 from lowdiff.proc import adopt, channel
 from lowdiff.proc import holder as rp
 from lowdiff.proc.link import ProcessLink
 from lowdiff.proc.protocol import Closed, Flushed, Kind, Message, Ready, Refused
 
 WHAT = "the checkpointing process"
+
+
+def remote_stalled(url: str, timeout: float, core: EngineCore) -> str:
+    """Why the remote tier is behind, for :class:`lowdiff.RemoteStorageError`."""
+    why = core.remote_error or "no error reported (uploads too slow?)"
+    return (
+        f"the remote tier {url} made no progress for {timeout:g} s: it can recover step "
+        f"{core.remote_durable}, the local tier step {core.durable}. Last failure: {why}. "
+        "The local tier is not affected."
+    )
 
 
 class ProcessSession:
@@ -144,6 +156,8 @@ class ProcessSession:
         match msg:
             case Durable(step=step) | Flushed(durable=step) | Closed(durable=step):
                 core.durable = max(core.durable, int(step))
+            case RemoteError(text=text):
+                core.remote_error = text
             case Merged(seconds=seconds):
                 if seconds is not None:  # a step merged into the replica, and its CPU time
                     stats["replica_merges"] += 1
@@ -162,6 +176,9 @@ class ProcessSession:
         durable = int(c[channel.DURABLE]) - 1
         if durable > core.durable:
             core.durable = durable
+        remote = int(c[channel.REMOTE_DURABLE]) - 1
+        if remote > core.remote_durable:
+            core.remote_durable = remote
         files = int(c[channel.RECORD_FILES])
         seen = self._records_seen
         if files == seen[0]:
@@ -199,6 +216,25 @@ class ProcessSession:
         """A free record slot (waiting while the process holds them all)."""
         assert self.slots is not None
         return self.slots.take(self.wait, self.counters, what)
+
+    def wait_remote(self, step: int, timeout: float, url: str) -> None:
+        """Wait until the remote tier can recover ``step``, while the process lives and
+        its uploads make progress (``REMOTE_BEAT``) within ``timeout`` seconds; raises
+        :class:`lowdiff.RemoteStorageError` naming the last failure otherwise."""
+        core = self.core
+        beat, since, pause = -1, time.monotonic(), 0.001
+        while True:
+            self.check()
+            if core.remote_durable >= step:
+                return
+            b = self.counter(channel.REMOTE_BEAT)
+            now = time.monotonic()
+            if b != beat:
+                beat, since = b, now
+            elif now - since > timeout:
+                raise RemoteStorageError(remote_stalled(url, timeout, core))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def counter(self, index: int) -> int:
         return int(self.counters[index])

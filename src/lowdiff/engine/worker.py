@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, Stage
+from lowdiff.engine.remote_tier import RemoteSettings, drain, start_uploader
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
@@ -68,6 +69,7 @@ from lowdiff.proc.protocol import (
     Message,
     unexpected,
 )
+from lowdiff.remote.uploader import Uploader
 
 
 @dataclass(frozen=True)
@@ -82,9 +84,13 @@ class WorkerConfig:
     """The run that produced the state this session resumed from (``RecoveryStats.
     state_run_id``): the ``follows`` of its first record file. None for a fresh session
     (its first records follow its own step-0 full checkpoint) or an unknown run."""
+    remote: RemoteSettings | None = None
+    """The remote tier (``remote=``), or None: no upload thread."""
 
 
-def retention(root: Path, keep_full: int | None) -> list[Path]:
+def retention(
+    root: Path, keep_full: int | None, protect: Callable[[], set[Path]] | None = None
+) -> list[Path]:
     """Delete the full checkpoints and records that no recovery can need any more.
 
     Runs in the checkpointing process after each full checkpoint it publishes, on its own
@@ -100,7 +106,8 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
     writing, or killed during, its next full checkpoint) leaves a full checkpoint common
     to all shards. A single-process directory is not affected.
 
-    ``keep_full=None`` keeps everything. Returns the deleted paths.
+    ``keep_full=None`` keeps everything. ``protect()`` names files to keep whatever their
+    step (those the remote tier has not committed yet). Returns the deleted paths.
 
     Example:
         >>> retention(Path("runs/ckpt/rank-00000"), keep_full=1)  # doctest: +SKIP
@@ -120,6 +127,9 @@ def retention(root: Path, keep_full: int | None) -> list[Path]:
         r = layout.parse_records_name(p.name)
         if r is not None and r[1] < oldest_kept:
             removed.append(p)
+    if protect is not None:
+        keep = protect()
+        removed = [p for p in removed if p not in keep]
     for p in removed:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
@@ -206,10 +216,13 @@ class FullWriter:
         announce_durable: bool = False,
         on_released: Any = None,
         progress: Any = None,
+        on_written: Callable[[Path], None] | None = None,
+        protect: Callable[[], set[Path]] | None = None,
     ) -> None:
         self.root, self.keep_full, self.send = root, keep_full, send
         self.announce_durable, self.on_released = announce_durable, on_released
         self.progress = progress
+        self.on_written, self.protect = on_written, protect
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.persisted = -1
@@ -235,8 +248,9 @@ class FullWriter:
         released = False
         try:
             t0 = time.perf_counter()
+            path = layout.full_path(self.root, step)
             nbytes = sfile.write(
-                layout.full_path(self.root, step),
+                path,
                 entries,
                 blob,
                 meta,
@@ -246,7 +260,9 @@ class FullWriter:
             released = True
             if self.on_released is not None:
                 self.on_released()
-            removed = retention(self.root, self.keep_full)
+            if self.on_written is not None:
+                self.on_written(path)
+            removed = retention(self.root, self.keep_full, self.protect)
             took = time.perf_counter() - t0
             self.next_auto = time.monotonic() + took
             self.persisted = max(self.persisted, step)
@@ -287,6 +303,8 @@ class _Writer:
         self.metas: list[str] = []
         self.steps: list[int] = []
         self.staging: torch.Tensor | None = None
+        self.uploader: Uploader | None = None
+        remote = cfg.remote is not None
         self.full = FullWriter(
             self.root,
             cfg.keep_full,
@@ -294,6 +312,8 @@ class _Writer:
             announce_durable=True,
             on_released=lambda: counters.add(STAGING_DONE),
             progress=lambda _n: counters.add(BEAT),
+            on_written=self.upload if remote else None,
+            protect=self.not_uploaded if remote else None,
         )
         self.durable = -1
         self.acked = -1
@@ -303,6 +323,30 @@ class _Writer:
         self.follows: str | None = cfg.follows
         """The run whose state the next record file of a resumed session follows: the
         recovered state's run until this session has written a record file, then its own."""
+
+    def start_remote(self) -> None:
+        """Start the upload thread (once the writer lock is held: it cleans the remote)."""
+        if self.cfg.remote is not None:
+            self.uploader = start_uploader(
+                self.root, self.cfg.remote, self.cfg.keep_full, lambda: self.counters, self.send
+            )
+
+    def upload(self, path: Path) -> None:
+        if self.uploader is not None:
+            self.uploader.submit(path)
+
+    def not_uploaded(self) -> set[Path]:
+        """Files local retention must keep: every file until the upload thread runs."""
+        if self.uploader is None:
+            return {
+                p for d in (layout.FULL_DIR, layout.RECORDS_DIR) for p in (self.root / d).glob("*")
+            }
+        return self.uploader.protected()
+
+    def drain_remote(self) -> None:
+        """Wait for the uploads (``Close``), as long as they make progress within the
+        remote's timeout; the trainer sees the remote durable step either way."""
+        drain(self.uploader, self.cfg.remote, lambda: self.counters)
 
     def ack(self) -> None:
         """Announce the newest durable step, once its records chain to a full checkpoint
@@ -363,6 +407,7 @@ class _Writer:
         t0 = time.perf_counter()
         path = layout.records_path(self.root, first, last)
         size = sfile.write(path, [entry], self.batch[:n].reshape(-1), meta)
+        self.upload(path)
         self.follows = self.cfg.run_id
         took = time.perf_counter() - t0
         self.steps.clear()
@@ -429,6 +474,7 @@ class _Writer:
                 self.ack()
                 durable = max(self.acked, self.full.persisted)
                 if isinstance(msg, Close):
+                    self.drain_remote()
                     self.send(Closed(durable))
                     return False
                 self.send(Flushed(durable))
@@ -452,12 +498,14 @@ def worker_main(
     w = _Writer(cfg, slots, Counters(counters), end)
 
     def run() -> None:
+        w.start_remote()
         end.ready()
         if end.serve(w.handle):
             # The trainer died without close(): keep every record it managed to send.
             end.drain(w.handle_orphaned, (Kind.RECORD, Kind.FULL, Kind.STAGE, Kind.BATCH_SIZE))
             w.write_batch()
             w.wait_full()
+            w.drain_remote()
 
     # an error: the full checkpoint in flight completes (or removes its temp file) before
     # the trainer learns of it, so nothing of this process is still writing by then

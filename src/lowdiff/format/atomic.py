@@ -4,7 +4,9 @@ A reader never sees a partial file under its final name: until the rename, the d
 lives under a ``.tmp-`` name that recovery ignores and a new session deletes.
 
 Fault-injection hook points (``before_write``, ``before_fsync``, ``before_rename``,
-``after_rename``, and ``retention`` just after retention deletes a file) let tests stop,
+``after_rename``, ``retention`` just after retention deletes a file, and for the remote
+tier ``before_upload``, ``upload_chunk`` after each chunk sent, ``before_commit`` between
+a complete data object and its commit object) let tests stop,
 kill or fail a writer at a precise point; they cost one dict lookup when unused. A test
 installs them in its own process with :func:`set_fault_hook`, or in a checkpointing
 process it is about to start through the ``LOWDIFF_FAULTS`` environment variable (read
@@ -25,7 +27,10 @@ from typing import BinaryIO
 
 TMP_PREFIX = ".tmp-"
 
-FAULT_POINTS = ("before_write", "before_fsync", "before_rename", "after_rename", "retention")
+FAULT_POINTS = (
+    "before_write", "before_fsync", "before_rename", "after_rename", "retention",
+    "before_upload", "upload_chunk", "before_commit",
+)  # fmt: skip
 FAULT_KINDS = ("records", "full", "manifest", "any")
 FAULT_ACTIONS = ("kill-self", "kill-parent", "kill-both", "enospc", "eio", "slow")
 FAULT_ENV = "LOWDIFF_FAULTS"
@@ -33,6 +38,9 @@ PARENT_ENV = "LOWDIFF_PARENT_PID"
 """Set by the trainer for each background process it starts: its own pid."""
 SLOW_ENV = "LOWDIFF_FAULT_SLOW_S"
 """Seconds the ``slow`` action sleeps (a disk that stalls; default 2)."""
+MARK_ENV = "LOWDIFF_FAULT_MARK"
+"""A file the ``slow`` action creates before it sleeps: a test knows the process is
+inside the stalled step (and can act while it is there)."""
 
 _HOOKS: dict[str, Callable[[Path], None]] = {}
 
@@ -81,6 +89,9 @@ class _Fault:
         if self.action in ("kill-self", "kill-both"):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.action == "slow":
+            mark = os.environ.get(MARK_ENV)
+            if mark:
+                Path(mark).touch()
             time.sleep(float(os.environ.get(SLOW_ENV, "2")))
         if self.action in ("enospc", "eio"):
             code = errno.ENOSPC if self.action == "enospc" else errno.EIO
@@ -93,7 +104,8 @@ def parse_faults(spec: str) -> dict[str, Callable[[Path], None]]:
     ``point`` is one of :data:`FAULT_POINTS`, ``kind`` one of :data:`FAULT_KINDS`,
     ``nth`` counts matching events from 1, and ``action`` is one of :data:`FAULT_ACTIONS`:
     SIGKILL this process, its parent or both, fail with ``ENOSPC`` / ``EIO``, or stall
-    (``slow``: sleep ``LOWDIFF_FAULT_SLOW_S`` seconds, default 2, then go on).
+    (``slow``: create the file ``LOWDIFF_FAULT_MARK`` names, if set, sleep
+    ``LOWDIFF_FAULT_SLOW_S`` seconds, default 2, then go on).
 
     Example:
         >>> sorted(parse_faults("before_rename:records:2:kill-self"))

@@ -22,6 +22,12 @@ Counters (indices into the shared tensor):
 - :data:`RECORD_FILES`, :data:`RECORDS`, :data:`RECORD_BYTES`, :data:`RECORD_WRITE_NS`:
   record files written, the records in them, their bytes, and the nanoseconds spent
   writing them (``ck.stats`` and the ``"auto"`` planner read them).
+- With a remote tier (``remote=``): :data:`REMOTE_DURABLE` (one more than the newest
+  step the remote tier can recover), :data:`REMOTE_BEAT` (bumped on every chunk sent and
+  every commit: a wait on the remote tells a slow upload from a stuck one by it),
+  :data:`REMOTE_FILES`, :data:`REMOTE_BYTES`, :data:`REMOTE_NS` (files committed, their
+  bytes, nanoseconds spent uploading) and :data:`REMOTE_ERRORS` (failed attempts). Only
+  the process's upload thread writes them.
 
 Every wait of the trainer (:func:`wait_until`) also watches the process's liveness through
 its sentinel and the results pipe: a dead process is an error at once, a live one is
@@ -41,7 +47,15 @@ import torch
 
 SLOTS_DONE, STAGING_DONE, BEAT, DURABLE = 0, 1, 2, 3
 RECORD_FILES, RECORDS, RECORD_BYTES, RECORD_WRITE_NS = 4, 5, 6, 7
-N_COUNTERS = 8
+REMOTE_DURABLE, REMOTE_BEAT, REMOTE_FILES, REMOTE_BYTES, REMOTE_NS, REMOTE_ERRORS = (
+    8,
+    9,
+    10,
+    11,
+    12,
+    13,
+)
+N_COUNTERS = 14
 
 
 def new_counters() -> torch.Tensor:

@@ -55,6 +55,7 @@ class Kind(enum.Enum):
     BATCH_SIZE = "batch_size"
     DURABLE = "durable"
     FULL_DONE = "full_done"
+    REMOTE_ERROR = "remote_error"
     # LowDiff+'s replica (lowdiff.engine.replica_worker)
     STEP = "step"
     INIT = "init"

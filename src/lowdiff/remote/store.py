@@ -1,0 +1,403 @@
+"""A checkpoint directory's remote tier on any fsspec file system, with a commit protocol.
+
+Layout under the remote URL ``REMOTE`` (see ``docs/format.md``, "Remote tier"):
+
+- ``REMOTE/data/<name>.<token>``: the bytes of the local file ``<name>``
+  (``lowdiff.json``, ``full/full-<step>.safetensors``, ``records/rec-<a>-<b>.safetensors``),
+  uploaded under a key no other upload uses (``token``: 16 random hex digits).
+- ``REMOTE/<name>.commit``: the commit object that publishes it: canonical JSON
+  ``{"checksum": "xxh3:<hex>", "lowdiff_commit": {"format": "lowdiff", "format_version": 1,
+  "name", "object", "size", "xxh3"}}``; ``object`` is the data key, ``size`` its length in
+  bytes, ``xxh3`` the xxh3-64 of its bytes, ``checksum`` the xxh3-64 of the compact JSON of
+  the body. It is written only after the data object is complete and its size checked.
+
+A reader uses only committed objects and checks size and checksum of every byte it
+downloads; a data object without a commit (a crash between upload and commit) is never
+read and is deleted by the next writer (:meth:`RemoteStore.clean`), with the multipart
+uploads an S3 writer left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from lowdiff.errors import CorruptCheckpointError, RemoteStorageError
+from lowdiff.format.atomic import atomic_open
+
+COMMIT_SUFFIX = ".commit"
+DATA_DIR = "data"
+TMP_MARK = ".tmp-"
+COMMIT_FORMAT_VERSION = 1
+CHUNK_BYTES = 8 << 20
+"""Bytes per write to the remote file (the unit of the bandwidth cap and of progress)."""
+SINGLE_PUT_BYTES = 64 << 20
+"""Files up to this size go up in one PUT when no bandwidth cap is set; larger ones (and
+every file under a cap) are streamed in chunks, so memory stays bounded."""
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a remote tier (``scheme://...``) rather than a local path."""
+    return "://" in str(path)
+
+
+def preload(url: str) -> None:
+    """Import the fsspec implementation of ``url``'s protocol now (s3fs, gcsfs, ...).
+
+    Called by the trainer before lowdiff's process server is forked from it, so that
+    every checkpointing process finds the client imported: a process importing s3fs
+    itself takes seconds of CPU at its low priority, all of it before the first upload.
+    An unknown protocol or a missing package is an error here, at construction.
+    """
+    try:
+        import fsspec
+    except ImportError:
+        raise RemoteStorageError(
+            "remote= needs fsspec (pip install 'lowdiff[remote]', and s3fs for s3://)"
+        ) from None
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        raise RemoteStorageError(
+            f"remote={url!r}: no fsspec backend for {protocol!r}: {e}"
+        ) from None
+
+
+def _canonical(obj: Any) -> bytes:
+    return (json.dumps(obj, sort_keys=True, indent=1, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _body_hash(body: Any) -> str:
+    compact = json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return "xxh3:" + xxhash.xxh3_64_hexdigest(compact)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A published object: the local ``name`` it stands for, its data key (relative to
+    the remote root), its size and the xxh3-64 of its bytes."""
+
+    name: str
+    object: str
+    size: int
+    xxh3: str
+
+    def encode(self) -> bytes:
+        body = {
+            "format": "lowdiff",
+            "format_version": COMMIT_FORMAT_VERSION,
+            "name": self.name,
+            "object": self.object,
+            "size": self.size,
+            "xxh3": self.xxh3,
+        }
+        return _canonical({"checksum": _body_hash(body), "lowdiff_commit": body})
+
+    @staticmethod
+    def decode(where: str, raw: bytes) -> Commit:
+        """Parse and check a commit object read from ``where``; raises
+        :class:`CorruptCheckpointError` naming it when any byte is off."""
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CorruptCheckpointError(
+                where, "commit object is not valid JSON (torn or corrupt)"
+            ) from None
+        if not isinstance(obj, dict) or set(obj) != {"checksum", "lowdiff_commit"}:
+            raise CorruptCheckpointError(where, "not a lowdiff commit object")
+        body = obj["lowdiff_commit"]
+        if obj["checksum"] != _body_hash(body) or _canonical(obj) != raw:
+            raise CorruptCheckpointError(where, "commit object checksum mismatch")
+        if body.get("format") != "lowdiff" or body.get("format_version") != COMMIT_FORMAT_VERSION:
+            raise CorruptCheckpointError(where, "foreign or newer commit object")
+        try:
+            c = Commit(str(body["name"]), str(body["object"]), int(body["size"]), str(body["xxh3"]))
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(where, "commit object misses a field") from None
+        if not c.object.startswith(f"{DATA_DIR}/{c.name}.") or c.size < 0:
+            raise CorruptCheckpointError(where, "commit object names a foreign data object")
+        return c
+
+
+class RemoteStore:
+    """One remote tier: ``url`` (any fsspec URL) and ``options`` for fsspec.
+
+    Args:
+        url: where the checkpoint directory's remote copy lives (``s3://bucket/run``,
+            ``gcs://...``, ``file:///mnt/shared/run``, ...).
+        options: keyword arguments of the fsspec file system (credentials, endpoint,
+            ``client_kwargs``, ...), passed through unchanged.
+        bandwidth: upload cap in bytes per second, or None.
+        progress: called with the bytes of each chunk sent (the uploader's heartbeat).
+
+    Every call of the file system may raise what it raises (``OSError``, a client's own
+    connection errors); callers that retry treat any ``Exception`` as a failed attempt.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: dict[str, Any] | None = None,
+        *,
+        bandwidth: float | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        try:
+            import fsspec
+        except ImportError:  # pragma: no cover - depends on the installation
+            raise RemoteStorageError(
+                "remote= needs fsspec (pip install 'lowdiff[remote]', and s3fs for s3://)"
+            ) from None
+        self.url = url.rstrip("/")
+        # a fresh instance: one cached in a parent process does not survive a fork
+        fs, root = fsspec.core.url_to_fs(self.url, skip_instance_cache=True, **(options or {}))
+        self.fs: Any = fs
+        self.root = str(root).rstrip("/")
+        protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.local = "file" in protocol or "local" in protocol
+        self.bandwidth = bandwidth
+        self.progress = progress
+
+    # ------------------------------------------------------------------ keys
+    def key(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def where(self, rel: str) -> str:
+        """``rel`` as a URL, for messages."""
+        return f"{self.url}/{rel}"
+
+    def _ls(self, rel: str) -> list[str]:
+        """Names (relative to ``rel``) in the remote folder ``rel``; [] when it is absent."""
+        path = self.key(rel) if rel else self.root
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(path)  # s3fs caches listings
+        try:
+            found = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+    # ------------------------------------------------------------------ reading commits
+    def read_commit(self, name: str) -> Commit:
+        """The commit of ``name``; FileNotFoundError when it has none, and
+        :class:`CorruptCheckpointError` when the commit object is damaged."""
+        rel = name + COMMIT_SUFFIX
+        raw = self.fs.cat_file(self.key(rel))
+        c = Commit.decode(self.where(rel), raw)
+        if c.name != name:
+            raise CorruptCheckpointError(self.where(rel), f"commit object is for {c.name!r}")
+        return c
+
+    def commits(self, folder: str) -> tuple[dict[str, Commit], list[str]]:
+        """The commits in ``folder`` (``"full"``, ``"records"`` or ``""`` for the root),
+        by name; and the damaged commit objects there (what is wrong, named)."""
+        out: dict[str, Commit] = {}
+        bad: list[str] = []
+        for n in self._ls(folder):
+            if not n.endswith(COMMIT_SUFFIX) or n.startswith(TMP_MARK):
+                continue
+            name = f"{folder}/{n[: -len(COMMIT_SUFFIX)]}" if folder else n[: -len(COMMIT_SUFFIX)]
+            try:
+                out[name] = self.read_commit(name)
+            except FileNotFoundError:
+                continue  # deleted by retention since the listing
+            except CorruptCheckpointError as e:
+                bad.append(str(e))
+        return out, bad
+
+    # ------------------------------------------------------------------ writing
+    def put(self, local: Path, name: str, hook: Callable[[str], None] | None = None) -> Commit:
+        """Upload the local file ``local`` as ``name`` and publish it; returns its commit.
+
+        The bytes go to a data key of their own; the commit object is written only once
+        the data object is complete and the remote reports its full size, then the data
+        object of the commit it replaces (if any) is deleted. A failure at any point
+        leaves the previous commit of ``name`` as it was. ``hook`` (tests) is called with
+        ``"chunk"`` after each chunk written to the open remote file (for a file sent in
+        one PUT: once, before it) and ``"commit"`` just before the commit is written.
+        """
+        token = uuid.uuid4().hex[:16]
+        obj = f"{DATA_DIR}/{name}.{token}"
+        self._makedirs(obj)
+        if self.bandwidth is None and local.stat().st_size <= SINGLE_PUT_BYTES:
+            size, digest = self._put_whole(local, obj, hook)
+        else:
+            size, digest = self._put_chunks(local, obj, hook)
+        remote_size = int(self._info(obj)["size"])
+        if remote_size != size:
+            raise RemoteStorageError(
+                f"{self.where(obj)}: the remote holds {remote_size} bytes after an upload of "
+                f"{size}; not committed"
+            )
+        if hook is not None:
+            hook("commit")
+        old = None
+        with contextlib.suppress(Exception):
+            old = self.read_commit(name)
+        commit = Commit(name, obj, size, digest)
+        self._publish_small(name + COMMIT_SUFFIX, commit.encode())
+        if old is not None and old.object != obj:
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(self.key(old.object))
+        return commit
+
+    def _put_whole(
+        self, local: Path, obj: str, hook: Callable[[str], None] | None
+    ) -> tuple[int, str]:
+        """One PUT of the whole file (read once, hashed from memory): what a plain
+        ``put_file`` of a file this size does, so an upload costs no more than one."""
+        data = local.read_bytes()
+        digest = xxhash.xxh3_64_hexdigest(data)
+        if hook is not None:
+            hook("chunk")
+        self.fs.pipe_file(self.key(obj), data)
+        if self.progress is not None:
+            self.progress(len(data))
+        return len(data), digest
+
+    def _put_chunks(
+        self, local: Path, obj: str, hook: Callable[[str], None] | None
+    ) -> tuple[int, str]:
+        """Stream the file in chunks (a multipart upload on S3 past its block size),
+        keeping to the bandwidth cap."""
+        h = xxhash.xxh3_64()
+        size = 0
+        t0 = time.monotonic()
+        with open(local, "rb") as src, self.fs.open(self.key(obj), "wb") as dst:
+            while chunk := src.read(CHUNK_BYTES):
+                dst.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+                if self.progress is not None:
+                    self.progress(len(chunk))
+                if hook is not None:
+                    hook("chunk")
+                self._throttle(size, t0)
+        return size, h.hexdigest()
+
+    def _info(self, rel: str) -> dict[str, Any]:
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.key(rel))
+        return self.fs.info(self.key(rel))  # type: ignore[no-any-return]
+
+    def _throttle(self, sent: int, t0: float) -> None:
+        """Sleep so that ``sent`` bytes since ``t0`` stay within the bandwidth cap."""
+        if self.bandwidth:
+            ahead = sent / self.bandwidth - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+
+    def _makedirs(self, rel: str) -> None:
+        if self.local:  # object stores have no folders to make
+            parent = self.key(rel).rsplit("/", 1)[0]
+            self.fs.makedirs(parent, exist_ok=True)
+
+    def _publish_small(self, rel: str, data: bytes) -> None:
+        """Write a small object so that readers see the old bytes or the new, never a
+        part: one PUT on an object store; a temp file, fsync and rename on a file system."""
+        if not self.local:
+            self.fs.pipe_file(self.key(rel), data)
+            return
+        path = Path(self.key(rel))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_open(path) as f:
+            f.write(data)
+
+    def delete(self, name: str) -> None:
+        """Unpublish ``name``: its commit object first, then its data object."""
+        try:
+            c = self.read_commit(name)
+        except FileNotFoundError:
+            return
+        except CorruptCheckpointError:
+            c = None
+        self.fs.rm_file(self.key(name + COMMIT_SUFFIX))
+        if c is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.key(c.object))
+
+    # ------------------------------------------------------------------ reading data
+    def get(self, commit: Commit, dest: Path) -> None:
+        """Download ``commit``'s data object to ``dest`` (published atomically), checking
+        its size and checksum; :class:`CorruptCheckpointError` naming the object when
+        they differ (``dest`` is then untouched)."""
+        where = self.where(commit.object)
+        h = xxhash.xxh3_64()
+        size = 0
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with self.fs.open(self.key(commit.object), "rb") as src, atomic_open(dest) as f:
+                while chunk := src.read(CHUNK_BYTES):
+                    f.write(chunk)
+                    h.update(chunk)
+                    size += len(chunk)
+                    if size > commit.size:
+                        break
+                if size != commit.size:
+                    raise CorruptCheckpointError(
+                        where,
+                        f"{size} bytes or more, the commit says {commit.size} (truncated or replaced)",
+                    )
+                if h.hexdigest() != commit.xxh3:
+                    raise CorruptCheckpointError(where, "checksum mismatch with its commit")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(where, "committed but missing") from None
+
+    # ------------------------------------------------------------------ cleaning
+    def clean(self) -> list[str]:
+        """Delete what an interrupted writer left: data objects no commit names, commit
+        temp files, and (S3) multipart uploads under this root. Returns what went.
+
+        Only the one writer of this remote may call it (it holds the local directory's
+        writer lock): an upload in flight is indistinguishable from a leftover.
+        """
+        referenced: set[str] = set()
+        removed: list[str] = []
+        for folder in ("", "full", "records"):
+            found, _bad = self.commits(folder)
+            referenced.update(c.object for c in found.values())
+            for n in self._ls(folder):
+                if n.startswith(TMP_MARK):
+                    rel = f"{folder}/{n}" if folder else n
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(self.key(rel))
+                        removed.append(rel)
+        try:
+            data = self.fs.find(self.key(DATA_DIR))
+        except FileNotFoundError:
+            data = []
+        prefix = self.root + "/"
+        for p in data:
+            rel = str(p)[len(prefix) :] if str(p).startswith(prefix) else str(p)
+            if rel not in referenced:
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self.key(rel))
+                    removed.append(rel)
+        removed += self._abort_multipart()
+        return removed
+
+    def _abort_multipart(self) -> list[str]:
+        """Abort the S3 multipart uploads under this root (none on other file systems)."""
+        if not hasattr(self.fs, "list_multipart_uploads"):
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        removed = []
+        for up in self.fs.list_multipart_uploads(bucket):
+            key = str(up.get("Key", ""))
+            if prefix and not key.startswith(prefix + "/"):
+                continue
+            self.fs.call_s3(
+                "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"]
+            )
+            removed.append(f"multipart:{key}")
+        return removed
