@@ -132,7 +132,7 @@ class EngineOptions:
             raise ValueError(
                 "remote= is supported by strategies 'lowdiff' and 'lowdiff+' in a single "
                 f"process only, got strategy {strategy!r}"
-                f"{' under DistributedDataParallel' if ddp else ''}"
+                f"{' in a distributed job (DDP or fully_shard)' if ddp else ''}"
             )
         if ddp and self.on_storage_error == "warn":
             raise ValueError(
