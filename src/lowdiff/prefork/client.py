@@ -1,56 +1,8 @@
-"""Python processes without the interpreter's start-up: forks of a warm server.
-
-A new ``python`` that imports torch costs seconds of CPU before its first line of work
-(about 2.5 s on a small CPU machine, more with transformers or ``torch._dynamo``, which
-``DistributedDataParallel`` imports). The harness commands start many (``lowdiff demo``
-and ``lowdiff chaos`` restart their trainers, ``lowdiff torture`` kills one at every
-point it tries, a 2-rank job starts three), and so does a test suite that SIGKILLs real
-trainers. :class:`PreforkServer` pays the imports once: it starts one server,
-``python -m lowdiff.prefork FD``, that imports the modules it is given and then forks a
-child per request. The child becomes what ``python ARGS`` would have been:
-
-- its own session (``os.setsid``), so a signal meant for the caller never reaches it;
-- the given stdin, stdout and stderr, working directory and environment (the whole of
-  ``env`` replaces the server's; entries of its ``PYTHONPATH`` go first on ``sys.path``);
-- Python's own signal dispositions (SIGINT raises KeyboardInterrupt, SIGTERM kills);
-- ``sys.argv`` and ``sys.path[0]`` as the interpreter sets them, and ``__main__`` run
-  through :mod:`runpy` as ``python -m MODULE``, ``python SCRIPT`` or ``python -c CODE``
-  do; stdout and stderr buffered as Python buffers them (``PYTHONUNBUFFERED``, ``-u``);
-- at its end what the interpreter does: non-daemon threads joined, ``atexit`` handlers
-  run, streams flushed; the exit code of ``SystemExit``, 1 after an uncaught exception
-  (its traceback on stderr), ``-N`` for a child killed by signal ``N``.
-
-:meth:`PreforkServer.popen` takes the arguments of :class:`subprocess.Popen` that these
-uses need and returns a :class:`PreforkedProcess` with Popen's methods. What a forked
-child cannot be is started the ordinary way (the call falls back to
-:class:`subprocess.Popen`, and :attr:`PreforkedProcess.forked` says which): another
-interpreter than ``sys.executable``, interpreter options other than ``-u``, ``-m`` and
-``-c``, and an environment that changes what was fixed when the server imported
-(``PYTHONHASHSEED``, ``PYTHONHOME``, ``LD_PRELOAD``, ``LD_LIBRARY_PATH``,
-``CUDA_VISIBLE_DEVICES``).
-
-The server holds no threads and runs no torch operation, so a forked child starts the
-way a new interpreter would (GNU OpenMP's thread pool, for one, does not survive a fork
-once it has started). It exits when its socket closes.
-
-Protocol, one JSON message per ``SOCK_SEQPACKET`` packet:
-
-- request ``{"id": n, "argv": [...], "cwd": DIR, "env": {...}}`` with three file
-  descriptors attached (the child's stdin, stdout, stderr);
-- reply ``{"id": n, "pid": PID}`` (or ``{"id": n, "error": "..."}``), and when the child
-  exits ``{"exit": PID, "code": CODE}``.
-
-Example:
-    >>> with PreforkServer(preload=("torch",)) as server:  # doctest: +SKIP
-    ...     p = server.popen([sys.executable, "-m", "mypkg.train", "--steps", "10"],
-    ...                      stdout=subprocess.PIPE, text=True)
-    ...     out, _ = p.communicate(timeout=60)
-"""
+"""The caller's side of :mod:`lowdiff.prefork`: :class:`PreforkServer` and its children."""
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import select
@@ -65,9 +17,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-# modules every use imports; a server given ``preload`` imports these and those
+from lowdiff.prefork.child import parse_argv
+from lowdiff.prefork.server import MAX_MSG
+
 BASE_PRELOAD = ("numpy", "torch", "lowdiff")
-# a change to one of these after the server's imports would not take effect in a fork
+"""Modules every server imports; a server given ``preload`` imports these and those."""
 _FIXED_AT_IMPORT = (
     "PYTHONHASHSEED",
     "PYTHONHOME",
@@ -75,236 +29,11 @@ _FIXED_AT_IMPORT = (
     "LD_LIBRARY_PATH",
     "CUDA_VISIBLE_DEVICES",
 )
-_MAX_MSG = 1 << 20
+"""A change to one of these after the server's imports would not take effect in a fork."""
 
 
 class PreforkError(RuntimeError):
     """The fork server could not start, or stopped answering."""
-
-
-# --------------------------------------------------------------------------- the child
-
-
-def _parse(argv: Sequence[str]) -> tuple[str, str, list[str], bool] | None:
-    """``python`` arguments as (kind, target, rest, unbuffered), or None if not handled.
-
-    ``kind`` is ``"module"``, ``"script"`` or ``"code"``.
-    """
-    unbuffered = False
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "-u":
-            unbuffered = True
-        elif a in ("-m", "-c"):
-            if i + 1 >= len(argv):
-                return None
-            kind = "module" if a == "-m" else "code"
-            return kind, argv[i + 1], list(argv[i + 2 :]), unbuffered
-        elif a.startswith("-"):
-            return None  # another interpreter option: not emulated
-        else:
-            return "script", a, list(argv[i + 1 :]), unbuffered
-        i += 1
-    return None  # an interactive interpreter
-
-
-def _streams(unbuffered: bool) -> None:
-    # new stream objects over fds 0, 1, 2, buffered as a new interpreter would: a
-    # terminal is line-buffered, a pipe or file block-buffered, unless unbuffered
-    def wrap(fd: int, mode: str, errors: str) -> Any:
-        raw = io.FileIO(fd, mode, closefd=False)
-        tty = raw.isatty()
-        if mode == "rb":
-            return io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8", errors=errors)
-        if unbuffered:  # as ``python -u``: no buffer below the text layer
-            return io.TextIOWrapper(raw, encoding="utf-8", errors=errors, write_through=True)
-        return io.TextIOWrapper(
-            io.BufferedWriter(raw), encoding="utf-8", errors=errors, line_buffering=tty
-        )
-
-    sys.stdin = wrap(0, "rb", "strict")
-    sys.stdout = wrap(1, "wb", "strict")
-    sys.stderr = wrap(2, "wb", "backslashreplace")
-    # the interpreter's originals too, which faulthandler and some libraries write to
-    setattr(sys, "__stdin__", sys.stdin)  # noqa: B010 -- typeshed marks them final
-    setattr(sys, "__stdout__", sys.stdout)  # noqa: B010
-    setattr(sys, "__stderr__", sys.stderr)  # noqa: B010
-
-
-def _exit_code(e: SystemExit) -> int:
-    if e.code is None:
-        return 0
-    if isinstance(e.code, int):
-        return e.code
-    print(e.code, file=sys.stderr)
-    return 1
-
-
-def _run_main(kind: str, target: str, rest: list[str]) -> None:
-    import runpy
-
-    if kind == "module":
-        # as in a new interpreter, __main__ is a copy of its own: the module imported
-        # by name (if the server preloaded it) is imported again by whoever asks for it
-        sys.modules.pop(target, None)
-        sys.argv = [target, *rest]  # runpy puts the module's file in argv[0]
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    elif kind == "script":
-        sys.argv = [target, *rest]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
-    else:
-        sys.argv = ["-c", *rest]
-        sys.path.insert(0, "")
-        code = compile(target, "<string>", "exec")
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-
-
-def _print_exception(e: BaseException) -> None:
-    # as the interpreter prints it: without the frames of this module and of runpy
-    import traceback
-
-    tb = e.__traceback__
-    skip = (
-        os.path.abspath(__file__),
-        os.path.abspath(getattr(sys.modules.get("runpy"), "__file__", "")),
-    )
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
-        tb = tb.tb_next
-    traceback.print_exception(type(e), e, tb)
-
-
-def run_as_python(argv: Sequence[str]) -> int:
-    """Run ``argv`` (the arguments of ``python``) in this process; its exit code.
-
-    What the interpreter does around ``__main__`` is done too: an uncaught exception is
-    printed, non-daemon threads are joined and ``atexit`` handlers run before this
-    returns. Streams are not replaced (see :func:`_child`).
-
-    Raises:
-        ValueError: If ``argv`` is not ``[-u] -m MODULE ...``, ``[-u] -c CODE ...`` or
-            ``[-u] SCRIPT ...``.
-    """
-    parsed = _parse(argv)
-    if parsed is None:
-        raise ValueError(f"not the arguments of a Python program: {list(argv)!r}")
-    kind, target, rest, _unbuffered = parsed
-    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:0] = [p for p in extra if p not in sys.path]
-    try:
-        _run_main(kind, target, rest)
-        code = 0
-    except SystemExit as e:
-        code = _exit_code(e)
-    except BaseException as e:
-        _print_exception(e)
-        code = 1
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads
-    import atexit
-
-    with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()
-    return code
-
-
-def _child(req: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
-    code = 1
-    try:
-        os.setsid()
-        sock.close()
-        for target, fd in zip((0, 1, 2), fds, strict=True):
-            os.dup2(fd, target)
-        for fd in set(fds):
-            if fd > 2:
-                os.close(fd)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        os.chdir(req["cwd"])
-        env = {str(k): str(v) for k, v in req["env"].items()}
-        os.environ.clear()
-        os.environ.update(env)
-        parsed = _parse(req["argv"])
-        assert parsed is not None  # checked by the server
-        _streams(parsed[3] or bool(env.get("PYTHONUNBUFFERED")))
-        code = run_as_python(req["argv"])
-    except BaseException as e:
-        with contextlib.suppress(BaseException):
-            _print_exception(e)
-    finally:
-        for f in (sys.stdout, sys.stderr):
-            with contextlib.suppress(BaseException):  # exiting anyway
-                f.flush()
-        os._exit(code & 0xFF)
-
-
-# -------------------------------------------------------------------------- the server
-
-
-def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
-    sock.send(json.dumps(obj).encode())
-
-
-def _preload(modules: Sequence[str]) -> None:
-    import importlib
-
-    for name in modules:
-        importlib.import_module(name)
-
-
-def serve(sock: socket.socket, preload: Sequence[str]) -> None:
-    """Import ``preload``, then fork a child per request until the socket closes."""
-    t0 = time.perf_counter()
-    _preload(preload)
-    _send(sock, {"ready": os.getpid(), "preload_s": time.perf_counter() - t0})
-    children: set[int] = set()
-    while True:
-        readable, _, _ = select.select([sock], [], [], 0.02)
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            children.discard(pid)
-            _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
-        if not readable:
-            continue
-        msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 3)
-        if not msg:
-            return
-        req = json.loads(msg)
-        if len(fds) != 3 or _parse(req["argv"]) is None:
-            for fd in fds:
-                os.close(fd)
-            _send(sock, {"id": req["id"], "error": "bad request"})
-            continue
-        pid = os.fork()
-        if pid == 0:
-            _child(req, fds, sock)
-        for fd in fds:
-            os.close(fd)
-        children.add(pid)
-        _send(sock, {"id": req["id"], "pid": pid})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m lowdiff.prefork FD [MODULE ...]``."""
-    args = sys.argv[1:] if argv is None else argv
-    if not args or not args[0].isdigit():
-        print("usage: python -m lowdiff.prefork FD [MODULE ...]", file=sys.stderr)
-        return 2
-    sock = socket.socket(fileno=int(args[0]))
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        serve(sock, args[1:])
-    return 0
-
-
-# -------------------------------------------------------------------------- the caller
 
 
 class PreforkedProcess:
@@ -480,7 +209,7 @@ class PreforkServer:
         while time.monotonic() < deadline:
             r, _, _ = select.select([self._sock], [], [], 0.2)
             if r:
-                msg = self._sock.recv(_MAX_MSG)
+                msg = self._sock.recv(MAX_MSG)
                 return json.loads(msg) if msg else None
             if self._proc.poll() is not None:
                 return None
@@ -489,7 +218,7 @@ class PreforkServer:
     def _read(self) -> None:
         while True:
             try:
-                msg = self._sock.recv(_MAX_MSG)
+                msg = self._sock.recv(MAX_MSG)
             except OSError:
                 msg = b""
             with self._cond:
@@ -523,7 +252,7 @@ class PreforkServer:
         """True if ``args`` (with ``env``) can be served as a fork (module docstring)."""
         if self._closed or not args or args[0] != sys.executable:
             return False
-        if _parse(list(args[1:])) is None:
+        if parse_argv(list(args[1:])) is None:
             return False
         env = self._env if env is None else env
         return all(env.get(k) == self._env.get(k) for k in _FIXED_AT_IMPORT)
@@ -673,17 +402,3 @@ class PreforkServer:
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-__all__ = [
-    "BASE_PRELOAD",
-    "PreforkError",
-    "PreforkServer",
-    "PreforkedProcess",
-    "main",
-    "run_as_python",
-    "serve",
-]
-
-if __name__ == "__main__":
-    sys.exit(main())
