@@ -4,6 +4,7 @@ Python (``tests/launch.py``) rather than spawned (a new interpreter that imports
 from __future__ import annotations
 
 import base64
+import datetime
 import os
 import pickle
 import subprocess
@@ -12,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from tests import launch
 
 # the child: unpickle (target, args) from argv and call it, as a spawned Process would
@@ -52,3 +55,16 @@ def run_ranks(
             p.kill()
             codes.append(p.wait())
     return codes
+
+
+def join_group(rank: int, world: int, store: Path) -> None:
+    """In a rank: one torch thread, and the gloo group of ``world`` ranks met through the
+    file ``store`` (60 s timeout, so a rank that died fails the others fast)."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )

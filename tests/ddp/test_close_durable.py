@@ -6,13 +6,12 @@ value trails by a step; ``close()`` makes every step durable, and then says so.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from tests.ddp.spawned import run_ranks
+from tests.ddp.spawned import join_group, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -22,14 +21,7 @@ WORLD, STEPS = 2, 10
 
 
 def _rank(rank: int, job: Path, out: Path, store: Path, strategy: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_group(rank, WORLD, store)
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

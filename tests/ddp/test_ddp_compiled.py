@@ -6,13 +6,12 @@ and that job restores into the plain model in one process: the same bits.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from tests.ddp.spawned import run_ranks
+from tests.ddp.spawned import join_group, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -40,14 +39,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, job: Path, rank: int, s
 
 
 def _rank(rank: int, tmp: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp / 'store'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_group(rank, WORLD, tmp / "store")
     plain = DDP(_net())
     _train(plain, torch.optim.AdamW(plain.parameters(), lr=0.01), tmp / "job", rank, 3)
     net = _net()

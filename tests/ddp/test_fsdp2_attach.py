@@ -9,14 +9,13 @@ and ``set_state_dict``, bit for bit.
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp
-from tests.ddp.spawned import run_ranks
+from tests.ddp.spawned import join_group, run_ranks
 from torch import nn
 
 import lowdiff
@@ -47,14 +46,7 @@ def _rank(rank: int, tmp: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp / 'store'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_group(rank, WORLD, tmp / "store")
     mesh = init_device_mesh("cpu", (WORLD,))
 
     def build() -> tuple[nn.Module, torch.optim.Optimizer, object]:

@@ -22,7 +22,6 @@ gradients changed after their snapshot: they are copied again.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -33,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp
-from tests.ddp.spawned import run_ranks
+from tests.ddp.spawned import join_group, run_ranks
 from torch import nn
 
 import lowdiff
@@ -74,14 +73,7 @@ def _job(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp / f'store-{run}'}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_group(rank, world, tmp / f"store-{run}")
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     # 5 output rows: rank 0 holds 3 of them, rank 1 two (uneven shards)

@@ -12,7 +12,6 @@ DDP, nor a DDP job under ``fully_shard``. What the errors point to works: a lowd
 
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp
-from tests.ddp.spawned import run_ranks
+from tests.ddp.spawned import join_group, run_ranks
 from torch import nn
 
 import lowdiff
@@ -99,14 +98,7 @@ def _rank(rank: int, tmp: Path, exported: Path, want_file: Path) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp / 'store'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    join_group(rank, WORLD, tmp / "store")
     report: dict[str, object] = {}
     mesh = init_device_mesh("cpu", (WORLD,))
     model = _model()
