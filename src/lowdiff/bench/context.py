@@ -52,10 +52,17 @@ class Profile:
     snapshot-bandwidth and DDP-exchange measurements."""
     hot_steps: int = 60
     """Timed steps per block of the end-to-end and trainer-side measurements."""
+    fsdp2_width: int = 1024
+    """Width of ``fsdp2``'s MLP (1024 with depth 4: 3.2M parameters)."""
+    fsdp2_depth: int = 4
+    """Hidden layers of ``fsdp2``'s MLP."""
+    fsdp2_steps: int = 20
+    """Timed steps per arm of ``fsdp2``."""
 
     def __post_init__(self) -> None:
-        if self.hot_steps < 1:
-            raise ValueError(f"hot_steps must be >= 1, got {self.hot_steps}")
+        for name in ("hot_steps", "fsdp2_width", "fsdp2_depth", "fsdp2_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("intervals", "recovery_fulls", "batch_sizes", "replica_threads"):
             vals = getattr(self, name)
             if not vals or any(
@@ -72,6 +79,9 @@ QUICK_PROFILE = Profile(
     hot_e2e_workload="gpt2-tiny",
     hot_trainer_workload="gpt2-tiny",
     hot_steps=10,
+    fsdp2_width=256,
+    fsdp2_depth=3,
+    fsdp2_steps=8,
 )
 """The profile of ``lowdiff bench --quick``: fewer sizes, tiny hot-path workloads."""
 

@@ -19,6 +19,8 @@ covers the drain of the block's checkpoints (:mod:`lowdiff.bench.core`).
   (:mod:`lowdiff.bench.fidelity`).
 - ``replica`` and ``hotpaths``: the hot-path targets beside their measurements
   (:mod:`lowdiff.bench.exp_hotpaths`).
+- ``fsdp2``: LowDiff+ every step against DCP ``async_save`` every step under
+  ``fully_shard``, a 2-rank torchrun job (:mod:`lowdiff.bench.exp_fsdp2`).
 
 The profile the experiments run at and the context they share are
 :mod:`lowdiff.bench.context`'s :class:`Profile` and :class:`Context`, also reachable here.
@@ -31,6 +33,7 @@ from typing import Any
 
 from lowdiff.bench.context import QUICK_PROFILE, Context, Profile
 from lowdiff.bench.exp_batching import batching
+from lowdiff.bench.exp_fsdp2 import fsdp2
 from lowdiff.bench.exp_hotpaths import hotpaths, replica
 from lowdiff.bench.exp_recovery import recovery
 from lowdiff.bench.exp_timing import breakdown, frequency, overhead, ratio, storage
@@ -57,13 +60,14 @@ EXPERIMENTS = (
     "ratio",
     "fidelity",
     "hotpaths",
+    "fsdp2",
 )
 """Every experiment, in the order they run."""
-OWN_WORKLOADS = frozenset({"replica", "hotpaths"})
+OWN_WORKLOADS = frozenset({"replica", "hotpaths", "fsdp2"})
 """Experiments that build their own workloads (from the profile), not the settings' one."""
-DEFAULT_EXPERIMENTS = EXPERIMENTS[:-2]
-"""What ``lowdiff bench`` runs when no experiment is named (``fidelity`` and ``hotpaths``
-run when named)."""
+DEFAULT_EXPERIMENTS = tuple(e for e in EXPERIMENTS if e not in ("fidelity", "hotpaths", "fsdp2"))
+"""What ``lowdiff bench`` runs when no experiment is named (``fidelity``, ``hotpaths`` and
+``fsdp2`` run when named)."""
 
 RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
     "overhead": overhead,
@@ -76,5 +80,6 @@ RUNNERS: dict[str, Callable[[Context], list[dict[str, Any]]]] = {
     "breakdown": breakdown,
     "replica": replica,
     "hotpaths": hotpaths,
+    "fsdp2": fsdp2,
 }
 """The function that runs each experiment."""

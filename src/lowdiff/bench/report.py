@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lowdiff.bench.exp_fsdp2 import section_fsdp2
 from lowdiff.bench.plots import plots
 from lowdiff.bench.report_fidelity import section_fidelity
 from lowdiff.bench.report_hotpaths import section_breakdown, section_hotpaths, section_replica
@@ -42,6 +43,7 @@ SECTIONS: dict[str, Callable[[list[dict[str, Any]]], str]] = {
     "replica": section_replica,
     "hotpaths": section_hotpaths,
     "fidelity": section_fidelity,
+    "fsdp2": section_fsdp2,
 }
 """The report section of each experiment (empty when the run has no rows of it)."""
 

@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "experiments",
         nargs="*",
         metavar="EXPERIMENT",
-        help=f"any of: {', '.join(EXPERIMENTS)} (default: all but fidelity and hotpaths)",
+        help=f"any of: {', '.join(EXPERIMENTS)} (default: all but fidelity, hotpaths and fsdp2)",
     )
     p.add_argument(
         "--quick", action="store_true", help="tiny workload, few sizes (minutes on a CPU)"
