@@ -16,12 +16,18 @@ itself runs under the real one.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from lowdiff.prefork import run_as_python
 
 
 def _rank(*argv: str) -> None:
+    # a fork inherits the agent's Python signal handlers (its SIGTERM raises an exception
+    # meant for the agent): a rank starts with an interpreter's own, as under torchrun
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
     code = run_as_python(argv)
     if code:
         sys.exit(code)
