@@ -53,7 +53,7 @@ from lowdiff.engine.remote_tier import announce, drain, start_uploader
 from lowdiff.engine.replica_optim import optimizer_class
 from lowdiff.engine.replica_worker import Persister, Replica, ReplicaConfig
 from lowdiff.format import codec, layout
-from lowdiff.proc import channel
+from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
 from lowdiff.proc.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
@@ -68,15 +68,9 @@ from lowdiff.proc.protocol import (
     Refused,
     unexpected,
 )
-from lowdiff.proc.spawn import (
-    release_trainer_stdio,
-    use_env,
-)
+from lowdiff.proc.spawn import release_trainer_stdio
 from lowdiff.remote.uploader import Uploader
 from lowdiff.state.record import RecordLayout
-
-_POLL_S = 0.05
-"""How often an orphaned replica looks for a new trainer and for its release."""
 
 
 def _warm_up(optimizer_path: str) -> None:
@@ -104,7 +98,7 @@ class ReplicaProcess:
         self.ctl_shm: Any = None
         self.listener: AdoptionListener | None = None
         self.adoptions = 0
-        self.segments: list[Any] = []
+        self.segments: adopt.TrainerSegments | None = None
         """The slots and counters made for the trainer that took the process over."""
 
     def on_sigterm(self, *_: Any) -> None:
@@ -224,48 +218,38 @@ class ReplicaProcess:
         rep.publish(rp.STATE_ORPHANED)
         if persister.persisted < rep.step:
             persister.snapshot(rep)
-        deadline = time.monotonic() + self.cfg.idle_timeout
-        while not self.released and time.monotonic() < deadline:
-            conn = self.listener.get(_POLL_S)
-            if conn is not None and self.adopt(conn):
-                return True
-        persister.wait()
-        self.drain_remote()
-        return False
+        adopted = adopt.wait_for_trainer(
+            self.listener, self.cfg.idle_timeout, lambda: self.released, self.adopt
+        )
+        if not adopted:
+            persister.wait()
+            self.drain_remote()
+        return adopted
 
     def adopt(self, conn: Connection) -> bool:
         """Take on the trainer on ``conn`` if it asks to, and runs this job."""
         rep, persister, listener = self.rep, self.persister, self.listener
         assert rep is not None and persister is not None and listener is not None
-        msg = listener.request(conn)
+        msg = adopt.take_request(listener, conn, self._mismatch)
         if msg is None:
             return False
-        why = self._mismatch(msg)
-        if why:
-            with contextlib.suppress(OSError):
-                conn.send(Refused(why))
-            conn.close()
-            return False
-        assert isinstance(msg, Adopt)
         try:
             info = self._new_slots(msg.slots)
         except BaseException as e:  # noqa: BLE001 -- the trainer starts a process of its own
-            with contextlib.suppress(OSError):
-                conn.send(Refused(f"cannot make the snapshot slots: {e}"))
-            conn.close()
+            adopt.refuse(conn, f"cannot make the snapshot slots: {e}")
             return False
         self.cfg = dataclasses.replace(
             self.cfg, persist_every=msg.cfg.persist_every, idle_timeout=msg.cfg.idle_timeout
         )
-        use_env(msg.env)
-        end = ChildEnd(conn, conn, trainer_pid=msg.pid, idle=self._refuse_newcomers)
         self.adoptions += 1
         rep.publish(rp.STATE_RUNNING)
         durable = persister.persisted
-        end.ready(dict(info, durable=durable, adoptions=self.adoptions))
-        self.end = end  # the persist thread reports to the new trainer from here on
+        self.end = adopt.serve_new_trainer(  # the persist thread reports to it from here on
+            conn, msg, dict(info, durable=durable, adoptions=self.adoptions),
+            self._refuse_newcomers,
+        )  # fmt: skip
         if persister.persisted > durable:  # finished in between: reported to nobody
-            end.send(Durable(persister.persisted))
+            self.end.send(Durable(persister.persisted))
         return True
 
     def _mismatch(self, msg: Any) -> str:
@@ -290,24 +274,16 @@ class ReplicaProcess:
         """Snapshot slots and counters for a new trainer, in named shared memory."""
         rep = self.rep
         assert rep is not None
-        row = rep.rl.row_bytes
-        prefix = f"lowdiff-{self.cfg.run_id[:16]}-t{self.adoptions + 1}"
-        slots = rp.create_segment(f"{prefix}-slots", n * row)
-        try:
-            ctr = rp.create_segment(f"{prefix}-ctr", channel.N_COUNTERS * 8)
-        except BaseException:
-            rp.unlink_and_close(slots)
-            raise
-        old, self.segments = self.segments, [slots, ctr]
+        made = adopt.TrainerSegments.make(
+            f"lowdiff-{self.cfg.run_id[:16]}-t{self.adoptions + 1}", n, rep.rl.row_bytes
+        )
+        old, self.segments = self.segments, made
         rep.forget_slots()
-        self.slots = rp.segment_tensor(slots, n * row).view(n, row)
-        counters = torch.frombuffer(ctr.buf, dtype=torch.int64, count=channel.N_COUNTERS)
-        counters.zero_()
-        self.ctr = Counters(counters)
+        self.slots, self.ctr = made.slots, made.counters
         announce(self.uploader, self.ctr)
-        for shm in old:
-            rp.unlink_and_close(shm)
-        return {"slots": slots.name, "counters": ctr.name, "n_slots": n, "row_bytes": row}
+        if old is not None:
+            old.unlink()
+        return made.info
 
     def _refuse_newcomers(self) -> bool:
         """(serving a trainer that took the process over, no request for a while) Answer
@@ -325,8 +301,8 @@ class ReplicaProcess:
             self.rep.close()
         if self.ctl_shm is not None:
             rp.unlink_and_close(self.ctl_shm)
-        for shm in self.segments:
-            rp.unlink_and_close(shm)
+        if self.segments is not None:
+            self.segments.unlink()
         rp.remove_descriptor(self.root, self.cfg.run_id)
 
 

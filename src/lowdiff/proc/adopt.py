@@ -1,7 +1,7 @@
 """Taking over a background process that outlived its trainer.
 
-A process that keeps state in memory for the next trainer (LowDiff+'s replica, Gemini's
-holder) listens on a socket in the abstract namespace (:class:`AdoptionListener`): the
+A process that outlives its trainer for the next one (LowDiff's writer, LowDiff+'s
+replica, Gemini's holder) listens on a socket in the abstract namespace (:class:`AdoptionListener`): the
 address and a random key are published in its control block, which only the same user
 can read. A new trainer connects with them (:func:`connect`), asks to take the process
 over, and on success talks to it over that connection as it would over the pipes of a
@@ -15,9 +15,21 @@ import contextlib
 import os
 import queue
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
+
+import torch
+
+from lowdiff.proc import channel
+from lowdiff.proc import holder as rp
+from lowdiff.proc.channel import Counters
+from lowdiff.proc.link import ChildEnd
+from lowdiff.proc.protocol import Refused
+from lowdiff.proc.spawn import use_env
 
 ATTACH_WAIT_S = 5.0
 """How long a connection to the socket has to send its request to take the process over."""
@@ -106,3 +118,92 @@ def connect(published: dict[str, Any]) -> Connection:
 def close_quietly(conn: Connection) -> None:
     with contextlib.suppress(Exception):
         conn.close()
+
+
+POLL_S = 0.05
+"""How often a process waiting for a new trainer looks for one and for its release."""
+
+
+def wait_for_trainer(
+    listener: AdoptionListener,
+    idle_timeout: float,
+    released: Callable[[], bool],
+    accept: Callable[[Connection], bool],
+) -> bool:
+    """(a process whose trainer died) Offer the process to the next trainer for up to
+    ``idle_timeout`` seconds: True once ``accept`` took one on; False when ``released()``
+    or no trainer came."""
+    deadline = time.monotonic() + idle_timeout
+    while not released() and time.monotonic() < deadline:
+        conn = listener.get(POLL_S)
+        if conn is not None and accept(conn):
+            return True
+    return False
+
+
+def take_request(
+    listener: AdoptionListener, conn: Connection, why_not: Callable[[Any], str]
+) -> Any:
+    """The request to take the process over on ``conn``, or None: nothing came, or
+    ``why_not(request)`` named a reason (answered with ``Refused``, the connection closed)."""
+    msg = listener.request(conn)
+    if msg is None:
+        return None
+    why = why_not(msg)
+    if why:
+        refuse(conn, why)
+        return None
+    return msg
+
+
+def refuse(conn: Connection, why: str) -> None:
+    with contextlib.suppress(OSError):
+        conn.send(Refused(why))
+    close_quietly(conn)
+
+
+@dataclass
+class TrainerSegments:
+    """The record or snapshot slots and the progress counters made in named shared memory
+    for a trainer that takes a process over (the first trainer's died with it)."""
+
+    segments: list[Any]
+    slots: torch.Tensor
+    counters: Counters
+    info: dict[str, Any]
+    """What the trainer attaches them by (for ``Ready``)."""
+
+    @classmethod
+    def make(cls, prefix: str, n: int, row_bytes: int) -> TrainerSegments:
+        slots = rp.create_segment(f"{prefix}-slots", n * row_bytes)
+        try:
+            ctr = rp.create_segment(f"{prefix}-ctr", channel.N_COUNTERS * 8)
+        except BaseException:
+            rp.unlink_and_close(slots)
+            raise
+        counters = torch.frombuffer(ctr.buf, dtype=torch.int64, count=channel.N_COUNTERS)
+        counters.zero_()
+        info = {"slots": slots.name, "counters": ctr.name, "n_slots": n, "row_bytes": row_bytes}
+        return cls(
+            [slots, ctr],
+            rp.segment_tensor(slots, n * row_bytes).view(n, row_bytes),
+            Counters(counters),
+            info,
+        )
+
+    def unlink(self) -> None:
+        for shm in self.segments:
+            rp.unlink_and_close(shm)
+        self.segments = []
+
+
+def serve_new_trainer(
+    conn: Connection, request: Any, info: dict[str, Any], idle: Callable[[], bool]
+) -> ChildEnd:
+    """Answer ``Ready`` with ``info`` to the trainer that sent ``request`` (an
+    :class:`~lowdiff.engine.messages.Adopt`) on ``conn``, after taking on its environment;
+    the process's new end of the link, which watches that trainer by its pid."""
+    use_env(request.env)
+    end = ChildEnd(conn, conn, trainer_pid=request.pid, idle=idle)
+    end.ready(info)
+    return end

@@ -223,29 +223,25 @@ def remove_descriptor(root: Path, run_id: str | None = None) -> None:
 
 
 @dataclass
-class LiveReplica:
-    """A replica found in memory, validated, ready to copy from."""
+class Survivor:
+    """A background process that outlived its trainer (LowDiff's writer, LowDiff+'s
+    replica, Gemini's holder), found through the directory's descriptor and validated:
+    its owner is alive, the control block is of its run and layout, and it is done with
+    what its trainer sent (state ORPHANED)."""
 
     descriptor: Descriptor
     ctl: ControlBlock
     state: int
     step: int
     doc: dict[str, Any]
-    arena: shared_memory.SharedMemory
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        entries = entries_from_json(self.doc["entries"])
-        size = entries[-1].end if entries else 0
-        return view_tensors(entries, segment_tensor(self.arena, size))
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.arena.close()
         with contextlib.suppress(Exception):
             self.ctl.shm.close()
 
     def release_owner(self, timeout: float = 60.0) -> None:
-        """Ask the owning checkpointing process to exit (it unlinks the segments)."""
+        """Ask the owning process to exit (it persists what it holds, unlinks its
+        segments); wait up to ``timeout`` seconds for it."""
         self.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.descriptor.pid, signal.SIGTERM)
@@ -254,14 +250,35 @@ class LiveReplica:
             time.sleep(0.02)
 
 
-def find_live_replica(
-    root: Path, layout_id: str, wait_s: float = 30.0
-) -> tuple[LiveReplica | None, str]:
-    """The live replica of ``root``, or (None, why not).
+@dataclass
+class LiveReplica(Survivor):
+    """A replica found in memory, validated, ready to copy from."""
 
-    A replica is used only when its owner is alive, the control block belongs to the
-    descriptor's run and layout, and the owner has finished merging (state ORPHANED: its
-    trainer is gone). Segments of a dead owner are stale: they are unlinked, never read.
+    arena: shared_memory.SharedMemory | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        assert self.arena is not None
+        entries = entries_from_json(self.doc["entries"])
+        size = entries[-1].end if entries else 0
+        return view_tensors(entries, segment_tensor(self.arena, size))
+
+    def close(self) -> None:
+        if self.arena is not None:
+            with contextlib.suppress(Exception):
+                self.arena.close()
+        super().close()
+
+
+def find_survivor(
+    root: Path, layout_id: str | None, wait_s: float = 30.0
+) -> tuple[Survivor | None, str]:
+    """The process of ``root`` that outlived its trainer, or (None, why not).
+
+    A survivor is used only when its owner is alive, the control block belongs to the
+    descriptor's run and layout, and the owner has finished what its trainer sent (state
+    ORPHANED; an owner still at it is waited for up to ``wait_s`` seconds). Segments of a
+    dead owner are stale: they are unlinked, never read. ``layout_id`` None takes a
+    survivor of any layout (to release it).
     """
     d = read_descriptor(root)
     if d is None:
@@ -289,27 +306,48 @@ def find_live_replica(
         except (LowDiffError, ValueError) as e:
             ctl_shm.close()
             return None, f"unusable replica control block ({e})"
-        if doc.get("run_id") != d.run_id or doc.get("layout_id") != layout_id:
+        if doc.get("run_id") != d.run_id or layout_id not in (None, doc.get("layout_id")):
             ctl_shm.close()
             return (
                 None,
                 "the shared memory belongs to another run or another model (stale); not attached",
             )
         if state == STATE_ORPHANED:
-            break
+            return Survivor(d, ctl, state, step, doc), "ok"
         if state == STATE_CLOSED or not pid_alive(d.pid) or time.monotonic() > deadline:
             ctl_shm.close()
             return None, f"the replica is not available (state {state})"
-        time.sleep(0.02)  # the owner is still merging what it received
+        time.sleep(0.005)  # the owner is still at what its trainer sent
+
+
+def find_live_replica(
+    root: Path, layout_id: str, wait_s: float = 30.0
+) -> tuple[LiveReplica | None, str]:
+    """The live replica of ``root`` (a :func:`find_survivor` that holds a state in its
+    arena), or (None, why not)."""
+    found, why = find_survivor(root, layout_id, wait_s)
+    if found is None:
+        return None, why
+    doc = found.doc
     if not valid_segment_name(doc.get("arena")):
-        ctl_shm.close()
+        found.close()
         return None, "the replica's control block names an invalid arena segment"
     try:
         arena = attach_segment(doc["arena"])
     except FileNotFoundError:
-        ctl_shm.close()
+        found.close()
         return None, "the replica's arena is gone"
-    return LiveReplica(d, ctl, state, step, doc, arena), "ok"
+    return LiveReplica(found.descriptor, found.ctl, found.state, found.step, doc, arena), "ok"
+
+
+def release_survivor(root: Path, wait_s: float) -> bool:
+    """Let the process of ``root`` that outlived its trainer (of any layout) persist what
+    it holds and exit, when there is one; whether there was."""
+    found, _ = find_survivor(root, None, wait_s)
+    if found is None:
+        return False
+    found.release_owner(wait_s)
+    return True
 
 
 def cleanup_stale(root: Path, d: Descriptor) -> list[str]:
