@@ -82,8 +82,11 @@ class Checkpointer:
             before ``step()`` waits (also the number of gradient snapshot buffers).
         persist_every: LowDiff+ only: persist the replica every this many steps, or
             ``"auto"``: as often as the disk keeps up (writing at most half the time).
-        idle_timeout: LowDiff+ only: seconds a replica whose trainer died waits for a new
-            trainer to attach before it persists and exits.
+        idle_timeout: strategies ``"lowdiff"`` and ``"lowdiff+"``: seconds the
+            checkpointing process of a trainer that died waits for the next trainer on the
+            same directory to take it over (LowDiff+'s replica, with the state in memory;
+            LowDiff's writer, once it wrote every record it was sent), before it persists
+            what it holds and exits. 0: it exits at once.
         replica_threads: LowDiff+ only: parallel shards of the replica's update (whole
             tensors, balanced by size, one thread each; the same bits as one thread).
         sigterm_timeout: strategies ``"lowdiff"`` and ``"lowdiff+"``: on SIGTERM (a

@@ -87,6 +87,8 @@ def main(cfg: dict) -> None:
         comp = lowdiff.TopK(
             ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False)
         )
+    if cfg["strategy"] == "lowdiff":
+        extra["idle_timeout"] = cfg.get("idle_timeout", 60.0)
     if "sigterm_timeout" in cfg:
         extra["sigterm_timeout"] = cfg["sigterm_timeout"]
     make = lowdiff.attach if cfg.get("attach") else lowdiff.Checkpointer

@@ -28,6 +28,7 @@ from lowdiff.errors import CheckpointMismatchError, DirectoryLockedError
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
+from lowdiff.proc.holder import release_survivor
 from lowdiff.proc.locks import acquire_flock, lock_holder, wait_for_writer
 from lowdiff.recovery.job import is_job_dir, rank_root
 from lowdiff.recovery.quarantine import quarantine_beyond
@@ -218,8 +219,11 @@ class EngineCore:
             self.lock_fd = None
 
     def wait_for_previous_writer(self, timeout: float) -> None:
-        """A killed trainer's checkpointing process may still be flushing: wait for it."""
+        """A killed trainer's checkpointing process may still be flushing: wait for it.
+        One that waits for a new trainer (and is not taken over) is released first: it
+        exits once it has persisted what it holds."""
         assert self.root is not None
+        release_survivor(self.root, timeout)
         wait_for_writer(self.root, timeout)
 
     def remove_stale_temps(self) -> None:

@@ -9,6 +9,7 @@ checkpoint every f steps. Recovery replays the records through the optimizer.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -26,6 +27,7 @@ from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.resume import CheckpointingStrategy
 from lowdiff.engine.storage_policy import CheckpointingSuspended
 from lowdiff.engine.worker import WorkerConfig, worker_main
+from lowdiff.proc.holder import Survivor, find_survivor
 from lowdiff.strategy import StepGrads
 
 
@@ -62,6 +64,14 @@ class LowDiffStrategy(CheckpointingStrategy):
             self.stager.observe_copy = self.autoplan.tuner.observe_full_copy
 
     # ------------------------------------------------------------------ the process
+    def _find_survivor(self) -> Survivor | None:
+        core = self.core
+        assert core.root is not None and core.layout is not None
+        found, why = find_survivor(core.root, core.layout.layout_id, self.options.start_timeout)
+        if found is None:
+            core.memory_miss_reason = why
+        return found
+
     def _max_inflight(self) -> int:
         return self.options.max_inflight or 2 * self.core.batch_size + 2
 
@@ -79,6 +89,8 @@ class LowDiffStrategy(CheckpointingStrategy):
             # lineage: the first record file follows the recovered state's run
             follows=None if stats is None else stats.state_run_id,
             remote=self.options.remote_settings(),
+            idle_timeout=self.options.idle_timeout,
+            trainer_pid=os.getpid(),
         )
         return worker_main, cfg, self._max_inflight()
 

@@ -11,10 +11,8 @@ trainer by at most ``max_lag`` steps.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +21,7 @@ from lowdiff.compressors.base import Compressor, NoCompression
 from lowdiff.ddp.context import DistContext
 from lowdiff.ddp.hooks import PlusHookState, plus_hook
 from lowdiff.engine.core import class_path
-from lowdiff.engine.messages import Adopt, Full, Init, Step
+from lowdiff.engine.messages import Full, Init, Step
 from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.replica_optim import optimizer_class
 from lowdiff.engine.replica_process import replica_worker_main
@@ -33,8 +31,6 @@ from lowdiff.engine.snapshot import GradSnapshotter
 from lowdiff.errors import LowDiffError
 from lowdiff.format import layout
 from lowdiff.proc import holder as rp
-from lowdiff.proc.protocol import Close, Kind
-from lowdiff.proc.spawn import trainer_env
 from lowdiff.recovery.job import apply_sharded_state
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state
 from lowdiff.strategy import AUTO, StepGrads
@@ -193,6 +189,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             live.release_owner(self.options.start_timeout)
             raise
         if adopted:
+            core.adopt_recovered(stats, str(core.root), durable=False)
             self._continue_adopted(stats)
         else:
             # the old checkpointing process persists what it has not yet and exits
@@ -245,73 +242,15 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             live.release_owner(self.options.start_timeout)
             raise
         if ctx.all_min([int(adopted)])[0]:
-            self._continue_adopted(stats, barrier=ctx.barrier)
+            core.adopt_recovered(stats, str(core.root), durable=False)
+            ctx.barrier()
+            self._continue_adopted(stats)
             return True
         if adopted:  # another rank could not: every rank starts anew, this one too
             self._give_back_adopted(stats)
         live.release_owner(self.options.start_timeout)
         self._start_after_memory_recovery(stats, barrier=ctx.barrier)
         return True
-
-    def _adopt(self, live: Any, stats: RecoveryStats) -> bool:
-        """Ask the replica's process (whose state this trainer has just copied) to serve
-        this trainer; True once it does (``stats.adopted_pid``), False (and why, in
-        ``memory_miss_reason``) when it cannot: it then still waits to be released."""
-        session = self.session
-        assert session is not None
-        if "address" not in live.doc:
-            self.core.memory_miss_reason = "the replica takes no new trainer"
-            return False
-        core = self.core
-        own, core.run_id = core.run_id, live.descriptor.run_id  # the session goes on as its run
-        _, cfg, n_slots = self._process()
-        why = session.adopt(live.doc, Adopt(os.getpid(), live.step, n_slots, cfg, trainer_env()))
-        live.close()
-        if why:
-            core.run_id = own
-            core.memory_miss_reason = f"cannot take the replica's process over: {why}"
-            return False
-        stats.adopted_pid = live.descriptor.pid
-        return True
-
-    def _give_back_adopted(self, stats: RecoveryStats) -> None:
-        """Let a process taken over go again: it persists what it holds and exits."""
-        session = self.session
-        assert session is not None
-        with contextlib.suppress(Exception):
-            session.request(Close(), Kind.CLOSED)
-            session.join()
-        session.release()
-        stats.adopted_pid = None
-
-    def _continue_adopted(
-        self, stats: RecoveryStats, barrier: Callable[[], None] | None = None
-    ) -> None:
-        """Go on with the process taken over: it holds the state already, and its slots."""
-        core, session = self.core, self.session
-        assert session is not None
-        core.adopt_recovered(stats, str(core.root), durable=False)
-        core.durable = int((session.link.info or {}).get("durable", -1))  # persisted already
-        if barrier is not None:
-            barrier()
-        # the manifest stays as the crashed trainer wrote it: same run, layout, retention
-        self.stager.reset()
-        core.started = True
-        self._started_process()
-
-    def release_stale_holders(self, dirs: list[Path]) -> None:
-        ctx = self.core.dist
-        assert ctx is not None
-        for i, d in enumerate(dirs):
-            if i % ctx.world_size == ctx.rank and d.is_dir():
-                # a replica left by a crashed trainer of another world size: it persists
-                # what it holds and exits (its memory is of no use to this world size)
-                with contextlib.suppress(Exception):
-                    old_id = str(layout.read_manifest(d).get("layout_id"))
-                    wait = self.options.start_timeout
-                    live, _ = rp.find_live_replica(d, old_id, wait_s=wait)
-                    if live is not None:
-                        live.release_owner(wait)
 
     def _start_after_memory_recovery(
         self, stats: RecoveryStats, barrier: Callable[[], None] | None = None

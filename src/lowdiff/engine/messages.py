@@ -132,3 +132,6 @@ class Adopt(Message):
     env: dict[str, str]
     """The trainer's environment, which the process takes as its own (as a process the
     trainer starts does)."""
+    authkey: bytes = b""
+    """The trainer's ``multiprocessing`` key, which the process takes too: a shared tensor
+    the trainer sends later (a staging buffer) is fetched from the trainer with it."""

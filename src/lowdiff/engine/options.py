@@ -98,6 +98,10 @@ class EngineOptions:
                 )
             self._set("remote_bandwidth", float(bw))
         self._set("remote_timeout", check_seconds("remote_timeout", self.remote_timeout))
+        idle = self.idle_timeout
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or idle < 0:
+            raise ValueError(f"idle_timeout must be a number of seconds >= 0, got {idle!r}")
+        self._set("idle_timeout", float(idle))
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -159,8 +163,4 @@ class EngineOptions:
         check_int("max_lag", self.max_lag, 1)
         if self.persist_every != AUTO:
             check_int("persist_every", self.persist_every, 1)
-        idle = self.idle_timeout
-        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or idle < 0:
-            raise ValueError(f"idle_timeout must be a number of seconds >= 0, got {idle!r}")
-        self._set("idle_timeout", float(idle))
         check_int("replica_threads", self.replica_threads, 1)

@@ -11,6 +11,8 @@ agree on one step (:mod:`lowdiff.engine.resume_ddp`).
 from __future__ import annotations
 
 import abc
+import contextlib
+import multiprocessing
 import os
 import time
 from collections.abc import Callable
@@ -18,16 +20,18 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from lowdiff.engine.base import EngineStrategy
-from lowdiff.engine.messages import Full
+from lowdiff.engine.messages import Adopt, Full
 from lowdiff.engine.resume_ddp import resume_ddp
 from lowdiff.engine.session import ProcessSession
 from lowdiff.engine.staging import FullStager
 from lowdiff.errors import LowDiffError
 from lowdiff.format import layout
 from lowdiff.proc import preempt
-from lowdiff.proc.protocol import Flush, Kind
-from lowdiff.proc.spawn import warm_up
+from lowdiff.proc.holder import Survivor, release_survivor, survivor_waits
+from lowdiff.proc.protocol import Close, Flush, Kind
+from lowdiff.proc.spawn import trainer_env, warm_up
 from lowdiff.recovery.job import generations
+from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import is_empty_dir
 from lowdiff.remote.fetch import fetch, has_commits
@@ -40,6 +44,9 @@ class CheckpointingStrategy(EngineStrategy):
 
     initial_message: ClassVar[type[Full]] = Full
     """What the full checkpoint that starts a process is sent as (LowDiff+: ``Init``)."""
+    survivor: Survivor | None = None
+    """The previous trainer's process, found by :meth:`settle_previous_process` and not
+    (yet) taken over; released before a process of this session starts."""
     reseeds_on_resume: ClassVar[bool] = False
     """Whether a process continuing a recovered state needs the state first (LowDiff+'s
     replica does; LowDiff's writer continues the chain on disk)."""
@@ -51,7 +58,8 @@ class CheckpointingStrategy(EngineStrategy):
         self.core.open_directory(directory)
         if self.options.remote is not None:
             preload(self.options.remote)  # before the process server is forked from here
-        warm_up()  # the process server starts while the trainer resumes
+        if not survivor_waits(self.core.root):
+            warm_up()  # the process server starts while the trainer resumes
         opts = self.options
         self.session = ProcessSession(
             self.core, start_timeout=opts.start_timeout, stall_timeout=opts.stall_timeout
@@ -71,8 +79,14 @@ class CheckpointingStrategy(EngineStrategy):
 
     # ------------------------------------------------------------------ the process
     def launch(self) -> None:
-        """Start a checkpointing process for this session (and wait until it is ready)."""
+        """Start a checkpointing process for this session (and wait until it is ready);
+        a previous trainer's process kept for a takeover that did not happen is released
+        first (it exits once it persisted what it holds)."""
         assert self.session is not None
+        if self.survivor is not None:
+            self.survivor.release_owner(self.options.start_timeout)
+            self.survivor = None
+            self.wait_for_previous_writer()
         target, cfg, n_slots = self._process()
         self.stager.reset()
         self.session.launch(target, cfg, n_slots)
@@ -88,8 +102,24 @@ class CheckpointingStrategy(EngineStrategy):
 
     # ------------------------------------------------------------------ start and resume
     def wait_for_previous_writer(self) -> None:
-        """A killed trainer's checkpointing process may still be flushing: wait for it."""
+        """A killed trainer's checkpointing process may still be flushing: wait for it
+        (one kept for a new trainer is released: it exits once it has persisted)."""
         self.core.wait_for_previous_writer(self.options.start_timeout)
+
+    def settle_previous_process(self) -> None:
+        """Before recovering from disk: a killed trainer's checkpointing process may
+        still be writing what it was sent. A process this strategy can take over
+        (:meth:`_find_survivor`) is waited for until it wrote everything and kept in
+        :attr:`survivor`; any other is waited for until it exits."""
+        self.survivor = self._find_survivor()
+        if self.survivor is None:
+            self.wait_for_previous_writer()
+
+    def _find_survivor(self) -> Survivor | None:
+        """The previous trainer's process, done writing and waiting for a new trainer,
+        when this strategy takes such a process over after a recovery from disk
+        (LowDiff's writer); None otherwise."""
+        return None
 
     def start_fresh(self) -> None:
         """A new session in an empty directory: manifest, process, full checkpoint."""
@@ -108,12 +138,74 @@ class CheckpointingStrategy(EngineStrategy):
         core.quarantine_beyond(core.recovery_stats)
         if barrier is not None:
             barrier()
+        if self._take_over_survivor(core.recovery_stats):
+            return core.step
         core.write_manifest(self.options.keep_full)
         self.launch()
         core.started = True
         if self.reseeds_on_resume:
             self.emit_full(core.step, self.initial_message)
         return core.step
+
+    def _take_over_survivor(self, stats: RecoveryStats) -> bool:
+        """Go on with the previous trainer's process (:attr:`survivor`) instead of
+        starting one, when it serves the recovered state's run at the recovered step.
+        Under DDP every rank takes its own over, or none does (a collective call)."""
+        found = self.survivor
+        ok = found is not None and found.descriptor.run_id == stats.state_run_id
+        ok = ok and found is not None and self._adopt(found, stats)
+        ctx = self.core.dist
+        if ctx is not None and not ctx.all_min([int(ok)])[0]:
+            if ok:  # another rank could not: every rank starts anew, this one too
+                self._give_back_adopted(stats)
+            ok = False
+        if ok:
+            self.survivor = None
+            self._continue_adopted(stats)
+        return ok
+
+    def _adopt(self, found: Survivor, stats: RecoveryStats) -> bool:
+        """Ask the previous trainer's process (``found``; the state it serves is loaded
+        here) to serve this trainer; True once it does (``stats.adopted_pid``), False (and
+        why, in ``memory_miss_reason``) when it cannot: it then still waits to be released."""
+        session, core = self.session, self.core
+        assert session is not None
+        if "address" not in found.doc:
+            core.memory_miss_reason = "the process takes no new trainer"
+            return False
+        own, core.run_id = core.run_id, found.descriptor.run_id  # the session goes on as its run
+        _, cfg, n_slots = self._process()
+        key = bytes(multiprocessing.current_process().authkey)
+        why = session.adopt(
+            found.doc, Adopt(os.getpid(), found.step, n_slots, cfg, trainer_env(), key)
+        )
+        found.close()
+        if why:
+            core.run_id = own
+            core.memory_miss_reason = f"cannot take the process over: {why}"
+            return False
+        stats.adopted_pid = found.descriptor.pid
+        return True
+
+    def _give_back_adopted(self, stats: RecoveryStats) -> None:
+        """Let a process taken over go again: it persists what it holds and exits."""
+        session = self.session
+        assert session is not None
+        with contextlib.suppress(Exception):
+            session.request(Close(), Kind.CLOSED)
+            session.join()
+        session.release()
+        stats.adopted_pid = None
+
+    def _continue_adopted(self, stats: RecoveryStats) -> None:
+        """Go on with the process taken over: it holds what it persisted, and its slots;
+        the manifest stays as the previous trainer wrote it (same run, layout, retention)."""
+        core, session = self.core, self.session
+        assert session is not None
+        core.durable = int((session.link.info or {}).get("durable", -1))
+        self.stager.reset()
+        core.started = True
+        self._started_process()
 
     def resume(self) -> int:
         """Restore the newest recoverable state, or prepare an empty directory.
@@ -133,7 +225,7 @@ class CheckpointingStrategy(EngineStrategy):
             return resume_ddp(self)
         if self._resume_from_memory():
             return core.step
-        self.wait_for_previous_writer()
+        self.settle_previous_process()
         core.remove_stale_temps()
         if is_empty_dir(core.root) and not self._fetch_remote():
             self.start_fresh()
@@ -164,9 +256,16 @@ class CheckpointingStrategy(EngineStrategy):
         replica in memory (LowDiff+; a collective call). False when that is not possible."""
         return False
 
-    def release_stale_holders(self, dirs: list[Path]) -> None:  # noqa: B027
+    def release_stale_holders(self, dirs: list[Path]) -> None:
         """Under DDP: let processes left by crashed trainers of other world sizes in
-        ``dirs`` persist what they hold and exit (LowDiff+'s replicas)."""
+        ``dirs`` persist what they hold and exit (their memory is of no use to this world
+        size); each rank releases its share of them."""
+        ctx = self.core.dist
+        assert ctx is not None
+        for i, d in enumerate(dirs):
+            if i % ctx.world_size == ctx.rank and d.is_dir():
+                with contextlib.suppress(Exception):
+                    release_survivor(d, self.options.start_timeout)
 
     def _start_implicit(self) -> None:
         core = self.core

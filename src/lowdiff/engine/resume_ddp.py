@@ -52,7 +52,7 @@ def resume_ddp(s: CheckpointingStrategy) -> int:
     )
     if in_place and s.resume_ddp_from_memory():
         return core.step
-    s.wait_for_previous_writer()
+    s.settle_previous_process()
     others = sorted({d for g in gens for d in g.shard_dirs()} - {core.root})
     s.release_stale_holders(others)
     for d in others:

@@ -75,8 +75,9 @@ class ProcessSession:
 
     # ------------------------------------------------------------------ start
     def launch(self, target: Callable[..., None], cfg: Any, n_slots: int) -> None:
-        """Make ``n_slots`` record slots and fresh counters, start ``target`` and wait
-        until it is ready."""
+        """Make ``n_slots`` record slots and fresh counters and start ``target``; the
+        first request or wait waits until it is ready (its start overlaps with the
+        trainer's work until then)."""
         if self.slots is not None:
             self.slots.release()
         self._drop_segments()
@@ -84,7 +85,7 @@ class ProcessSession:
         ctr = channel.new_counters()
         self.counters = channel.view(ctr)
         self._records_seen = (0, 0, 0, 0)
-        self.link.start(
+        self.link.start_soon(
             target, (cfg, self.slots.tensor, ctr), name="lowdiff-checkpointing", counters=ctr
         )
 

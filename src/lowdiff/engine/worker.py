@@ -33,6 +33,7 @@ never leave the other one blocked (see :mod:`lowdiff.proc.channel`).
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ from lowdiff.proc.channel import (
     STAGING_DONE,
     Counters,
 )
-from lowdiff.proc.link import ChildEnd, run_checkpointing_process
+from lowdiff.proc.link import ChildEnd, exits_within, run_checkpointing_process
 from lowdiff.proc.protocol import (
     Close,
     Closed,
@@ -86,6 +87,12 @@ class WorkerConfig:
     (its first records follow its own step-0 full checkpoint) or an unknown run."""
     remote: RemoteSettings | None = None
     """The remote tier (``remote=``), or None: no upload thread."""
+    idle_timeout: float = 0.0
+    """Seconds the writer waits for a new trainer after its trainer died
+    (:mod:`lowdiff.engine.writer_survivor`); 0: it exits once it wrote what it was sent."""
+    trainer_pid: int = 0
+    """The trainer served: a trainer that let go of the writer while it lives (a
+    Checkpointer dropped without ``close()``) is not waited for."""
 
 
 def retention(
@@ -298,7 +305,8 @@ class _Writer:
         self.root = Path(cfg.root)
         self.slots = slots
         self.counters = counters
-        self.send = end.send
+        self.end = end
+        """The link to the trainer served now (a new one after a takeover)."""
         self.batch = torch.empty((cfg.batch_size, cfg.row_bytes), dtype=torch.uint8)
         self.metas: list[str] = []
         self.steps: list[int] = []
@@ -310,8 +318,8 @@ class _Writer:
             cfg.keep_full,
             self.send,
             announce_durable=True,
-            on_released=lambda: counters.add(STAGING_DONE),
-            progress=lambda _n: counters.add(BEAT),
+            on_released=lambda: self.counters.add(STAGING_DONE),
+            progress=lambda _n: self.counters.add(BEAT),
             on_written=self.upload if remote else None,
             protect=self.not_uploaded if remote else None,
         )
@@ -323,6 +331,14 @@ class _Writer:
         self.follows: str | None = cfg.follows
         """The run whose state the next record file of a resumed session follows: the
         recovered state's run until this session has written a record file, then its own."""
+
+    def send(self, msg: Message) -> None:
+        """To whichever trainer is served now (from any thread)."""
+        self.end.send(msg)
+
+    def durable_now(self) -> int:
+        """The newest step recoverable from what this writer wrote (-1: none yet)."""
+        return max(self.acked, self.full.persisted)
 
     def start_remote(self) -> None:
         """Start the upload thread (once the writer lock is held: it cleans the remote)."""
@@ -472,7 +488,7 @@ class _Writer:
                 self.write_batch()
                 self.wait_full()
                 self.ack()
-                durable = max(self.acked, self.full.persisted)
+                durable = self.durable_now()
                 if isinstance(msg, Close):
                     self.drain_remote()
                     self.send(Closed(durable))
@@ -494,19 +510,30 @@ def worker_main(
     :func:`lowdiff.proc.link.run_checkpointing_process` for its frame: at nice 10 it waits
     for a moment the trainer leaves a core, and its few percent of a core are still far
     below the share that priority gets; SCHED_BATCH was slower end to end)."""
-    end = ChildEnd(requests, results)
-    w = _Writer(cfg, slots, Counters(counters), end)
+    from lowdiff.engine.writer_survivor import WriterSurvivor
+
+    w = _Writer(cfg, slots, Counters(counters), ChildEnd(requests, results))
+    survivor = WriterSurvivor(w)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides
+    signal.signal(signal.SIGTERM, survivor.on_sigterm)
 
     def run() -> None:
         w.start_remote()
-        end.ready()
-        if end.serve(w.handle):
-            # The trainer died without close(): keep every record it managed to send.
-            end.drain(w.handle_orphaned, (Kind.RECORD, Kind.FULL, Kind.STAGE, Kind.BATCH_SIZE))
+        survivor.start()
+        w.end.ready()
+        while w.end.serve(w.handle):
+            # The trainer died without close(): keep every record it managed to send,
+            # then wait for the next trainer (idle_timeout) or exit.
+            w.end.drain(w.handle_orphaned, (Kind.RECORD, Kind.FULL, Kind.STAGE, Kind.BATCH_SIZE))
+            w.end.close()
             w.write_batch()
             w.wait_full()
-            w.drain_remote()
+            if not exits_within(w.cfg.trainer_pid, 0.2) or not survivor.orphaned():
+                w.drain_remote()
+                return
 
     # an error: the full checkpoint in flight completes (or removes its temp file) before
     # the trainer learns of it, so nothing of this process is still writing by then
-    run_checkpointing_process(Path(cfg.root), run, report=end.send, finish=w.wait_full)
+    run_checkpointing_process(
+        Path(cfg.root), run, report=w.send, finish=w.wait_full, cleanup=survivor.teardown
+    )

@@ -12,6 +12,7 @@ the trainer that took it over by its pid (:class:`lowdiff.proc.link.ChildEnd`).
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import queue
 import threading
@@ -204,6 +205,8 @@ def serve_new_trainer(
     :class:`~lowdiff.engine.messages.Adopt`) on ``conn``, after taking on its environment;
     the process's new end of the link, which watches that trainer by its pid."""
     use_env(request.env)
+    if request.authkey:
+        multiprocessing.current_process().authkey = request.authkey
     end = ChildEnd(conn, conn, trainer_pid=request.pid, idle=idle)
     end.ready(info)
     return end

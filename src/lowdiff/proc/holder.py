@@ -340,6 +340,13 @@ def find_live_replica(
     return LiveReplica(found.descriptor, found.ctl, found.state, found.step, doc, arena), "ok"
 
 
+def survivor_waits(root: Path | None) -> bool:
+    """Whether a live process of ``root`` (by its descriptor) may be taken over: the next
+    trainer then need not start the process server ahead of time."""
+    d = None if root is None else read_descriptor(root)
+    return d is not None and d.host == socket.gethostname() and pid_alive(d.pid)
+
+
 def release_survivor(root: Path, wait_s: float) -> bool:
     """Let the process of ``root`` that outlived its trainer (of any layout) persist what
     it holds and exit, when there is one; whether there was."""

@@ -82,6 +82,7 @@ class ProcessLink:
         self._poller: Any = None
         self._sentinel = -1
         self._maybe_gone = True
+        self._await_ready = False
 
     # ------------------------------------------------------------------ start
     def start(
@@ -99,6 +100,27 @@ class ProcessLink:
         """
         self.launch(target, args, name=name, counters=counters)
         self.wait_for(Kind.READY, timeout=self.start_timeout)
+
+    def start_soon(
+        self,
+        target: Callable[..., None],
+        args: tuple[Any, ...],
+        *,
+        name: str,
+        counters: Any = None,
+    ) -> None:
+        """:meth:`start` that waits for the process to be ready only when it is first
+        needed: the first request sent or the first wait (:meth:`ensure_ready`). Its start
+        (taking its locks) overlaps with what the trainer does until then."""
+        self.launch(target, args, name=name, counters=counters)
+        self._await_ready = True
+
+    def ensure_ready(self, check: Callable[[], None] | None = None) -> None:
+        """Wait until a process started with :meth:`start_soon` is ready (at once for
+        any other)."""
+        if self._await_ready:
+            self._await_ready = False
+            self._wait(lambda: self.ready, repr(Kind.READY.value), self.start_timeout, check)
 
     def launch(
         self,
@@ -151,6 +173,7 @@ class ProcessLink:
         self._sentinel = proc.sentinel
         self._poller.register(self._sentinel, select.POLLIN)
         self._maybe_gone = False
+        self._await_ready = False
 
     def attach(
         self,
@@ -186,6 +209,7 @@ class ProcessLink:
         """Send a request; a closed pipe raises why the process is gone."""
         assert self.requests is not None, f"{self.what} is not started"
         with preempt.busy():
+            self.ensure_ready()
             try:
                 self.requests.send(msg)
             except (BrokenPipeError, ConnectionResetError, OSError):
@@ -252,6 +276,7 @@ class ProcessLink:
         """
         assert self.proc is not None, f"{self.what} is not started"
         with preempt.busy():
+            self.ensure_ready(check)
             self._wait(ready, what, timeout, check)
 
     def _wait(
@@ -354,6 +379,18 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc to ask: the signal check stands
     return stat.rsplit(b")", 1)[-1].split()[:1] != [b"Z"]
+
+
+def exits_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone, or goes within ``seconds``: a process that was
+    killed closes its descriptors (its pipes report their end) a moment before it is
+    seen dead."""
+    deadline = time.monotonic() + seconds
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 class RunningProcess:

@@ -1,0 +1,124 @@
+"""LowDiff: the writer outlives a SIGKILLed trainer, writes what it was sent, and the
+next trainer takes it over after recovering from disk (no new process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import lowdiff
+from lowdiff.format import layout
+from lowdiff.proc import holder as rp
+
+from .test_lowdiff_plus_recovery import _process_line, _recovery_line
+from .test_sigkill_recovery import _equal_states, _losses, _run
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+BASE = {"strategy": "lowdiff", "full_every": 5, "batch_size": 3, "idle_timeout": 120}
+
+
+def _wait_gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while rp.pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not rp.pid_alive(pid)
+
+
+def _segments(run_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"lowdiff-{run_id[:16]}")]
+
+
+def test_next_trainer_takes_the_surviving_writer_over(tmp_path):
+    """Two crashes in a row: each next trainer recovers from disk every step it handed
+    over, then takes over the writer that outlived the last one; the run ends
+    bit-identical to an uninterrupted one, and the writer exits at close()."""
+    steps = 24
+    ckdir = tmp_path / "ck"
+    base = dict(BASE, dir=str(ckdir), steps=steps)
+    first, reported = _run(dict(base, sleep=0.02), kill_after=8)
+    started, adopted = _process_line(first)
+    assert adopted == -1 and started > 0
+    survivor = rp.read_descriptor(ckdir)
+    assert survivor is not None and survivor.pid == started and rp.pid_alive(started)
+
+    second, reported2 = _run(dict(base, sleep=0.02), kill_after=17)
+    source, reads = _recovery_line(second)
+    assert source == "disk" and reads > 0
+    start = int(second[0].split()[1])
+    # every step whose step() returned was written by the survivor before it was taken over
+    assert reported <= start <= reported + 1
+    assert _process_line(second) == (started, started)  # taken over, not started anew
+
+    last, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    assert reported2 <= int(last[0].split()[1]) <= reported2 + 1
+    assert _process_line(last) == (started, started)
+    ref, _ = _run(
+        dict(BASE, dir=str(tmp_path / "u"), steps=steps,
+             dump_at={steps: str(tmp_path / "ref.safetensors")})
+    )  # fmt: skip
+    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
+    assert _losses(last) == {s: v for s, v in _losses(ref).items() if s in _losses(last)}
+    # closed: the writer wrote the last step and exited, leaving nothing behind
+    assert _wait_gone(started)
+    assert lowdiff.inspect_dir(ckdir).recoverable[1] == steps
+    assert rp.read_descriptor(ckdir) is None
+    assert not _segments(survivor.run_id)
+
+
+def test_a_trainer_of_another_job_is_refused_and_starts_its_own_writer(tmp_path):
+    """A writer that does not match the new trainer (another ``keep_full``) is not taken
+    over: it exits, and the trainer starts a writer of its own."""
+    ckdir = tmp_path / "ck"
+    base = dict(BASE, dir=str(ckdir), steps=16)
+    first, _ = _run(dict(base, sleep=0.02), kill_after=7)
+    started, _ = _process_line(first)
+    lines, _ = _run(dict(base, keep_full=3))
+    assert _recovery_line(lines)[0] == "disk"
+    pid, adopted = _process_line(lines)
+    assert adopted == -1 and pid != started
+    assert _wait_gone(started)
+
+
+def test_orphaned_writer_exits_after_idle_timeout(tmp_path):
+    """No trainer comes: the writer, having written every record it was sent, exits
+    ``idle_timeout`` later and leaves no descriptor and no shared memory."""
+    ckdir = tmp_path / "ck"
+    _, reported = _run(dict(BASE, dir=str(ckdir), steps=40, sleep=0.02, idle_timeout=1.0),
+                       kill_after=9)  # fmt: skip
+    d = rp.read_descriptor(ckdir)
+    assert d is not None
+    assert _wait_gone(d.pid, 60)
+    assert lowdiff.inspect_dir(ckdir).recoverable[1] >= reported
+    assert rp.read_descriptor(ckdir) is None
+    assert not _segments(d.run_id)
+
+
+def test_killed_trainer_returns_to_a_launcher_that_captures_its_output(tmp_path):
+    """A launcher that reads the trainer's stdout and stderr to their end sees a
+    SIGKILLed trainer end at once, while its writer waits for the next trainer."""
+    ckdir = tmp_path / "ck"
+    _run(dict(BASE, dir=str(ckdir), steps=60, sleep=0.02), kill_after=9, read_to_end=True)
+    d = rp.read_descriptor(ckdir)
+    assert d is not None and rp.pid_alive(d.pid)
+    assert (ckdir / layout.REPLICA_LOG).exists()
+    os.kill(d.pid, signal.SIGTERM)  # released: it exits
+    assert _wait_gone(d.pid, 60)
+    assert rp.read_descriptor(ckdir) is None
+
+
+def test_idle_timeout_zero_keeps_no_writer(tmp_path):
+    """``idle_timeout=0``: the writer of a killed trainer writes what it was sent and
+    exits at once, as before; the next trainer starts its own."""
+    ckdir = tmp_path / "ck"
+    first, reported = _run(dict(BASE, dir=str(ckdir), steps=16, sleep=0.02, idle_timeout=0),
+                           kill_after=7)  # fmt: skip
+    started, _ = _process_line(first)
+    assert _wait_gone(started)
+    assert rp.read_descriptor(ckdir) is None
+    lines, _ = _run(dict(BASE, dir=str(ckdir), steps=16))
+    assert reported <= int(lines[0].split()[1])
+    assert _process_line(lines)[1] == -1
