@@ -151,3 +151,33 @@ def test_rank_killed_between_backward_and_step_with_clipping(torchrun, tmp_path)
     for r in (0, 1):
         want, got = _load(ref / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt")
         assert diff_states(want, got) == []
+
+
+def test_elastic_restarts_take_over_the_surviving_writers(torchrun, tmp_path):
+    """``torchrun --max-restarts 2``: rank 1 SIGKILLed before step 4, later an exception
+    in rank 0 at step 8. Each restarted rank recovers from disk every step its writer was
+    sent, takes that writer over (one writer per rank for the whole job), and the job
+    ends bit-identical to an uninterrupted run."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, run):
+        d.mkdir()
+    common = ("--steps", "12", "--full-every", "5", "--batch-size", "2")
+    torchrun("--dir", str(tmp_path / "ck-ref"), "--out", str(ref), *common)
+    torchrun(
+        "--dir", str(tmp_path / "ck"), "--out", str(run), *common,
+        "--kill-rank", "1", "--kill-at", "4", "--raise-rank", "0", "--raise-at", "8",
+        restarts=2,
+    )  # fmt: skip
+    assert (run / "killed").read_text() == "4 before-forward"
+    assert (run / "raised").read_text() == "8"
+    for r in (0, 1):
+        attempts = sorted(
+            (p.stat().st_mtime_ns, p.read_text(), (run / p.name.replace("start", "process")))
+            for p in run.glob(f"start-rank{r}-*.txt")
+        )
+        assert [a[1].split()[0] for a in attempts] == ["0", "4", "8"]
+        pids = [tuple(map(int, a[2].read_text().split())) for a in attempts]
+        first = pids[0][0]
+        assert pids == [(first, -1), (first, first), (first, first)], pids
+        want, got = _load(ref / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt")
+        assert diff_states(want, got) == []

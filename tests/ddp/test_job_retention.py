@@ -26,7 +26,7 @@ from lowdiff.ddp.context import rank_dir
 from lowdiff.engine.worker import job_retention_floor, job_world_size, retention
 from lowdiff.format import layout
 from lowdiff.format.atomic import FAULT_ENV
-from lowdiff.proc.locks import wait_for_writer
+from lowdiff.proc.holder import wait_until_written
 from lowdiff.recovery.job import job_manifest
 from lowdiff.state.capture import diff_states, snapshot_state
 
@@ -251,7 +251,8 @@ def test_keep_full_1_and_a_rank_killed_during_a_full_checkpoint(tmp_path):
     codes = _run(job, out, tmp_path / "store1", "train")
     assert codes == [-signal.SIGKILL, -signal.SIGKILL]
     for r in range(WORLD):
-        wait_for_writer(rank_dir(job, r), WAIT_S)  # the orphaned checkpointing processes end
+        # the orphaned checkpointing processes wrote what they were sent
+        wait_until_written(rank_dir(job, r), WAIT_S)
 
     r0, r1 = rank_dir(job, 0), rank_dir(job, 1)
     # the condition: rank 1 was killed while writing full-8 (its temp file is left over;

@@ -38,9 +38,10 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
 
     The failure of a method whose state lives on disk only is a stop of its training
     (``close()``, which adds no checkpoint that the interval f does not take; what is
-    durable then is what a SIGKILL would have left). LowDiff+ and Gemini recover from the
-    memory of a process that outlives the trainer, so their trainer is a child process
-    killed with SIGKILL. Each case is restarted ``min(3, repeats)`` times; its row holds
+    durable then is what a SIGKILL would have left). The "(S)" cases are a child trainer
+    killed with SIGKILL whose background process outlives it: Gemini and LowDiff+ recover
+    from its memory, LowDiff from disk (every record it was sent is written), and LowDiff
+    and LowDiff+ take that process over instead of starting one. Each case is restarted ``min(3, repeats)`` times; its row holds
     the median of each timing.
     """
     p = ctx.profile
@@ -68,6 +69,7 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
                 ctx.progress(f"recovery f={f}: {arm.label}")
                 rows.append(_median([_recovery_case(ctx, arm, target) for _ in range(n)]))
         killed = [
+            Arm("LowDiff (S)", "lowdiff", p.ratio, f, (("batch_size", min(b, f)),)),
             Arm("Gemini (S)", "gemini", None, 1, (("persist_every", f),)),
             Arm("LowDiff+ (S)", "lowdiff+", None, f),
         ]

@@ -136,7 +136,7 @@ def plan(ctx: Context, sizes: Sizes, root: Path) -> dict[str, list[Case]]:
                     "lowdiff",
                     s.ratio,
                     p.lowdiff_full_every,
-                    (("batch_size", p.lowdiff_batch),),
+                    (("batch_size", p.lowdiff_batch), ("idle_timeout", IDLE_TIMEOUT_S)),
                 )
             )
         else:

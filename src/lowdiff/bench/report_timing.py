@@ -173,6 +173,31 @@ def _memcpy_line(rows: list[dict[str, Any]]) -> str:
     return ("In the same run: " + "; ".join(parts) + ".") if parts else ""
 
 
+def _ratio_line(rows: list[dict[str, Any]]) -> str:
+    """Each method's restart to the first new step as a ratio of torch.save's at the
+    same f, in the same run."""
+    base = {
+        r["full_every"]: r.get("first_new_step_s")
+        for r in rows
+        if r["method"] == "torch.save" and r.get("first_new_step_s")
+    }
+    parts = []
+    for f, ref in base.items():
+        ratios = [
+            f"{r['method']} {r['first_new_step_s'] / ref:.2f}×"
+            for r in rows
+            if r["full_every"] == f and r["method"] != "torch.save" and r.get("first_new_step_s")
+        ]
+        parts.append(f"f = {f}: " + ", ".join(ratios))
+    if not parts:
+        return ""
+    return (
+        "Restart to the first new step against torch.save's at the same f: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
 def section_recovery(rows: list[dict[str, Any]]) -> str:
     """Exp. 5: each method's recovery costs and restart wall times."""
     rs = rows_of(rows, "recovery")
@@ -205,8 +230,9 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
             "counted from just before the restarted job builds its Checkpointer: resume() "
             "(including starting the strategy's background process), the end of the first "
             "training step after the restart, and the end of the first new step (the lost steps "
-            "retrained, then step 2f). (S): the trainer is SIGKILLed and the new one recovers from the memory "
-            "of the process that outlived it (LowDiff+ then takes that process over). Each row is "
+            "retrained, then step 2f). (S): the trainer is SIGKILLed and its background process outlives "
+            "it; Gemini and LowDiff+ recover from that process's memory, LowDiff from disk, and "
+            "LowDiff and LowDiff+ then take the process over instead of starting one. Each row is "
             f"the median of {_restarts(rs)} restart(s).",
             "",
             table(
@@ -225,6 +251,8 @@ def section_recovery(rows: list[dict[str, Any]]) -> str:
                 ],
                 body,
             ),
+            "",
+            _ratio_line(rs),
             "",
             _memcpy_line(rs),
         ]

@@ -38,6 +38,7 @@ class LowDiffStrategy(CheckpointingStrategy):
 
     name = "lowdiff"
     can_suspend: ClassVar[bool] = True
+    closes_when_dropped: ClassVar[bool] = True
     records_hparams = True
 
     def _records_compressor(self, opts: EngineOptions, dist: DistContext | None) -> Compressor:

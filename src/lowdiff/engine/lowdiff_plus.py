@@ -282,15 +282,3 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
                 self.snapshotter.close()
             self.snapshotter = None
         super()._release()
-
-    def _close_at_exit(self) -> None:
-        core = self.core
-        if core.dist is not None and not core.closed:
-            # A rank exiting without close() under DDP is a failed job that its launcher
-            # will restart: leave the replica running (it persists its state and waits
-            # idle_timeout for a restarted trainer) instead of shutting it down.
-            core.closed = True
-            with contextlib.suppress(Exception):
-                self._release()
-            return
-        super()._close_at_exit()

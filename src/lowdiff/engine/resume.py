@@ -47,6 +47,10 @@ class CheckpointingStrategy(EngineStrategy):
     survivor: Survivor | None = None
     """The previous trainer's process, found by :meth:`settle_previous_process` and not
     (yet) taken over; released before a process of this session starts."""
+    closes_when_dropped: ClassVar[bool] = False
+    """Whether the process exits when a live trainer lets go of it (a Checkpointer dropped
+    without ``close()``), and waits for a next trainer only once its trainer is dead
+    (LowDiff's writer); LowDiff+'s replica keeps the state in memory either way."""
     reseeds_on_resume: ClassVar[bool] = False
     """Whether a process continuing a recovered state needs the state first (LowDiff+'s
     replica does; LowDiff's writer continues the chain on disk)."""
@@ -324,3 +328,19 @@ class CheckpointingStrategy(EngineStrategy):
 
     def _close_session(self) -> None:
         self._request_close()
+
+    def _close_at_exit(self) -> None:
+        core = self.core
+        if core.dist is not None and not core.closed:
+            # A rank exiting without close() under DDP is a failed job that its launcher
+            # will restart: leave the checkpointing process running (it writes or persists
+            # what it holds and waits idle_timeout for a restarted trainer) instead of
+            # shutting it down.
+            core.closed = True
+            if not self.closes_when_dropped:
+                with contextlib.suppress(Exception):
+                    self._release()
+            # else the pipes close as the process ends: a writer that sees its trainer
+            # gone then waits for the next one (one let go by a live trainer exits)
+            return
+        super()._close_at_exit()

@@ -15,7 +15,7 @@ from lowdiff.ddp.context import rank_dir
 from lowdiff.engine.resume_fsdp import resume_fsdp
 from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import layout
-from lowdiff.proc.locks import wait_for_writer
+from lowdiff.proc.holder import wait_until_written
 from lowdiff.recovery.job import (
     generation_dir,
     generations,
@@ -54,10 +54,12 @@ def resume_ddp(s: CheckpointingStrategy) -> int:
         return core.step
     s.settle_previous_process()
     others = sorted({d for g in gens for d in g.shard_dirs()} - {core.root})
-    s.release_stale_holders(others)
+    # the other ranks' processes in this generation are theirs to take over
+    peers = set(newest.shard_dirs()) if in_place and newest is not None else set()
+    s.release_stale_holders([d for d in others if d not in peers])
     for d in others:
         if d.is_dir():
-            wait_for_writer(d, s.options.start_timeout)
+            wait_until_written(d, s.options.start_timeout)
     core.remove_stale_temps()
     ctx.barrier()  # every rank's previous checkpointing process has finished
     held = [d for g in gens for d in g.shard_dirs() if not is_empty_dir(d)]

@@ -91,7 +91,7 @@ class WorkerConfig:
     """Seconds the writer waits for a new trainer after its trainer died
     (:mod:`lowdiff.engine.writer_survivor`); 0: it exits once it wrote what it was sent."""
     trainer_pid: int = 0
-    """The trainer served: a trainer that let go of the writer while it lives (a
+    """The trainer served: a trainer that let go of the writer and lives on (a
     Checkpointer dropped without ``close()``) is not waited for."""
 
 
@@ -499,6 +499,11 @@ class _Writer:
         return True
 
 
+TRAINER_EXIT_S = 2.0
+"""How long a trainer whose end of the pipes closed may take to be seen dead (it closes
+them as it exits) before the writer takes it for one that let go of it and lives on."""
+
+
 def worker_main(
     cfg: WorkerConfig,
     slots: torch.Tensor,
@@ -528,7 +533,7 @@ def worker_main(
             w.end.close()
             w.write_batch()
             w.wait_full()
-            if not exits_within(w.cfg.trainer_pid, 0.2) or not survivor.orphaned():
+            if not exits_within(w.cfg.trainer_pid, TRAINER_EXIT_S) or not survivor.orphaned():
                 w.drain_remote()
                 return
 

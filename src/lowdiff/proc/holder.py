@@ -34,11 +34,12 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import DirectoryLockedError, LowDiffError
 from lowdiff.format.atomic import write_bytes_atomic
 from lowdiff.format.dtypes import dtype_from_name, dtype_name
 from lowdiff.format.sfile import TensorEntry, view_tensors
 from lowdiff.proc.link import pid_alive
+from lowdiff.proc.locks import wait_for_writer
 
 DESCRIPTOR = ".lowdiff.replica.json"
 _MAGIC = b"LDREPL01"
@@ -345,6 +346,42 @@ def survivor_waits(root: Path | None) -> bool:
     trainer then need not start the process server ahead of time."""
     d = None if root is None else read_descriptor(root)
     return d is not None and d.host == socket.gethostname() and pid_alive(d.pid)
+
+
+def survivor_idle(root: Path) -> bool:
+    """Whether the process of ``root`` named by its descriptor lives and waits for a new
+    trainer (ORPHANED): it has written everything its trainer sent."""
+    d = read_descriptor(root)
+    if d is None or d.host != socket.gethostname() or not pid_alive(d.pid):
+        return False
+    try:
+        shm = attach_segment(d.ctl)
+    except (FileNotFoundError, OSError, ValueError):
+        return False
+    try:
+        state, _, doc = ControlBlock(shm).read()
+    except (LowDiffError, ValueError):
+        return False
+    finally:
+        shm.close()
+    return state == STATE_ORPHANED and doc.get("run_id") == d.run_id
+
+
+def wait_until_written(root: Path, timeout: float) -> None:
+    """Wait until no process writes to ``root``: none holds its writer lock, or the one
+    that does waits for a new trainer, having written everything (:func:`survivor_idle`).
+
+    Raises:
+        DirectoryLockedError: still written to after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not survivor_idle(root):
+        try:
+            wait_for_writer(root, min(0.2, max(0.0, deadline - time.monotonic())))
+            return
+        except DirectoryLockedError:
+            if time.monotonic() > deadline:
+                raise
 
 
 def release_survivor(root: Path, wait_s: float) -> bool:

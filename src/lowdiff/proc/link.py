@@ -382,9 +382,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def exits_within(pid: int, seconds: float) -> bool:
-    """Whether process ``pid`` is gone, or goes within ``seconds``: a process that was
-    killed closes its descriptors (its pipes report their end) a moment before it is
-    seen dead."""
+    """Whether process ``pid`` is gone, or goes within ``seconds``: a process closes its
+    descriptors (its pipes report their end) a moment before it is seen dead."""
     deadline = time.monotonic() + seconds
     while pid_alive(pid):
         if time.monotonic() > deadline:

@@ -142,8 +142,8 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
 def _private_stdout() -> None:
     """Print the lines for the harness on a descriptor no child inherits.
 
-    A LowDiff+ replica whose trainer was killed stays alive (up to ``idle_timeout``) for
-    the next trainer; holding the harness's pipe open, it would keep the harness waiting
+    LowDiff's writer and LowDiff+'s replica stay alive after their trainer was killed (up
+    to ``idle_timeout``) for the next trainer; holding the harness's pipe open, it would keep the harness waiting
     for the end of this job's output, and the replica would time out unused.
     """
     sys.stdout.flush()
@@ -157,8 +157,7 @@ def _private_stdout() -> None:
 def main(cfg: dict[str, Any]) -> None:
     import torch
 
-    if cfg.get("strategy", "lowdiff") == "lowdiff+":
-        _private_stdout()
+    _private_stdout()  # LowDiff's writer and LowDiff+'s replica outlive a killed trainer
 
     torch.set_num_threads(1)
     rng = random.Random(cfg["seed"] * 7919 + cfg["start_plan"])

@@ -64,6 +64,8 @@ def checkpointer(directory: str | Path | None, **kw: Any) -> tuple[Any, ...]:
     kw.setdefault("batch_size", BATCH_SIZE)
     kw.setdefault("keep_full", KEEP_FULL)
     kw.setdefault("start_timeout", 60.0)
+    if directory is not None:
+        kw.setdefault("idle_timeout", IDLE_TIMEOUT)
     ck = lowdiff.Checkpointer(model, opt, directory, scheduler=sched, compressor=compressor(), **kw)
     return ck, model, opt, sched
 
