@@ -161,6 +161,20 @@ def main(argv: list[str] | None = None) -> None:
         data, batch_size=16, sampler=sampler, generator=torch.Generator().manual_seed(8)
     )
 
+    trainer, cb = _trainer(args)
+    module = Regressor(args.steps, args.fsdp2)
+    trainer.fit(module, train_dataloaders=loader)
+
+    assert cb.ck is not None
+    if args.dump and (args.fsdp2 or trainer.global_rank == 0):
+        _dump(args.dump, trainer, module, loader, sharded=args.fsdp2)
+    if trainer.global_rank == 0:
+        print(f"stats {cb.ck.stats['records_written']:.0f} records", flush=True)
+        print("done", flush=True)
+
+
+def _trainer(args: argparse.Namespace) -> tuple[pl.Trainer, LowDiffCallback]:
+    """The Trainer and its lowdiff callback: DDP or one process, or FSDP2 with LowDiff+."""
     if args.fsdp2:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -195,15 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    module = Regressor(args.steps, args.fsdp2)
-    trainer.fit(module, train_dataloaders=loader)
-
-    assert cb.ck is not None
-    if args.dump and (args.fsdp2 or trainer.global_rank == 0):
-        _dump(args.dump, trainer, module, loader, sharded=args.fsdp2)
-    if trainer.global_rank == 0:
-        print(f"stats {cb.ck.stats['records_written']:.0f} records", flush=True)
-        print("done", flush=True)
+    return trainer, cb
 
 
 def _dump(
