@@ -8,6 +8,11 @@ torchdata's ``StatefulDataLoader``, so a resumed run goes on with the next batch
 
     python examples/lightning_train.py --dir runs/pl-ddp --devices 2   # DDP, 2 CPU ranks
 
+    # FSDP2 (Lightning's ModelParallelStrategy, fully_shard in configure_model), LowDiff+,
+    # 2 CPU ranks under torchrun; rank 1 SIGKILLs itself after step 9, torchrun restarts
+    torchrun --nproc-per-node 2 --max-restarts 1 examples/lightning_train.py \
+        --dir runs/pl-fsdp2 --devices 2 --fsdp2 --kill-rank 1 --kill-after 9
+
 Needs ``pip install lightning torchdata``.
 """
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -30,12 +36,25 @@ from lowdiff.integrations.lightning import LowDiffCallback
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, total_steps: int) -> None:
+    def __init__(self, total_steps: int, fsdp2: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(64, 1)
         )
         self.total_steps = total_steps
+        self.fsdp2 = fsdp2
+
+    def configure_model(self) -> None:
+        # ModelParallelStrategy calls this once its device mesh is set up
+        if not self.fsdp2:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def training_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
@@ -53,14 +72,25 @@ class Regressor(pl.LightningModule):
 
 class Progress(pl.Callback):
     """Prints one line per step on rank 0 (the tests compare them with an uninterrupted
-    run); with ``exit_after``, every rank exits at once after that step is durable."""
+    run); with ``exit_after``, every rank exits at once after that step is durable; with
+    ``kill``, rank ``kill[0]`` SIGKILLs itself after step ``kill[1]`` on torchrun's first
+    attempt, printing the step lowdiff had made durable by then."""
 
-    def __init__(self, lowdiff_cb: LowDiffCallback, sleep: float, exit_after: int = 0) -> None:
-        self.lowdiff_cb, self.sleep, self.exit_after = lowdiff_cb, sleep, exit_after
+    def __init__(
+        self,
+        lowdiff_cb: LowDiffCallback,
+        sleep: float,
+        exit_after: int = 0,
+        kill: tuple[int, int] = (-1, 0),
+    ) -> None:
+        self.lowdiff_cb, self.sleep = lowdiff_cb, sleep
+        self.exit_after, self.kill = exit_after, kill
 
     def on_train_start(self, trainer, pl_module):
         if trainer.global_rank == 0:
-            print(f"resumed {self.lowdiff_cb.resumed_step}", flush=True)
+            stats = self.lowdiff_cb.ck.recovery_stats if self.lowdiff_cb.ck else None
+            source = "" if stats is None else f" from {stats.source}"
+            print(f"resumed {self.lowdiff_cb.resumed_step}{source}", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         x, _ = batch
@@ -73,12 +103,19 @@ class Progress(pl.Callback):
             )
         if self.sleep:
             time.sleep(self.sleep)
+        ck = self.lowdiff_cb.ck
+        assert ck is not None
         if self.exit_after and trainer.global_step >= self.exit_after:
             # a crash that loses nothing, on every rank at the same step (under DDP a
             # SIGKILL of one process would leave the others waiting in a collective)
-            assert self.lowdiff_cb.ck is not None
-            self.lowdiff_cb.ck.flush()
+            ck.flush()
             os._exit(0)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and self.kill == (trainer.global_rank, trainer.global_step):
+            # torchrun sees the rank fail, stops the other one and restarts the job
+            print(f"kill rank {trainer.global_rank} after step {trainer.global_step} "
+                  f"durable {ck.durable_step}", flush=True)  # fmt: skip
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -92,6 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, default=1, help="CPU ranks (more than 1: DDP)")
     parser.add_argument(
         "--exit-after", type=int, default=0, help="exit on every rank once this step is durable"
+    )
+    parser.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="ModelParallelStrategy: fully_shard (FSDP2) over the ranks, checkpointed by LowDiff+",
+    )
+    parser.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
+    parser.add_argument(
+        "--kill-after", type=int, default=0, help="... after this step, on torchrun's first attempt"
     )
     args = parser.parse_args(argv)
 
@@ -115,46 +161,73 @@ def main(argv: list[str] | None = None) -> None:
         data, batch_size=16, sampler=sampler, generator=torch.Generator().manual_seed(8)
     )
 
-    # error_feedback=False: training after a resume is then bit-identical to a run that
-    # never stopped (with error feedback the residual restarts at zero after a resume)
-    cb = LowDiffCallback(
-        args.dir,
-        compressor=lowdiff.TopK(ratio=0.05, error_feedback=False),
-        full_every=20,
-        batch_size=4,
-    )
+    trainer, cb = _trainer(args)
+    module = Regressor(args.steps, args.fsdp2)
+    trainer.fit(module, train_dataloaders=loader)
+
+    assert cb.ck is not None
+    if args.dump and (args.fsdp2 or trainer.global_rank == 0):
+        _dump(args.dump, trainer, module, loader, sharded=args.fsdp2)
+    if trainer.global_rank == 0:
+        print(f"stats {cb.ck.stats['records_written']:.0f} records", flush=True)
+        print("done", flush=True)
+
+
+def _trainer(args: argparse.Namespace) -> tuple[pl.Trainer, LowDiffCallback]:
+    """The Trainer and its lowdiff callback: DDP or one process, or FSDP2 with LowDiff+."""
+    if args.fsdp2:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # LowDiff+: each rank's replica process holds its shard and persists it every
+        # full_every steps (and at close)
+        cb = LowDiffCallback(args.dir, strategy="lowdiff+", full_every=4)
+        strategy: Any = ModelParallelStrategy(
+            data_parallel_size=args.devices, tensor_parallel_size=1
+        )
+    else:
+        # error_feedback=False: training after a resume is then bit-identical to a run that
+        # never stopped (with error feedback the residual restarts at zero after a resume)
+        cb = LowDiffCallback(
+            args.dir,
+            compressor=lowdiff.TopK(ratio=0.05, error_feedback=False),
+            full_every=20,
+            batch_size=4,
+        )
+        strategy = "ddp" if args.devices > 1 else "auto"
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="cpu",
         devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
-        callbacks=[cb, Progress(cb, args.sleep, args.exit_after)],
+        strategy=strategy,
+        callbacks=[
+            cb,
+            Progress(cb, args.sleep, args.exit_after, (args.kill_rank, args.kill_after)),
+        ],
         enable_checkpointing=False,  # lowdiff checkpoints every step
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    module = Regressor(args.steps)
-    trainer.fit(module, train_dataloaders=loader)
+    return trainer, cb
 
-    assert cb.ck is not None
-    if trainer.global_rank != 0:
-        return
-    print(f"stats {cb.ck.stats['records_written']:.0f} records", flush=True)
-    if args.dump:
-        import safetensors.torch
 
-        from lowdiff.integrations._common import unwrap_optimizer
-        from lowdiff.state.capture import state_tensors
+def _dump(
+    path: str, trainer: pl.Trainer, module: Regressor, loader: StatefulDataLoader, sharded: bool
+) -> None:
+    """The final state as safetensors; under FSDP2 every rank writes its own shard (and RNG)
+    to ``<path>.rank<r>``."""
+    import safetensors.torch
 
-        sched = trainer.lr_scheduler_configs[0].scheduler
-        state = state_tensors(module, unwrap_optimizer(trainer.optimizers[0]), sched)
-        state["trainer.global_step"] = torch.tensor(trainer.global_step)
-        state["trainer.epoch"] = torch.tensor(trainer.current_epoch)
-        state["data.position"] = torch.tensor(loader.state_dict()["_num_yielded"])
-        safetensors.torch.save_file(state, args.dump)
-    print("done", flush=True)
+    from lowdiff.integrations._common import unwrap_optimizer
+    from lowdiff.state.capture import state_tensors
+
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    state = state_tensors(module, unwrap_optimizer(trainer.optimizers[0]), sched)
+    state["trainer.global_step"] = torch.tensor(trainer.global_step)
+    state["trainer.epoch"] = torch.tensor(trainer.current_epoch)
+    state["data.position"] = torch.tensor(loader.state_dict()["_num_yielded"])
+    safetensors.torch.save_file(state, f"{path}.rank{trainer.global_rank}" if sharded else path)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,45 @@ def test_durable_step_after_close_is_the_last_step(tmp_path: Path, strategy: str
     for before, after in got:
         assert before < STEPS  # the last steps were not durable before close() ...
         assert after == STEPS  # ... and close() made them durable, and says so
+
+
+def _survivor(rank: int, job: Path, out: Path, store: Path) -> None:
+    """Rank 1 is SIGKILLed inside step 4, after DDP's all-reduce; rank 0 finishes the step
+    once rank 1 is gone (its exchange of durable steps then fails) and closes, as a
+    framework does on the error a dead peer raised (Lightning's ``on_exception``)."""
+    import os
+    import signal
+    import time
+
+    join_group(rank, WORLD, store)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = lowdiff.Checkpointer(model, opt, job, strategy="lowdiff+", full_every=2)
+    ck.resume()
+    for step in range(4):
+        g = torch.Generator().manual_seed(31 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        ((model(x) - y) ** 2).mean().backward()
+        if step == 3:
+            if rank == 1:
+                (out / "gone").write_text(str(os.getpid()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            while not (out / "gone").exists():
+                time.sleep(0.05)
+            time.sleep(0.5)  # the dead peer's sockets are closed
+        ck.step()
+        opt.zero_grad()
+    ck.close()  # must not fail on the exchange with the dead rank
+    from lowdiff.recovery.scan import make_plan, scan
+
+    (out / "rank0.txt").write_text(str(make_plan(scan(job / "rank-00000"), None).target))
+
+
+@pytest.mark.multiprocess
+def test_close_after_a_peer_died_makes_this_shard_durable(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    codes = run_ranks(_survivor, WORLD, tmp_path / "ck", out, tmp_path / "store")
+    assert codes[0] == 0 and codes[1] == -9
+    assert (out / "rank0.txt").read_text() == "4"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowdiff.bench.core import BenchSettings
+from lowdiff.plan import DEFAULT_MTBF_S
 
 
 @dataclass
@@ -58,11 +59,16 @@ class Profile:
     """Hidden layers of ``fsdp2``'s MLP."""
     fsdp2_steps: int = 20
     """Timed steps per arm of ``fsdp2``."""
+    fsdp2_mtbf_s: float = DEFAULT_MTBF_S
+    """Mean time between failures (seconds) that sets DCP's Young–Daly interval in
+    ``fsdp2`` (lowdiff's default MTBF: 6 hours)."""
 
     def __post_init__(self) -> None:
         for name in ("hot_steps", "fsdp2_width", "fsdp2_depth", "fsdp2_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (0 < self.fsdp2_mtbf_s < float("inf")):
+            raise ValueError(f"fsdp2_mtbf_s must be positive seconds, got {self.fsdp2_mtbf_s!r}")
         for name in ("intervals", "recovery_fulls", "batch_sizes", "replica_threads"):
             vals = getattr(self, name)
             if not vals or any(

@@ -363,8 +363,11 @@ class EngineStrategy(Strategy):
                 if closed:
                     # every step of this shard is durable now: exchange that once more, so
                     # that durable_step says the job's final step (settle() gives up on a
-                    # rank that never closes, and durable_step keeps the older value)
-                    core.job.refresh(core.durable)
+                    # rank that never closes, and durable_step keeps the older value); a
+                    # peer that died fails the exchange (a framework closes on the error
+                    # its death raised): this rank's shard is durable all the same
+                    with contextlib.suppress(RuntimeError):
+                        core.job.refresh(core.durable)
                 core.job.settle()
             if self.session is not None:
                 self.session.join()

@@ -38,6 +38,14 @@ follows from its seed and the epoch, and the callback sets the restored epoch be
 loader fast-forwards (Lightning would set it only afterwards). Other samplers are
 wrapped in Lightning's ``DistributedSamplerWrapper``, whose order depends on how often it
 was iterated.
+
+FSDP2: with ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` and
+``fully_shard`` applied in the module's ``configure_model`` (a 1-D mesh,
+``self.device_mesh["data_parallel"]``), Lightning's model is the ``fully_shard``ed
+module, and ``strategy="lowdiff+"`` checkpoints each rank's own shard (CPU ranks with
+gloo run it; see ``examples/lightning_train.py --fsdp2``). When a rank dies, the others'
+callbacks close on the error its death raised: their replicas persist their shards and
+exit, and the restarted job resumes at the newest step every shard holds.
 """
 
 from __future__ import annotations
