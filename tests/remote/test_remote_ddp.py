@@ -27,28 +27,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowdiff
 from lowdiff.cli.main import main
+from lowdiff.engine.options import EngineOptions
 from lowdiff.remote import RemoteStore, fetch
-from lowdiff.state.capture import diff_states, snapshot_state
+from lowdiff.state.capture import diff_states
 
+from .common import Counter, train_state
 from .conftest import Backend
 
 pytestmark = pytest.mark.multiprocess
 
 WORLD = 2
-
-
-class Counter:
-    """Extra state: a position and a tensor (what a data loader checkpoints)."""
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self.seen = torch.zeros(3, dtype=torch.int64)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"pos": self.pos, "seen": self.seen.clone()}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.pos, self.seen = int(sd["pos"]), sd["seen"].clone()
 
 
 def _build(seed: int) -> tuple[nn.Module, Any, Any, Counter]:
@@ -84,15 +72,8 @@ def _train(
         ck.optimizer.zero_grad()
 
 
-def _state(m: nn.Module, o: Any, s: Any, c: Counter) -> dict[str, torch.Tensor]:
-    out = snapshot_state(m, o, s)
-    out["extra.pos"] = torch.tensor(c.pos)
-    out["extra.seen"] = c.seen.clone()
-    return out
-
-
 def _ck_state(ck: lowdiff.Checkpointer, model: DDP, c: Counter) -> dict[str, torch.Tensor]:
-    return _state(model.module, ck.optimizer, ck.scheduler, c)
+    return train_state(model.module, ck.optimizer, ck.scheduler, c)
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -127,7 +108,10 @@ def _job_then_new_node(
     _train(ck, model, c, rank, steps, steps + 2)
     again = ck.flush(remote=True)
     ck.close()
-    torch.save({"state": state, "resumed": resumed, "again": again}, out / f"new-rank{rank}.pt")
+    torch.save(
+        {"state": state, "resumed": resumed, "again": again, "final": _ck_state(ck, model, c)},
+        out / f"new-rank{rank}.pt",
+    )
     dist.destroy_process_group()
 
 
@@ -210,6 +194,35 @@ def test_a_new_node_recovers_the_job_bit_identically(
     assert store.read_commit("lowdiff.json").size > 0
     for r in range(WORLD):
         assert store.sub(f"rank-{r:05d}").fulls()[0], f"rank {r} committed no full checkpoint"
+    if (strategy, where) == ("lowdiff", "file"):
+        _damaged_newest_full_falls_back(store, tmp_path)
+
+
+def _damaged_newest_full_falls_back(store: RemoteStore, tmp_path: Path) -> None:
+    """Rank 1's newest full checkpoint (8) is truncated on the remote: a reader of the
+    job takes the newest step whose full checkpoint every shard holds intact (4), from
+    every shard, and the records reach the job's last step from there."""
+    shard = store.sub("rank-00001")
+    c = shard.read_commit("full/full-000000000008.safetensors")
+    data = shard.fs.cat_file(shard.key(c.object))
+    shard.fs.pipe_file(shard.key(c.object), data[: len(data) // 2])
+    with pytest.warns(lowdiff.RecoveryWarning, match=r"rank-00001/data/full/full-0+8"):
+        got = fetch(store.url, tmp_path / "down")
+    # rank 0's full-8 may come down too (it was tried first); recovery starts from 4
+    for r in range(WORLD):
+        assert f"rank-0000{r}/full/full-000000000004.safetensors" in got.files
+    assert "rank-00001/full/full-000000000008.safetensors" not in got.files
+    m, o, s, c0 = _build(5)
+    assert lowdiff.restore(tmp_path / "down", m, o, s, extra_state={"data": c0}) == 11
+    final = torch.load(tmp_path / "out" / "new-rank0.pt")["final"]
+    assert diff_states(final, train_state(m, o, s, c0)) == []
+
+
+def test_remote_is_refused_under_fully_shard() -> None:
+    with pytest.raises(ValueError, match=r"fully_shard \(FSDP2\).*does not download its shards"):
+        EngineOptions(remote="file:///x").check_for(
+            "lowdiff+", ddp=True, replica=True, sharded=True
+        )
 
 
 def test_remote_durable_step_is_job_wide_and_retention_keeps_a_common_full(
@@ -233,7 +246,7 @@ def test_remote_durable_step_is_job_wide_and_retention_keeps_a_common_full(
     m, o, s, c = _build(5)
     fetch(url, tmp_path / "down")
     assert lowdiff.restore(tmp_path / "down", m, o, s, extra_state={"data": c}) == 10
-    assert diff_states(got[0]["state"], _state(m, o, s, c)) == []
+    assert diff_states(got[0]["state"], train_state(m, o, s, c)) == []
     assert main(["verify", url]) == 0
     assert "0 bad" in capsys.readouterr().out
     assert main(["inspect", url, "--json"]) == 0
