@@ -4,7 +4,9 @@ When the newest generation of the job has this world size and serves a step, the
 continues in it. Otherwise it reshards: the state is rebuilt from the newest generation
 that serves a step, and a new generation begins in ``DIR/gen-G/`` with a full checkpoint
 at the resumed step; the old generation's files are left as they are. LowDiff+ first
-tries to rebuild the state from every rank's replica in memory.
+tries to rebuild the state from every rank's replica in memory. With ``remote=``, a job
+directory that is empty on every rank (a new node) is first downloaded from the remote
+tier, each rank its share (:func:`fetch_job`), and recovered as a local one.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ Layout under the remote URL ``REMOTE`` (see ``docs/format.md``, "Remote tier"):
   bytes, ``xxh3`` the xxh3-64 of its bytes, ``checksum`` the xxh3-64 of the compact JSON of
   the body. It is written only after the data object is complete and its size checked.
 
+A distributed job's remote tier is one such tier per folder of the job directory
+(``REMOTE/rank-NNNNN/``, ``REMOTE/gen-G/``, ...; :meth:`RemoteStore.sub`), each with its
+own ``data/``, written and cleaned by its own writer.
+
 A reader uses only committed objects and checks size and checksum of every byte it
 downloads; a data object without a commit (a crash between upload and commit) is never
 read and is deleted by the next writer (:meth:`RemoteStore.clean`), with the multipart
