@@ -112,14 +112,16 @@ class Checkpointer:
             ``lowdiff.restore(..., extra_state=...)``. Saved as JSON with tensors inline,
             never pickled; a state that cannot be saved so is a ``TypeError`` at the first
             step naming the object and the value.
-        remote: strategies ``"lowdiff"`` and ``"lowdiff+"``, single process (refused under
-            DDP): a second, remote tier as any fsspec URL (``"s3://bucket/run"``,
-            ``"gcs://..."``, ``"file:///mnt/shared/run"``). The checkpointing process
-            uploads every record file and full checkpoint it writes (LowDiff+: every
-            full checkpoint it persists) in a thread of its own, publishing each through
-            a commit object (see ``docs/format.md``); :attr:`remote_durable_step` says
-            how far it reaches, and ``resume()`` with an empty local directory recovers
-            from it.
+        remote: strategies ``"lowdiff"`` and ``"lowdiff+"``, in one process or under DDP
+            (refused under ``fully_shard``): a second, remote tier as any fsspec URL
+            (``"s3://bucket/run"``, ``"gcs://..."``, ``"file:///mnt/shared/run"``). The
+            checkpointing process uploads every record file and full checkpoint it writes
+            (LowDiff+: every full checkpoint it persists) in a thread of its own,
+            publishing each through a commit object (see ``docs/format.md``);
+            :attr:`remote_durable_step` says how far it reaches, and ``resume()`` with an
+            empty local directory recovers from it. Under DDP each rank uploads its own
+            shard directory to the same relative folder under the URL (rank 0 the job's
+            manifests too).
         remote_options: keyword arguments for the fsspec file system (credentials,
             ``endpoint_url``, ``client_kwargs``, ...), passed through unchanged.
         remote_bandwidth: upload cap in bytes per second; None (default): no cap.
@@ -209,9 +211,11 @@ class Checkpointer:
 
         Args:
             remote: also wait until the remote tier (``remote=``) can recover that step,
-                and return the remote durable step. Raises
+                and return the remote durable step (under DDP the job's: every rank
+                waits for its own uploads, then the ranks take the minimum). Raises
                 :class:`lowdiff.RemoteStorageError` when uploads make no progress for
-                ``remote_timeout`` seconds (the local tier is not affected).
+                ``remote_timeout`` seconds (the local tier is not affected); under DDP
+                on every rank when any rank's uploads stalled.
         """
         if remote:
             return self._impl.flush_remote()
@@ -241,7 +245,12 @@ class Checkpointer:
         """Newest step recoverable from the remote tier (``remote=``): a committed full
         checkpoint and committed record files reaching it. -1 before the first such
         chain, and always without ``remote=``. It trails :attr:`durable_step` by the
-        uploads in flight (``flush(remote=True)`` waits for them)."""
+        uploads in flight (``flush(remote=True)`` waits for them).
+
+        Under DDP: the newest step every rank's shard has committed remotely, exchanged
+        with :attr:`durable_step` in the same background all-reduce (as of the previous
+        ``step()``, never ahead of any shard); after ``flush(remote=True)`` or ``close()``
+        on every rank, the job's last step once every upload is committed."""
         return self._impl.remote_durable_step
 
     @property

@@ -13,27 +13,14 @@ from torch import nn
 
 import lowdiff
 from lowdiff.remote import RemoteStore, fetch
-from lowdiff.state.capture import diff_states, snapshot_state
+from lowdiff.state.capture import diff_states
 
+from .common import Counter, train_state
 from .conftest import Backend, MotoServer, new_bucket
 
 pytestmark = pytest.mark.multiprocess
 
 F, B = 4, 3
-
-
-class Counter:
-    """Extra state: a position and a tensor (what a data loader checkpoints)."""
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self.seen = torch.zeros(3, dtype=torch.int64)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"pos": self.pos, "seen": self.seen.clone()}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.pos, self.seen = int(sd["pos"]), sd["seen"].clone()
 
 
 def _build(seed: int, width: int = 8) -> tuple[nn.Module, Any, Any, Counter]:
@@ -66,13 +53,6 @@ def _train(ck: lowdiff.Checkpointer, m: nn.Module, c: Counter, start: int, stop:
         ck.optimizer.zero_grad()
 
 
-def _state(m: nn.Module, o: Any, s: Any, c: Counter) -> dict[str, torch.Tensor]:
-    out = snapshot_state(m, o, s)
-    out["extra.pos"] = torch.tensor(c.pos)
-    out["extra.seen"] = c.seen.clone()
-    return out
-
-
 def test_every_step_reaches_the_remote_and_a_new_node_recovers_it(
     backend: Backend, tmp_path: Path
 ) -> None:
@@ -85,12 +65,12 @@ def test_every_step_reaches_the_remote_and_a_new_node_recovers_it(
     ck.close()
     assert ck.remote_durable_step == ck.durable_step == 11
     assert ck.stats["remote_errors"] == 0 and ck.stats["remote_files"] >= 5
-    want = _state(m, o, s, c)
+    want = train_state(m, o, s, c)
 
     # on the same node: the local tier
     m1, o1, s1, c1 = _build(1)
     assert lowdiff.restore(tmp_path / "local", m1, o1, s1, extra_state={"data": c1}) == 11
-    local = _state(m1, o1, s1, c1)
+    local = train_state(m1, o1, s1, c1)
     assert diff_states(want, local) == []
 
     # a new node: the local directory is gone; only the newest chain is downloaded
@@ -98,7 +78,7 @@ def test_every_step_reaches_the_remote_and_a_new_node_recovers_it(
     m2, o2, s2, c2 = _build(2)
     ck2 = _ck(m2, o2, s2, c2, tmp_path / "local", backend)
     assert ck2.resume() == 11
-    assert diff_states(local, _state(m2, o2, s2, c2)) == []
+    assert diff_states(local, train_state(m2, o2, s2, c2)) == []
     fulls = sorted(p.name for p in (tmp_path / "local" / "full").glob("*.safetensors"))
     assert fulls == ["full-000000000008.safetensors"]  # one full checkpoint fetched
     _train(ck2, m2, c2, 11, 13)  # training goes on, and so do the uploads
@@ -114,7 +94,7 @@ def test_a_partial_newest_full_checkpoint_falls_back_to_an_older_one(
     ck.resume()
     _train(ck, m, c, 0, 10)
     ck.close()
-    want = _state(m, o, s, c)
+    want = train_state(m, o, s, c)
     store = RemoteStore(backend.url, backend.options)
     newest = store.read_commit("full/full-000000000008.safetensors")
     data = store.fs.cat_file(store.key(newest.object))
@@ -127,7 +107,7 @@ def test_a_partial_newest_full_checkpoint_falls_back_to_an_older_one(
     assert "full/full-000000000008.safetensors" not in got.files
     m2, o2, s2, c2 = _build(2)
     assert lowdiff.restore(tmp_path / "new", m2, o2, s2, extra_state={"data": c2}) == 10
-    assert diff_states(want, _state(m2, o2, s2, c2)) == []
+    assert diff_states(want, train_state(m2, o2, s2, c2)) == []
 
 
 def test_unreachable_endpoint_loses_no_local_step_and_fails_clearly(tmp_path: Path) -> None:
@@ -166,10 +146,10 @@ def test_unreachable_endpoint_loses_no_local_step_and_fails_clearly(tmp_path: Pa
     with pytest.raises(lowdiff.RemoteStorageError):
         ck.close()
     assert ck.durable_step == 8
-    want = _state(m, o, s, c)
+    want = train_state(m, o, s, c)
     m2, o2, s2, c2 = _build(2)
     assert lowdiff.restore(tmp_path / "local", m2, o2, s2, extra_state={"data": c2}) == 8
-    assert diff_states(want, _state(m2, o2, s2, c2)) == []
+    assert diff_states(want, train_state(m2, o2, s2, c2)) == []
 
 
 def test_a_failing_upload_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -231,8 +211,10 @@ def test_kill_between_upload_and_commit_publishes_nothing(
     assert got >= max(acked, 4), (got, acked)  # no acknowledged (or published) step lost
     assert ck2.flush(remote=True) == got
     assert not orphan.exists()
-    assert "full/full-000000000004.safetensors" in store.commits("full")[0]
+    # flush(remote=True) returns once the remote can recover `got`, which full-0 and the
+    # record files committed before the kill may already do: close() drains the uploads
     ck2.close()
+    assert "full/full-000000000004.safetensors" in store.commits("full")[0]
 
 
 @pytest.mark.timeout(120)
@@ -272,12 +254,12 @@ def test_server_killed_mid_upload(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert ck.remote_durable_step < 4
         with pytest.raises(lowdiff.RemoteStorageError):
             ck.close()
-        want = _state(m, o, s, c)
+        want = train_state(m, o, s, c)
     finally:
         server.stop()
     m2, o2, s2, c2 = _build(2)
     assert lowdiff.restore(tmp_path / "local", m2, o2, s2, extra_state={"data": c2}) == 8
-    assert diff_states(want, _state(m2, o2, s2, c2)) == []
+    assert diff_states(want, train_state(m2, o2, s2, c2)) == []
 
 
 def _s3_missing() -> str:
@@ -320,7 +302,7 @@ def test_lowdiff_plus_uploads_its_persisted_checkpoints(backend: Backend, tmp_pa
     assert ck.flush(remote=True) == ck.durable_step == 7
     ck.close()
     assert ck.remote_durable_step == 7
-    want = _state(m, o, s, c)
+    want = train_state(m, o, s, c)
     shutil.rmtree(tmp_path / "local")
     m2, o2, s2, c2 = _build(2)
     ck2 = lowdiff.Checkpointer(
@@ -328,5 +310,5 @@ def test_lowdiff_plus_uploads_its_persisted_checkpoints(backend: Backend, tmp_pa
         extra_state={"data": c2}, remote=backend.url, remote_options=backend.options,
     )  # fmt: skip
     assert ck2.resume() == 7
-    assert diff_states(want, _state(m2, o2, s2, c2)) == []
+    assert diff_states(want, train_state(m2, o2, s2, c2)) == []
     ck2.close()

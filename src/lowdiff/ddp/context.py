@@ -130,44 +130,54 @@ class DistContext:
 
 
 class JobMin:
-    """The minimum of a per-rank, non-decreasing value (a durable step) over the job.
+    """The minimum over the job of per-rank, non-decreasing values (durable steps).
 
-    :meth:`refresh` is called by every rank at the same point of every step: it collects
-    the previous step's all-reduce (long done by then) and starts the next one in the
-    background, so the job-wide value costs no wait. :attr:`value` is therefore the
-    minimum as of the previous step: never more than any rank has, at most a step behind.
-    :meth:`now` is a blocking all-reduce for collective calls (``flush()``).
+    Each rank holds ``width`` figures (the local tier's durable step, the remote tier's);
+    one all-reduce carries them all. :meth:`refresh` is called by every rank at the same
+    point of every step: it collects the previous step's all-reduce (long done by then)
+    and starts the next one in the background, so the job-wide values cost no wait.
+    :attr:`values` are therefore the minima as of the previous step: never more than any
+    rank has, at most a step behind. :meth:`now` is a blocking all-reduce for collective
+    calls (``flush()``).
     """
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(self, ctx: DistContext, width: int = 1) -> None:
         self.ctx = ctx
-        self.value = -1
+        self.values = [-1] * width
         self._t: torch.Tensor | None = None
         self._work: Any = None
+
+    @property
+    def value(self) -> int:
+        """The first figure (the local tier's durable step)."""
+        return self.values[0]
+
+    def _take(self, got: Sequence[int]) -> None:
+        self.values = [max(a, int(b)) for a, b in zip(self.values, got, strict=True)]
 
     def _collect(self) -> None:
         if self._work is not None:
             self._work.wait()
             assert self._t is not None
-            self.value = max(self.value, int(self._t[0]))
+            self._take(self._t.tolist())
             self._work = self._t = None
 
-    def refresh(self, local: int) -> None:
+    def refresh(self, *local: int) -> None:
         self._collect()
-        self._t = self.ctx._t([local])
+        self._t = self.ctx._t(local)
         self._work = dist.all_reduce(
             self._t, op=dist.ReduceOp.MIN, group=self.ctx.group, async_op=True
         )
 
-    def now(self, local: int) -> int:
+    def now(self, *local: int) -> list[int]:
         self._collect()
-        self.value = max(self.value, self.ctx.all_min([local])[0])
-        return self.value
+        self._take(self.ctx.all_min(local))
+        return list(self.values)
 
-    def settle(self, timeout: float = 5.0) -> None:
+    def settle(self, timeout: float = 5.0) -> bool:
         """Collect the all-reduce in flight if it completes within ``timeout`` seconds
         (at close: a peer that died, before or while taking part, must not hang or fail
-        this rank; :attr:`value` then stays what it was)."""
+        this rank; :attr:`values` then stay what they were). Returns whether it did."""
         import time
 
         deadline = time.monotonic() + timeout
@@ -175,11 +185,14 @@ class JobMin:
             if self._work.is_completed():
                 try:
                     self._collect()
-                except RuntimeError:  # the exchange failed (a peer died): keep the value
+                except RuntimeError:  # the exchange failed (a peer died): keep the values
                     self._work = self._t = None
-                return
+                    return False
+                return True
             time.sleep(0.01)
+        done = self._work is None
         self._work = self._t = None
+        return done
 
 
 def detect(model: torch.nn.Module) -> DistContext | None:

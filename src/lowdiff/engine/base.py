@@ -35,6 +35,7 @@ from lowdiff.engine.core import EngineCore
 from lowdiff.engine.gradients import CompressedGradients
 from lowdiff.engine.handover import Handover, OptimizerHooks
 from lowdiff.engine.options import EngineOptions
+from lowdiff.engine.remote_tier import RemoteSettings
 from lowdiff.engine.session import ProcessSession, remote_stalled
 from lowdiff.engine.storage_policy import CheckpointingSuspended, StoragePolicy
 from lowdiff.errors import RemoteStorageError
@@ -85,6 +86,7 @@ class EngineStrategy(Strategy):
             ddp=dist is not None,
             replica=self.keeps_replica,
             can_suspend=self.can_suspend,
+            sharded=dist is not None and dist.sharded,
         )
         self._check_optimizer(optimizer)
         compressor = self._records_compressor(opts, dist)
@@ -101,6 +103,15 @@ class EngineStrategy(Strategy):
         self.policy = StoragePolicy(opts.on_storage_error, core, lambda: core.full_every)
         self.autoplan: AutoPlan | None = None
         self._install(directory)
+
+    def remote_settings(self) -> RemoteSettings | None:
+        """The remote tier as this rank's checkpointing process takes it (under DDP:
+        placed at this shard's folder of the job), or None."""
+        remote, core = self.options.remote_settings(), self.core
+        if remote is None or core.dist is None:
+            return remote
+        assert core.job_root is not None and core.root is not None
+        return remote.for_shard(core.job_root, core.root, core.dist.rank, core.dist.world_size)
 
     # ------------------------------------------------------------------ for the peers
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027
@@ -204,9 +215,15 @@ class EngineStrategy(Strategy):
     def remote_durable_step(self) -> int:
         """Newest step the remote tier (``remote=``) can recover: a committed full
         checkpoint and committed record files reaching it; -1 before the first such
-        chain, and always without ``remote=``."""
+        chain, and always without ``remote=``.
+
+        Under DDP: the newest step that every rank's shard has committed remotely,
+        exchanged with :attr:`durable_step` in the same background all-reduce (so it may
+        trail by a step as well). ``flush(remote=True)`` and ``close()``, called by every
+        rank, bring it up to the job's last step.
+        """
         self._poll()
-        return self.core.remote_durable
+        return self.core.remote_durable_step()
 
     @property
     def stats(self) -> dict[str, float]:
@@ -227,7 +244,7 @@ class EngineStrategy(Strategy):
         ):
             c = self.session.counter
             out.update(
-                remote_durable_step=core.remote_durable,
+                remote_durable_step=core.remote_durable_step(),
                 remote_files=c(channel.REMOTE_FILES),
                 remote_bytes=c(channel.REMOTE_BYTES),
                 remote_upload_s=c(channel.REMOTE_NS) / 1e9,
@@ -290,7 +307,7 @@ class EngineStrategy(Strategy):
         background; every rank calls this at the end of every step)."""
         if self.core.job is not None:
             self._poll()
-            self.core.job.refresh(self.core.durable)
+            self.core.job.refresh(*self.core.figures())
 
     # ------------------------------------------------------------------ flush and close
     def flush(self) -> int:
@@ -311,7 +328,7 @@ class EngineStrategy(Strategy):
         if self.policy.suspended is not None:
             self.policy.warn_not_durable("flush()")
         if core.job is not None:
-            return core.job.now(core.durable)
+            return core.job.now(*core.figures())[0]
         return core.durable
 
     def flush_remote(self) -> int:
@@ -319,9 +336,13 @@ class EngineStrategy(Strategy):
 
         Waits as long as uploads make progress within ``remote_timeout`` seconds; then
         raises :class:`lowdiff.RemoteStorageError` (the local tier is not affected).
+        Under DDP a collective call: each rank waits for its own shard's uploads, then
+        the ranks exchange their remote durable steps (every rank takes part, even one
+        whose wait failed), and each raises when its own wait failed or when the job's
+        remote durable step is behind the job's durable step (another rank's failed).
 
         Returns:
-            The newest step the remote tier can recover.
+            The newest step the remote tier can recover (under DDP: every shard's).
         """
         url = self.options.remote
         if url is None:
@@ -329,9 +350,26 @@ class EngineStrategy(Strategy):
         self.flush()
         core, session = self.core, self.session
         if session is None or not core.started or core.closed or self.policy.suspended:
+            return core.remote_durable_step()
+        failed: RemoteStorageError | None = None
+        try:
+            session.wait_remote(core.durable, self.options.remote_timeout, url)
+        except RemoteStorageError as e:
+            if core.job is None:
+                raise
+            failed = e
+        if core.job is None:
             return core.remote_durable
-        session.wait_remote(core.durable, self.options.remote_timeout, url)
-        return core.remote_durable
+        job_durable, job_remote = core.job.now(*core.figures())
+        if failed is not None:
+            raise failed
+        if job_remote < job_durable:
+            raise RemoteStorageError(
+                f"the remote tier {url} can recover step {job_remote} of the job, the local "
+                f"tier step {job_durable}: another rank's uploads made no progress for "
+                f"{self.options.remote_timeout:g} s (its own error names the failure)"
+            )
+        return job_remote
 
     def close(self) -> None:
         """Flush everything, wait until it is durable and stop the checkpointing process.
@@ -339,7 +377,11 @@ class EngineStrategy(Strategy):
         With ``remote=``: the checkpointing process also waits for its uploads (as long
         as they make progress within ``remote_timeout``); when the remote tier is then
         behind the local one, :class:`lowdiff.RemoteStorageError` is raised after
-        everything is released (the local tier holds every step either way).
+        everything is released (the local tier holds every step either way). Under DDP
+        every rank closes: the ranks exchange both durable steps once more, so that
+        :attr:`durable_step` and :attr:`remote_durable_step` say the job's final figures,
+        and a rank raises when its own uploads stalled or the job's remote durable step
+        is behind the job's durable step.
         """
         core = self.core
         if core.closed:
@@ -348,7 +390,7 @@ class EngineStrategy(Strategy):
         for fn in self._on_close:
             fn()
         core.closed = self.handover.closed = True
-        closed = False
+        closed = settled = False
         try:
             if core.started:
                 self.handover.finish()  # steps driven by the optimizer's hooks
@@ -367,16 +409,28 @@ class EngineStrategy(Strategy):
                     # peer that died fails the exchange (a framework closes on the error
                     # its death raised): this rank's shard is durable all the same
                     with contextlib.suppress(RuntimeError):
-                        core.job.refresh(core.durable)
-                core.job.settle()
+                        core.job.refresh(*core.figures())
+                settled = core.job.settle() and closed
             if self.session is not None:
                 self.session.join()
             self._release()
         if self.policy.suspended is not None:
             self.policy.warn_not_durable("close()")
-        elif closed and self.options.remote is not None and core.remote_durable < core.durable:
+        elif closed and self.options.remote is not None:
+            self._check_remote_closed(settled)
+
+    def _check_remote_closed(self, settled: bool) -> None:
+        """After ``close()``: raise when this rank's remote tier is behind its local one,
+        or (under DDP, once the final exchange ``settled``) the job's is behind the job's."""
+        core, url = self.core, self.options.remote
+        assert url is not None
+        if core.remote_durable < core.durable:
+            raise RemoteStorageError(remote_stalled(url, self.options.remote_timeout, core))
+        if settled and core.job is not None and core.job.values[1] < core.job.values[0]:
             raise RemoteStorageError(
-                remote_stalled(self.options.remote, self.options.remote_timeout, core)
+                f"the remote tier {url} can recover step {core.job.values[1]} of the job, the "
+                f"local tier step {core.job.values[0]}: another rank's uploads stalled (its "
+                "own close() names the failure)"
             )
 
     def _request_close(self) -> None:

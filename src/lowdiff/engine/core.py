@@ -30,10 +30,10 @@ from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
 from lowdiff.proc.holder import release_survivor
 from lowdiff.proc.locks import acquire_flock, lock_holder, wait_for_writer
-from lowdiff.recovery.job import is_job_dir, rank_root
+from lowdiff.recovery.job import generations, is_job_dir, rank_root
 from lowdiff.recovery.quarantine import quarantine_beyond
 from lowdiff.recovery.replay import RecoveryStats, check_compatible
-from lowdiff.recovery.scan import check_directory
+from lowdiff.recovery.scan import check_directory, is_empty_dir
 from lowdiff.state import capture as st
 from lowdiff.state.model_config import model_config_entry
 from lowdiff.state.record import RecordLayout
@@ -85,7 +85,8 @@ class EngineCore:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.compressor = compressor
         self.dist = dist
-        self.job: JobMin | None = None if dist is None else JobMin(dist)
+        self.job: JobMin | None = None if dist is None else JobMin(dist, width=2)
+        """Under DDP: the job-wide minima of :meth:`figures` (local, remote)."""
         self.extra = extra_state
         self.params = st.optimizer_params(model, optimizer)
         if dist is not None and dist.sharded:
@@ -226,6 +227,13 @@ class EngineCore:
         release_survivor(self.root, timeout)
         wait_for_writer(self.root, timeout)
 
+    def job_holds_checkpoints(self) -> bool:
+        """(all ranks, under DDP) Whether any rank finds a checkpoint in the job: in a
+        shard directory of any generation, or in its own shard directory."""
+        assert self.dist is not None and self.job_root is not None and self.root is not None
+        held = any(not is_empty_dir(d) for g in generations(self.job_root) for d in g.shard_dirs())
+        return bool(self.dist.all_max([int(held or not is_empty_dir(self.root))])[0])
+
     def remove_stale_temps(self) -> None:
         """Delete temp files a killed writer left in this directory (never published files)."""
         assert self.root is not None
@@ -305,6 +313,18 @@ class EngineCore:
         self.last_full = stats.full_step
         self.compressor.reset_state()  # error-feedback residuals restart at zero
 
+    def figures(self) -> tuple[int, int]:
+        """This rank's durable steps: the local tier's and the remote tier's (what the
+        ranks exchange under DDP)."""
+        return self.durable, self.remote_durable
+
     def durable_step(self) -> int:
         """This rank's durable step, or under DDP the job's (every shard has it)."""
-        return self.durable if self.job is None else min(self.durable, self.job.value)
+        return self.durable if self.job is None else min(self.durable, self.job.values[0])
+
+    def remote_durable_step(self) -> int:
+        """This rank's remote durable step, or under DDP the job's: the newest step every
+        shard's remote tier can recover (the same minimum as :meth:`durable_step`)."""
+        if self.job is None:
+            return self.remote_durable
+        return min(self.remote_durable, self.job.values[1])

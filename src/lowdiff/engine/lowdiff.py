@@ -89,7 +89,7 @@ class LowDiffStrategy(CheckpointingStrategy):
             core.run_id,
             # lineage: the first record file follows the recovered state's run
             follows=None if stats is None else stats.state_run_id,
-            remote=self.options.remote_settings(),
+            remote=self.remote_settings(),
             idle_timeout=self.options.idle_timeout,
             trainer_pid=os.getpid(),
         )

@@ -89,7 +89,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             opts.idle_timeout,
             opts.replica_threads,
             None if core.dist is None else list(core.shard),
-            remote=opts.remote_settings(),
+            remote=self.remote_settings(),
         )
         return replica_worker_main, cfg, opts.max_lag
 

@@ -112,13 +112,20 @@ class EngineOptions:
         return [k for k in ("full_every", "batch_size") if getattr(self, k) == AUTO]
 
     def check_for(
-        self, strategy: str, *, ddp: bool, replica: bool = False, can_suspend: bool = False
+        self,
+        strategy: str,
+        *,
+        ddp: bool,
+        replica: bool = False,
+        can_suspend: bool = False,
+        sharded: bool = False,
     ) -> None:
         """The rules that depend on the strategy and on DDP.
 
         Args:
             strategy: the strategy's name (for the messages).
-            ddp: whether the model is wrapped in DistributedDataParallel.
+            ddp: whether the model is wrapped in DistributedDataParallel (or sharded).
+            sharded: whether the model is sharded with ``fully_shard`` (FSDP2).
             replica: whether the strategy keeps a CPU replica (LowDiff+): it takes no
                 compressor and no ``"auto"``, and its own options are checked.
             can_suspend: whether the strategy can train on without checkpointing after a
@@ -130,13 +137,17 @@ class EngineOptions:
             )
         if replica:
             self._check_replica()
-        if self.remote is not None and (strategy not in ("lowdiff", "lowdiff+") or ddp):
-            # a DDP job's shards do not upload yet: refused rather than running without
-            # the remote tier the caller asked for
+        if self.remote is not None and strategy not in ("lowdiff", "lowdiff+"):
             raise ValueError(
-                "remote= is supported by strategies 'lowdiff' and 'lowdiff+' in a single "
-                f"process only, got strategy {strategy!r}"
-                f"{' in a distributed job (DDP or fully_shard)' if ddp else ''}"
+                "remote= is supported by strategies 'lowdiff' and 'lowdiff+', got strategy "
+                f"{strategy!r}"
+            )
+        if self.remote is not None and sharded:
+            # refused rather than running without the remote tier the caller asked for
+            raise ValueError(
+                "remote= is not supported under fully_shard (FSDP2) yet: a new node's resume "
+                "of a fully_shard job does not download its shards; use it under DDP or in "
+                "a single process"
             )
         if ddp and self.on_storage_error == "warn":
             raise ValueError(

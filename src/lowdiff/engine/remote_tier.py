@@ -10,11 +10,13 @@ whichever trainer the process serves at that moment.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+from lowdiff.ddp.context import rank_dir
 from lowdiff.engine.messages import RemoteError
 from lowdiff.proc.channel import (
     BEAT,
@@ -40,6 +42,25 @@ class RemoteSettings:
     bandwidth: float | None = None
     timeout: float = 60.0
     """Seconds ``Close`` waits for uploads that make no progress before it answers."""
+    tier: str = ""
+    """Under DDP: the shard directory's folder in the job directory (``url`` is the
+    job's remote tier; see :class:`lowdiff.remote.uploader.Uploader`)."""
+    publishes: tuple[str, ...] = ()
+    """Under DDP: the job's folders whose manifest this rank publishes (rank 0's)."""
+    siblings: tuple[str, ...] = ()
+    """Under DDP: the folders of every shard of this generation (remote retention)."""
+
+    def for_shard(self, job: Path, shard: Path, rank: int, world_size: int) -> RemoteSettings:
+        """These settings for rank ``rank``'s shard directory ``shard`` of the job in
+        ``job``: the job directory's layout, mirrored under ``url``. Rank 0 publishes the
+        job's manifest and its generation's, as it writes them locally."""
+        tier = PurePosixPath(shard.relative_to(job).as_posix())
+        gen = "" if tier.parent == PurePosixPath(".") else tier.parent.as_posix()
+        siblings = tuple(rank_dir(Path(gen), r).as_posix() for r in range(world_size))
+        publishes = tuple(dict.fromkeys(("", gen))) if rank == 0 else ()
+        return dataclasses.replace(
+            self, tier=tier.as_posix(), publishes=publishes, siblings=siblings
+        )
 
 
 def start_uploader(
@@ -78,6 +99,9 @@ def start_uploader(
         on_durable=lambda step: counters().raise_to(REMOTE_DURABLE, step + 1),
         on_progress=progress,
         on_error=error,
+        tier=remote.tier,
+        publishes=remote.publishes,
+        siblings=remote.siblings,
     )
     up.start()
     return up

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from lowdiff.engine.base import EngineStrategy
 from lowdiff.engine.messages import Adopt, Full
-from lowdiff.engine.resume_ddp import resume_ddp
+from lowdiff.engine.resume_ddp import remote_holds_lost_job, resume_ddp
 from lowdiff.engine.session import ProcessSession
 from lowdiff.engine.staging import FullStager
 from lowdiff.errors import LowDiffError
@@ -30,7 +30,6 @@ from lowdiff.proc import preempt
 from lowdiff.proc.holder import Survivor, release_survivor, survivor_waits
 from lowdiff.proc.protocol import Close, Flush, Kind
 from lowdiff.proc.spawn import trainer_env, warm_up
-from lowdiff.recovery.job import generations
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import is_empty_dir
@@ -275,15 +274,16 @@ class CheckpointingStrategy(EngineStrategy):
         core = self.core
         assert core.root is not None
         if core.dist is not None:
-            held = any(
-                not is_empty_dir(d)
-                for g in generations(core.job_root or core.root)
-                for d in g.shard_dirs()
-            )
-            if core.dist.all_max([int(held or not is_empty_dir(core.root))])[0]:
+            if core.job_holds_checkpoints():
                 raise LowDiffError(
                     f"{core.job_root} already holds checkpoints; call ck.resume() on every rank "
                     "before the first step() to continue from them, or use a new directory"
+                )
+            if remote_holds_lost_job(self):
+                raise LowDiffError(
+                    f"the remote tier {self.options.remote} already holds the job's "
+                    "checkpoints; call ck.resume() on every rank before the first step() to "
+                    "continue from them, or use a new remote prefix"
                 )
             resume_ddp(self)
             return

@@ -30,7 +30,7 @@ from lowdiff.recovery.fsdp2 import cut_for_rank, newest_fsdp2_state
 from lowdiff.recovery.job import generation_dir, generations, job_manifest, job_sharding
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state
 from lowdiff.recovery.restore import recover_shard
-from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
+from lowdiff.recovery.scan import make_plan, scan
 from lowdiff.state.sharded import FSDP2
 
 if TYPE_CHECKING:
@@ -68,8 +68,7 @@ def resume_fsdp(s: CheckpointingStrategy) -> int:
             wait_for_writer(d, s.options.start_timeout)
     core.remove_stale_temps()
     ctx.barrier()  # every rank's previous checkpointing process has finished
-    held = any(not is_empty_dir(d) for g in gens for d in g.shard_dirs())
-    if ctx.all_max([int(held or not is_empty_dir(core.root))])[0] == 0:
+    if not core.job_holds_checkpoints():
         core.switch_root(rank_dir(job, ctx.rank))
         if ctx.rank == 0:
             layout.write_manifest(job, job_manifest(ctx.world_size, core.name, sharding=FSDP2))

@@ -11,6 +11,10 @@ Layout under the remote URL ``REMOTE`` (see ``docs/format.md``, "Remote tier"):
   bytes, ``xxh3`` the xxh3-64 of its bytes, ``checksum`` the xxh3-64 of the compact JSON of
   the body. It is written only after the data object is complete and its size checked.
 
+A distributed job's remote tier is one such tier per folder of the job directory
+(``REMOTE/rank-NNNNN/``, ``REMOTE/gen-G/``, ...; :meth:`RemoteStore.sub`), each with its
+own ``data/``, written and cleaned by its own writer.
+
 A reader uses only committed objects and checks size and checksum of every byte it
 downloads; a data object without a commit (a crash between upload and commit) is never
 read and is deleted by the next writer (:meth:`RemoteStore.clean`), with the multipart
@@ -20,6 +24,7 @@ uploads an S3 writer left behind.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import time
@@ -32,6 +37,7 @@ from typing import Any
 import xxhash
 
 from lowdiff.errors import CorruptCheckpointError, RemoteStorageError
+from lowdiff.format import layout
 from lowdiff.format.atomic import atomic_open
 
 COMMIT_SUFFIX = ".commit"
@@ -71,6 +77,10 @@ def preload(url: str) -> None:
         raise RemoteStorageError(
             f"remote={url!r}: no fsspec backend for {protocol!r}: {e}"
         ) from None
+
+
+def _base(name: str) -> str:
+    return name.rsplit("/", 1)[-1]
 
 
 def _canonical(obj: Any) -> bytes:
@@ -168,6 +178,16 @@ class RemoteStore:
         self.bandwidth = bandwidth
         self.progress = progress
 
+    def sub(self, rel: str) -> RemoteStore:
+        """The remote tier in the folder ``rel`` under this one, on the same file system
+        (a distributed job's shard ``rank-NNNNN`` or generation ``gen-G``: each folder of
+        a job directory is a remote tier of its own, with its own ``data/``)."""
+        if not rel:
+            return self
+        out = copy.copy(self)
+        out.url, out.root = f"{self.url}/{rel}", f"{self.root}/{rel}"
+        return out
+
     # ------------------------------------------------------------------ keys
     def key(self, rel: str) -> str:
         return f"{self.root}/{rel}"
@@ -186,6 +206,22 @@ class RemoteStore:
         except FileNotFoundError:
             return []
         return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+    def folders(self, rel: str = "") -> list[str]:
+        """Names of the folders in the remote folder ``rel`` (those of a job's shards and
+        generations, and ``data``, ``full``, ``records``); [] when it is absent."""
+        path = self.key(rel) if rel else self.root
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(path)
+        try:
+            found = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            for e in found
+            if e.get("type") == "directory"
+        )
 
     # ------------------------------------------------------------------ reading commits
     def read_commit(self, name: str) -> Commit:
@@ -214,6 +250,20 @@ class RemoteStore:
             except CorruptCheckpointError as e:
                 bad.append(str(e))
         return out, bad
+
+    def fulls(self) -> tuple[dict[int, Commit], list[str]]:
+        """The committed full checkpoints by step, and the damaged commit objects."""
+        found, bad = self.commits(layout.FULL_DIR)
+        return {
+            s: c for n, c in found.items() if (s := layout.parse_full_name(_base(n))) is not None
+        }, bad
+
+    def records(self) -> tuple[dict[tuple[int, int], Commit], list[str]]:
+        """The committed record files by ``(first, last)``, and the damaged commit objects."""
+        found, bad = self.commits(layout.RECORDS_DIR)
+        return {
+            r: c for n, c in found.items() if (r := layout.parse_records_name(_base(n))) is not None
+        }, bad
 
     # ------------------------------------------------------------------ writing
     def put(self, local: Path, name: str, hook: Callable[[str], None] | None = None) -> Commit:
@@ -387,14 +437,17 @@ class RemoteStore:
         return removed
 
     def _abort_multipart(self) -> list[str]:
-        """Abort the S3 multipart uploads under this root (none on other file systems)."""
+        """Abort the S3 multipart uploads of this tier's data objects (none on other file
+        systems). Only those under its own ``data/``: the tiers of a job's other shards
+        live in folders below this one, and their writers upload concurrently."""
         if not hasattr(self.fs, "list_multipart_uploads"):
             return []
         bucket, _, prefix = self.root.partition("/")
+        mine = f"{prefix}/{DATA_DIR}/" if prefix else f"{DATA_DIR}/"
         removed = []
         for up in self.fs.list_multipart_uploads(bucket):
             key = str(up.get("Key", ""))
-            if prefix and not key.startswith(prefix + "/"):
+            if not key.startswith(mine):
                 continue
             self.fs.call_s3(
                 "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"]

@@ -23,7 +23,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import xxhash
@@ -77,6 +77,14 @@ class Uploader:
         root: the local checkpoint directory (the writer's).
         url, options, bandwidth: see :class:`lowdiff.remote.store.RemoteStore`.
         keep_full: the remote tier's retention (as the local one's), or None.
+        tier: in a distributed job, ``root``'s folder in the job directory
+            (``"rank-00001"``, ``"gen-2/rank-00001"``); ``url`` is then the job's remote
+            tier and ``root``'s goes to ``url/tier``. ``""``: ``root`` is the directory.
+        publishes: folders of the job (``""``: the job directory) whose manifest this
+            uploader also publishes, before any file of its own (rank 0's share).
+        siblings: the folders of every shard of ``root``'s generation (``tier`` among
+            them): remote retention keeps the newest full checkpoint all of them have
+            committed, as local retention does for the local shards.
         on_durable: called with the remote durable step whenever it grows.
         on_progress: called after each chunk sent and each commit (a heartbeat).
         on_error: called with a description of each failed attempt.
@@ -93,8 +101,15 @@ class Uploader:
         on_durable: Callable[[int], None] = lambda _s: None,
         on_progress: Callable[[], None] = lambda: None,
         on_error: Callable[[str], None] = lambda _e: None,
+        tier: str = "",
+        publishes: tuple[str, ...] = (),
+        siblings: tuple[str, ...] = (),
     ) -> None:
         self.root, self.url, self.options = root, url, options
+        self.tier, self.publishes, self.siblings = tier, publishes, siblings
+        self.job_root = root
+        for _ in PurePosixPath(tier).parts:
+            self.job_root = self.job_root.parent
         self.keep_full, self.bandwidth = keep_full, bandwidth
         self.on_durable, self.on_progress, self.on_error = on_durable, on_progress, on_error
         self.cond = threading.Condition()
@@ -111,12 +126,16 @@ class Uploader:
         self.upload_s = 0.0
         self.last_error: str | None = None
         self.last_progress = time.monotonic()
-        self._manifest: bytes | None = None
+        self._manifests: dict[str, bytes] = {}
+        """The manifest bytes last published, by the URL of their tier."""
         self._sent = 0
         """Bytes sent by the current attempt at the current file."""
         self._high = 0
         """The most any attempt at the current file has sent."""
         self.store: RemoteStore | None = None
+        """``root``'s tier (``url/tier``)."""
+        self.job_store: RemoteStore | None = None
+        """The tier at ``url`` (the job's, in a distributed job; else ``store``)."""
         self.thread = threading.Thread(target=self._run, name="lowdiff-upload", daemon=True)
 
     # ------------------------------------------------------------------ the writer's side
@@ -199,12 +218,14 @@ class Uploader:
             pause = min(pause * 2, RETRY_MAX_S)
 
     def _run(self) -> None:
-        self.store = self._retrying(
+        self.job_store = self._retrying(
             f"connecting to {self.url}",
             lambda: RemoteStore(
                 self.url, self.options, bandwidth=self.bandwidth, progress=self._chunk
             ),
         )
+        if self.job_store is not None:
+            self.store = self.job_store.sub(self.tier)
         if (
             self.store is None
             or self._retrying(f"catching up with {self.url}", self._catch_up) is None
@@ -231,8 +252,10 @@ class Uploader:
 
     def _catch_up(self) -> bool:
         """Clean the remote, then queue the local files it lacks (oldest first)."""
-        store = self.store
-        assert store is not None
+        store, job = self.store, self.job_store
+        assert store is not None and job is not None
+        for rel in self.publishes:  # the job's own folders hold its manifests alone
+            job.sub(rel).clean()
         store.clean()
         known: dict[str, Commit] = {}
         for folder in (layout.FULL_DIR, layout.RECORDS_DIR):
@@ -263,22 +286,28 @@ class Uploader:
         return True
 
     def _upload_manifest(self) -> None:
-        """Upload the manifest when it changed since the last upload."""
-        path = self.root / layout.MANIFEST
+        """Upload the manifests that changed since their last upload: the job's
+        (``publishes``) first, then that of ``root``."""
+        assert self.store is not None and self.job_store is not None
+        for rel in self.publishes:
+            self._publish_manifest(self.job_root / rel, self.job_store.sub(rel))
+        self._publish_manifest(self.root, self.store)
+
+    def _publish_manifest(self, local: Path, store: RemoteStore) -> None:
+        path = local / layout.MANIFEST
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             return
-        if raw == self._manifest:
+        if raw == self._manifests.get(store.url):
             return
-        assert self.store is not None
         with contextlib.suppress(FileNotFoundError):
-            c = self.store.read_commit(layout.MANIFEST)
+            c = store.read_commit(layout.MANIFEST)
             if (c.size, c.xxh3) == (len(raw), xxhash.xxh3_64_hexdigest(raw)):
-                self._manifest = raw
+                self._manifests[store.url] = raw
                 return
-        self.store.put(path, layout.MANIFEST)
-        self._manifest = raw
+        store.put(path, layout.MANIFEST)
+        self._manifests[store.url] = raw
 
     def _upload(self, name: str) -> bool:
         store = self.store
@@ -324,23 +353,37 @@ class Uploader:
         record files that reach them; unpublish the rest (commit first, then data)."""
         store = self.store
         assert store is not None and self.keep_full is not None
-        fulls, _ = store.commits(layout.FULL_DIR)
-        steps = sorted(
-            s for n in fulls if (s := layout.parse_full_name(n.split("/")[-1])) is not None
-        )
+        fulls = store.fulls()[0]
+        steps = sorted(fulls)
         if len(steps) <= self.keep_full:
             return
         oldest_kept = steps[-self.keep_full]
-        records, _ = store.commits(layout.RECORDS_DIR)
-        for n in records:
-            r = layout.parse_records_name(n.split("/")[-1])
-            if r is not None and r[1] < oldest_kept:
-                store.delete(n)
+        if self.siblings:
+            oldest_kept = min(oldest_kept, self._job_floor())
+        for r, c in store.records()[0].items():
+            if r[1] < oldest_kept:
+                store.delete(c.name)
                 self.records.discard(r)
         for s in steps:
             if s < oldest_kept:
-                store.delete(f"{layout.FULL_DIR}/{layout.full_path(Path(), s).name}")
+                store.delete(fulls[s].name)
                 self.fulls.discard(s)
+
+    def _job_floor(self) -> int:
+        """The newest full checkpoint every shard of the generation has committed (0 when
+        none is common, or a shard cannot be listed: nothing goes). The argument of
+        :func:`lowdiff.engine.worker.job_retention_floor` holds here too: each shard
+        commits in step order and deletes only below a step it has seen in every shard."""
+        job = self.job_store
+        assert job is not None
+        common: set[int] | None = None
+        for rel in self.siblings:
+            try:
+                steps = set(job.sub(rel).fulls()[0])
+            except Exception:  # noqa: BLE001 -- any failure of the store: keep everything
+                return 0
+            common = steps if common is None else common & steps
+        return max(common) if common else 0
 
 
 _POINTS = {"chunk": "upload_chunk", "commit": "before_commit"}
