@@ -65,7 +65,6 @@ from lowdiff.proc.protocol import (
     Flushed,
     Kind,
     Message,
-    Refused,
     unexpected,
 )
 from lowdiff.proc.spawn import release_trainer_stdio
@@ -246,7 +245,7 @@ class ReplicaProcess:
         durable = persister.persisted
         self.end = adopt.serve_new_trainer(  # the persist thread reports to it from here on
             conn, msg, dict(info, durable=durable, adoptions=self.adoptions),
-            self._refuse_newcomers,
+            adopt.refusing_newcomers(listener, "replica", lambda: self.released),
         )  # fmt: skip
         if persister.persisted > durable:  # finished in between: reported to nobody
             self.end.send(Durable(persister.persisted))
@@ -284,13 +283,6 @@ class ReplicaProcess:
         if old is not None:
             old.unlink()
         return made.info
-
-    def _refuse_newcomers(self) -> bool:
-        """(serving a trainer that took the process over, no request for a while) Answer
-        any other trainer that tries to; True once the process is released."""
-        if self.listener is not None:
-            self.listener.refuse_waiting(Refused("another trainer took this replica over"))
-        return self.released
 
     def teardown(self) -> None:
         if self.listener is not None:

@@ -85,8 +85,12 @@ class ProcessSession:
         ctr = channel.new_counters()
         self.counters = channel.view(ctr)
         self._records_seen = (0, 0, 0, 0)
-        self.link.start_soon(
-            target, (cfg, self.slots.tensor, ctr), name="lowdiff-checkpointing", counters=ctr
+        self.link.start(
+            target,
+            (cfg, self.slots.tensor, ctr),
+            name="lowdiff-checkpointing",
+            counters=ctr,
+            wait=False,
         )
 
     def adopt(self, published: dict[str, Any], request: Message) -> str:

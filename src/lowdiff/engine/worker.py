@@ -46,6 +46,7 @@ import torch
 
 from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, Stage
 from lowdiff.engine.remote_tier import RemoteSettings, drain, start_uploader
+from lowdiff.engine.writer_survivor import WriterSurvivor
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
@@ -515,8 +516,6 @@ def worker_main(
     :func:`lowdiff.proc.link.run_checkpointing_process` for its frame: at nice 10 it waits
     for a moment the trainer leaves a core, and its few percent of a core are still far
     below the share that priority gets; SCHED_BATCH was slower end to end)."""
-    from lowdiff.engine.writer_survivor import WriterSurvivor
-
     w = _Writer(cfg, slots, Counters(counters), ChildEnd(requests, results))
     survivor = WriterSurvivor(w)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer's close() decides

@@ -30,7 +30,7 @@ import os
 import socket
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lowdiff.engine.messages import Adopt
 from lowdiff.engine.remote_tier import announce
@@ -38,11 +38,7 @@ from lowdiff.format import layout
 from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
 from lowdiff.proc.channel import DURABLE
-from lowdiff.proc.protocol import Refused
 from lowdiff.proc.spawn import release_trainer_stdio
-
-if TYPE_CHECKING:
-    from lowdiff.engine.worker import _Writer
 
 CTL_BYTES = 64 << 10
 """The writer's control block: a header and a short JSON document."""
@@ -54,7 +50,8 @@ _MATCH = ("run_id", "layout_id", "row_bytes", "keep_full", "remote")
 class WriterSurvivor:
     """The part of LowDiff's writer that outlives its trainer (see the module docstring)."""
 
-    def __init__(self, w: _Writer) -> None:
+    def __init__(self, w: Any) -> None:
+        """``w``: the writer (:class:`lowdiff.engine.worker._Writer`)."""
         self.w = w
         self.root = Path(w.cfg.root)
         self.released = False
@@ -107,9 +104,7 @@ class WriterSurvivor:
 
     def _mismatch(self, msg: Any) -> str:
         """Why the trainer that sent ``msg`` may not take the writer over ('' if it may)."""
-        from lowdiff.engine.worker import WorkerConfig
-
-        if not isinstance(msg, Adopt) or not isinstance(msg.cfg, WorkerConfig):
+        if not isinstance(msg, Adopt) or type(msg.cfg) is not type(self.w.cfg):
             return "not a request to take over a LowDiff writer"
         mine, theirs = self.w.cfg, msg.cfg
         for field in _MATCH:
@@ -159,16 +154,9 @@ class WriterSurvivor:
         self.ctl.write(rp.STATE_RUNNING, durable, self._doc())
         w.end = adopt.serve_new_trainer(
             conn, msg, dict(made.info, durable=durable, adoptions=self.adoptions),
-            self._refuse_newcomers,
+            adopt.refusing_newcomers(listener, "writer", lambda: self.released),
         )  # fmt: skip
         return True
-
-    def _refuse_newcomers(self) -> bool:
-        """(serving a trainer that took the writer over) Answer any other trainer that
-        tries to; True once the writer is released."""
-        if self.listener is not None:
-            self.listener.refuse_waiting(Refused("another trainer took this writer over"))
-        return self.released
 
     def teardown(self) -> None:
         if self.listener is not None:

@@ -198,6 +198,19 @@ class TrainerSegments:
         self.segments = []
 
 
+def refusing_newcomers(
+    listener: AdoptionListener, what: str, released: Callable[[], bool]
+) -> Callable[[], bool]:
+    """The ``idle`` check of a process serving a trainer that took it over: answer any
+    other trainer that tries to, and say whether the process was released."""
+
+    def idle() -> bool:
+        listener.refuse_waiting(Refused(f"another trainer took this {what} over"))
+        return released()
+
+    return idle
+
+
 def serve_new_trainer(
     conn: Connection, request: Any, info: dict[str, Any], idle: Callable[[], bool]
 ) -> ChildEnd:

@@ -92,31 +92,23 @@ class ProcessLink:
         *,
         name: str,
         counters: Any = None,
+        wait: bool = True,
     ) -> None:
         """Start ``target(*args, requests, results)`` in a new process; wait until ready.
 
         ``counters`` is the shared counter tensor the process writes (its ``BEAT`` tells a
         slow process from a stuck one); without it, waits watch liveness and messages only.
+        ``wait=False`` waits for the process to be ready only when it is first needed: the
+        first request sent or the first wait (:meth:`ensure_ready`); its start (taking its
+        locks) overlaps with what the trainer does until then.
         """
         self.launch(target, args, name=name, counters=counters)
-        self.wait_for(Kind.READY, timeout=self.start_timeout)
-
-    def start_soon(
-        self,
-        target: Callable[..., None],
-        args: tuple[Any, ...],
-        *,
-        name: str,
-        counters: Any = None,
-    ) -> None:
-        """:meth:`start` that waits for the process to be ready only when it is first
-        needed: the first request sent or the first wait (:meth:`ensure_ready`). Its start
-        (taking its locks) overlaps with what the trainer does until then."""
-        self.launch(target, args, name=name, counters=counters)
         self._await_ready = True
+        if wait:
+            self.ensure_ready()
 
     def ensure_ready(self, check: Callable[[], None] | None = None) -> None:
-        """Wait until a process started with :meth:`start_soon` is ready (at once for
+        """Wait until a process started with ``start(wait=False)`` is ready (at once for
         any other)."""
         if self._await_ready:
             self._await_ready = False
