@@ -201,6 +201,7 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
         "Naive DC w/o OC",
         "Naive DC w/ OC",
         "LowDiff",
+        "LowDiff (S)",
         "Gemini (S)",
         "LowDiff+ (S)",
     }
@@ -212,6 +213,8 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
         if r["retrained_steps"] == 0:
             assert r["first_step_s"] == r["first_new_step_s"] and r["retrain_s"] == 0, r
     assert rec["LowDiff"]["recovered_step"] == 3 and rec["LowDiff"]["records_replayed"] == 1
+    # the killed LowDiff trainer: every record it was sent is written, read from disk
+    assert rec["LowDiff (S)"]["recovered_step"] == 3 and rec["LowDiff (S)"]["source"] == "disk"
     assert rec["LowDiff+ (S)"]["source"] == "memory" and rec["Gemini (S)"]["source"] == "memory"
     assert rec["torch.save"]["recovered_step"] == 2 and rec["torch.save"]["retrain_s"] > 0
     ratio = {r["ratio"]: r for r in by_exp["ratio"]}
@@ -230,6 +233,7 @@ def test_every_experiment_end_to_end(tmp_path: Path) -> None:
         "frequency",
         "Recovery",
         "to first new step",
+        "against torch.save's at the same f",
         "Batched writes",
         "Storage",
         "Compression ratio",

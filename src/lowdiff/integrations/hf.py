@@ -55,7 +55,7 @@ from lowdiff.integrations._common import (
     unwrap_optimizer,
     unwrap_scheduler,
 )
-from lowdiff.proc.locks import wait_for_writer
+from lowdiff.proc.holder import wait_until_written
 
 log = logging.getLogger("lowdiff.integrations.hf")
 
@@ -155,7 +155,8 @@ class LowDiffCallback(TrainerCallback):
         if not self.directory.exists():
             return None
         # a killed trainer's checkpointing process may still be writing its last records
-        wait_for_writer(self.directory, float(self.options.get("start_timeout", 120.0)))
+        # (then it waits for the next trainer, which takes it over)
+        wait_until_written(self.directory, float(self.options.get("start_timeout", 120.0)))
         found = saved_extra(self.directory)
         if found is None:
             return None
