@@ -153,6 +153,16 @@ def test_rank_killed_between_backward_and_step_with_clipping(torchrun, tmp_path)
         assert diff_states(want, got) == []
 
 
+def attempts(run: Path, rank: int) -> tuple[list[str], list[tuple[int, ...]]]:
+    """Rank ``rank``'s attempts under torchrun, oldest first: where each resumed
+    (``"step source"``) and (its checkpointing process's pid, the pid it took over or -1)."""
+    found = sorted(
+        (p.stat().st_mtime_ns, p.read_text(), run / p.name.replace("start", "process"))
+        for p in run.glob(f"start-rank{rank}-*.txt")
+    )
+    return [a[1] for a in found], [tuple(map(int, a[2].read_text().split())) for a in found]
+
+
 def test_elastic_restarts_take_over_the_surviving_writers(torchrun, tmp_path):
     """``torchrun --max-restarts 2``: rank 1 SIGKILLed before step 4, later an exception
     in rank 0 at step 8. Each restarted rank recovers from disk every step its writer was
@@ -171,12 +181,8 @@ def test_elastic_restarts_take_over_the_surviving_writers(torchrun, tmp_path):
     assert (run / "killed").read_text() == "4 before-forward"
     assert (run / "raised").read_text() == "8"
     for r in (0, 1):
-        attempts = sorted(
-            (p.stat().st_mtime_ns, p.read_text(), (run / p.name.replace("start", "process")))
-            for p in run.glob(f"start-rank{r}-*.txt")
-        )
-        assert [a[1].split()[0] for a in attempts] == ["0", "4", "8"]
-        pids = [tuple(map(int, a[2].read_text().split())) for a in attempts]
+        starts, pids = attempts(run, r)
+        assert [a.split()[0] for a in starts] == ["0", "4", "8"]
         first = pids[0][0]
         assert pids == [(first, -1), (first, first), (first, first)], pids
         want, got = _load(ref / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt")

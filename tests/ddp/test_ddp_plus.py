@@ -20,7 +20,7 @@ from lowdiff.format import layout
 from lowdiff.state.capture import diff_states
 from lowdiff.state.record import RecordLayout
 
-from .test_ddp_lowdiff import _load
+from .test_ddp_lowdiff import _load, attempts
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -107,12 +107,8 @@ def test_elastic_restarts_take_over_the_surviving_replica_processes(torchrun, tm
     assert (run / "killed").read_text() == "4 before-forward"
     assert (run / "raised").read_text() == "8"
     for r in (0, 1):
-        attempts = sorted(
-            (p.stat().st_mtime_ns, p.read_text(), (run / p.name.replace("start", "process")))
-            for p in run.glob(f"start-rank{r}-*.txt")
-        )
-        assert [a[1] for a in attempts] == ["0 fresh", "4 memory", "8 memory"]
-        pids = [tuple(map(int, a[2].read_text().split())) for a in attempts]
+        starts, pids = attempts(run, r)
+        assert starts == ["0 fresh", "4 memory", "8 memory"]
         first = pids[0][0]
         # one replica process per rank for the whole job: each restart took it over
         assert pids == [(first, -1), (first, first), (first, first)], pids
