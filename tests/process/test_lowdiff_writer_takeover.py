@@ -83,6 +83,36 @@ def test_a_trainer_of_another_job_is_refused_and_starts_its_own_writer(tmp_path)
     assert _wait_gone(started)
 
 
+def test_a_writer_whose_chain_the_recovery_does_not_reach_is_not_taken_over(tmp_path):
+    """The newest record file is damaged after the writer wrote it: the recovery stops
+    before the end of the writer's chain, so the writer (asked while the state was being
+    recovered) is let go instead of taken over, and the trainer starts its own; the run
+    still ends bit-identical to an uninterrupted one, with nothing left in /dev/shm."""
+    steps = 20
+    ckdir = tmp_path / "ck"
+    base = dict(BASE, dir=str(ckdir), steps=steps)
+    first, _ = _run(dict(base, sleep=0.02), kill_after=8)  # past the full at 5
+    started, _ = _process_line(first)
+    survivor = rp.read_descriptor(ckdir)
+    assert survivor is not None and rp.pid_alive(started)
+    written = lowdiff.inspect_dir(ckdir).recoverable[1]
+    newest = max((ckdir / "records").glob("rec-*.safetensors"))  # rec-FIRST-LAST, zero-padded
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+
+    lines, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    start = int(lines[0].split()[1])
+    assert start < written  # the damage made the recovery stop short of the writer's chain
+    pid, adopted = _process_line(lines)
+    assert adopted == -1 and pid != started
+    assert _wait_gone(started)
+    ref, _ = _run(
+        dict(BASE, dir=str(tmp_path / "u"), steps=steps,
+             dump_at={steps: str(tmp_path / "ref.safetensors")})
+    )  # fmt: skip
+    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
+    assert not _segments(survivor.run_id)
+
+
 def test_orphaned_writer_exits_after_idle_timeout(tmp_path):
     """No trainer comes: the writer, having written every record it was sent, exits
     ``idle_timeout`` later and leaves no descriptor and no shared memory."""
@@ -108,6 +138,7 @@ def test_killed_trainer_returns_to_a_launcher_that_captures_its_output(tmp_path)
     os.kill(d.pid, signal.SIGTERM)  # released: it exits
     assert _wait_gone(d.pid, 60)
     assert rp.read_descriptor(ckdir) is None
+    assert not _segments(d.run_id)  # the slots it made ahead for the next trainer too
 
 
 def test_idle_timeout_zero_keeps_no_writer(tmp_path):

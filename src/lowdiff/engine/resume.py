@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from lowdiff.engine.base import EngineStrategy
 from lowdiff.engine.messages import Adopt, Full
 from lowdiff.engine.resume_ddp import remote_holds_lost_job, resume_ddp
-from lowdiff.engine.session import ProcessSession
+from lowdiff.engine.session import Accepted, EarlyAnswer, ProcessSession, ask_to_take_over
 from lowdiff.engine.staging import FullStager
 from lowdiff.errors import LowDiffError
 from lowdiff.format import layout
@@ -155,7 +155,13 @@ class CheckpointingStrategy(EngineStrategy):
         starting one, when it serves the recovered state's run at the recovered step.
         Under DDP every rank takes its own over, or none does (a collective call)."""
         found = self.survivor
-        ok = found is not None and found.descriptor.run_id == stats.state_run_id
+        ok = (
+            found is not None
+            and found.descriptor.run_id == stats.state_run_id
+            and found.step == stats.step
+        )
+        if not ok:
+            self._drop_early_answer()
         ok = ok and found is not None and self._adopt(found, stats)
         ctx = self.core.dist
         if ctx is not None and not ctx.all_min([int(ok)])[0]:
@@ -167,6 +173,42 @@ class CheckpointingStrategy(EngineStrategy):
             self._continue_adopted(stats)
         return ok
 
+    _early: EarlyAnswer | None = None
+    """The survivor's answer to a request sent while the state was recovered from disk."""
+
+    def _adoption_request(self, found: Survivor) -> Adopt:
+        """The request to take ``found`` over (this session continues its run)."""
+        core = self.core
+        own, core.run_id = core.run_id, found.descriptor.run_id
+        try:
+            _, cfg, n_slots = self._process()
+        finally:
+            core.run_id = own
+        key = bytes(multiprocessing.current_process().authkey)
+        return Adopt(os.getpid(), found.step, n_slots, cfg, trainer_env(), key)
+
+    def _ask_survivor_early(self) -> None:
+        """(one process) Ask the survivor found by :meth:`settle_previous_process` to
+        serve this trainer on a thread, while the state is recovered from disk: its
+        answer is waited for only by :meth:`_adopt` (its request names the step it
+        holds, and is used only if the recovery reaches that same step)."""
+        found = self.survivor
+        if found is None or "address" not in found.doc or self.core.dist is not None:
+            return
+        assert self.session is not None
+        self._early = EarlyAnswer(
+            found.doc, self._adoption_request(found), self.session.link.start_timeout
+        )
+
+    def _drop_early_answer(self) -> None:
+        """An early request's answer that will not be used: a process that accepted is
+        let go again (it exits once it has persisted; :meth:`launch` waits for it)."""
+        early, self._early = self._early, None
+        if early is not None:
+            answer = early.result()
+            if isinstance(answer, Accepted):
+                answer.give_up()
+
     def _adopt(self, found: Survivor, stats: RecoveryStats) -> bool:
         """Ask the previous trainer's process (``found``; the state it serves is loaded
         here) to serve this trainer; True once it does (``stats.adopted_pid``), False (and
@@ -176,17 +218,19 @@ class CheckpointingStrategy(EngineStrategy):
         if "address" not in found.doc:
             core.memory_miss_reason = "the process takes no new trainer"
             return False
-        own, core.run_id = core.run_id, found.descriptor.run_id  # the session goes on as its run
-        _, cfg, n_slots = self._process()
-        key = bytes(multiprocessing.current_process().authkey)
-        why = session.adopt(
-            found.doc, Adopt(os.getpid(), found.step, n_slots, cfg, trainer_env(), key)
-        )
+        early, self._early = self._early, None
+        if early is not None:
+            answer = early.result()
+        else:
+            answer = ask_to_take_over(
+                found.doc, self._adoption_request(found), session.link.start_timeout
+            )
+        why = session.attach_accepted(answer)
         found.close()
         if why:
-            core.run_id = own
             core.memory_miss_reason = f"cannot take the process over: {why}"
             return False
+        core.run_id = found.descriptor.run_id  # the session goes on as its run
         stats.adopted_pid = found.descriptor.pid
         return True
 
@@ -229,14 +273,19 @@ class CheckpointingStrategy(EngineStrategy):
         if self._resume_from_memory():
             return core.step
         self.settle_previous_process()
-        core.remove_stale_temps()
-        if is_empty_dir(core.root) and not self._fetch_remote():
-            self.start_fresh()
-            return 0
-        core.check_manifest(layout.read_manifest(core.root))
-        stats = recover(core.root, core.model, core.optimizer, core.scheduler)
-        core.adopt_recovered(stats, core.root)
-        return self.continue_recovered()
+        self._ask_survivor_early()
+        try:
+            core.remove_stale_temps()
+            if is_empty_dir(core.root) and not self._fetch_remote():
+                self._drop_early_answer()
+                self.start_fresh()
+                return 0
+            core.check_manifest(layout.read_manifest(core.root))
+            stats = recover(core.root, core.model, core.optimizer, core.scheduler)
+            core.adopt_recovered(stats, core.root)
+            return self.continue_recovered()
+        finally:
+            self._drop_early_answer()  # not asked for (an error): the process is let go
 
     def _fetch_remote(self) -> bool:
         """A new node (the local directory empty or lost): download the remote tier's

@@ -10,8 +10,11 @@ which raises what the process reported, or that it is gone, or that it stalled.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -36,6 +39,83 @@ def remote_stalled(url: str, timeout: float, core: EngineCore) -> str:
         f"{core.remote_durable}, the local tier step {core.durable}. Last failure: {why}. "
         "The local tier is not affected."
     )
+
+
+@dataclasses.dataclass
+class Accepted:
+    """A surviving process's yes to a trainer's request to take it over: the connection,
+    its ``Ready``, and the record slots and counters it made, attached here."""
+
+    conn: Connection
+    reply: Ready
+    segments: tuple[Any, Any]
+
+    def give_up(self) -> None:
+        """Not used after all: close the connection (the process, let go by a live
+        trainer, exits once it has persisted) and this process's mappings."""
+        adopt.close_quietly(self.conn)
+        for shm in self.segments:
+            with contextlib.suppress(Exception):
+                shm.close()
+
+
+def ask_to_take_over(published: dict[str, Any], request: Message, timeout: float) -> Accepted | str:
+    """Ask a checkpointing process that outlived its trainer to serve this one: connect
+    with what its control block ``published``, send ``request``, and wait up to ``timeout``
+    seconds for its answer. Touches no session, so it may run on a thread of its own.
+
+    Returns:
+        its :class:`Accepted` answer, or why it did not accept (it did not answer, or
+        refused; it then still waits for a trainer).
+    """
+    try:
+        conn = adopt.connect(published)
+    except OSError as e:
+        return f"it does not answer ({e})"
+    try:
+        conn.send(request)
+        if not conn.poll(timeout):
+            raise EOFError(f"no answer within {timeout:g} s")
+        reply = conn.recv()
+        if isinstance(reply, Refused):
+            raise EOFError(f"it refused: {reply.reason}")
+        if not isinstance(reply, Ready) or not reply.info:
+            raise EOFError(f"it answered {type(reply).__name__}")
+        slots_shm = rp.attach_segment(str(reply.info["slots"]))
+        try:
+            ctr_shm = rp.attach_segment(str(reply.info["counters"]))
+        except BaseException:
+            slots_shm.close()
+            raise
+    except (EOFError, OSError, KeyError, ValueError) as e:
+        adopt.close_quietly(conn)  # a process that said yes is orphaned again
+        return str(e)
+    return Accepted(conn, reply, (slots_shm, ctr_shm))
+
+
+class EarlyAnswer:
+    """:func:`ask_to_take_over` on a thread of its own: the request goes out now, and the
+    answer is waited for (:meth:`result`) once the trainer needs it."""
+
+    def __init__(self, published: dict[str, Any], request: Message, timeout: float) -> None:
+        self._answer: Accepted | str = "no answer"
+        self._timeout = timeout
+        self._thread = threading.Thread(
+            target=self._ask, args=(published, request), daemon=True, name="lowdiff-takeover"
+        )
+        self._thread.start()
+
+    def _ask(self, published: dict[str, Any], request: Message) -> None:
+        try:
+            self._answer = ask_to_take_over(published, request, self._timeout)
+        except Exception as e:  # noqa: BLE001 -- reported as why it was not taken over
+            self._answer = f"asking failed: {e!r}"
+
+    def result(self) -> Accepted | str:
+        self._thread.join(self._timeout + 5.0)
+        if self._thread.is_alive():
+            return f"no answer within {self._timeout:g} s"
+        return self._answer
 
 
 class ProcessSession:
@@ -102,35 +182,26 @@ class ProcessSession:
             '' once the process serves this trainer; otherwise why not (the process
             did not answer, or refused), and nothing changed here.
         """
-        try:
-            conn = adopt.connect(published)
-        except OSError as e:
-            return f"it does not answer ({e})"
-        try:
-            conn.send(request)
-            if not conn.poll(self.link.start_timeout):
-                raise EOFError(f"no answer within {self.link.start_timeout:g} s")
-            reply = conn.recv()
-            if isinstance(reply, Refused):
-                raise EOFError(f"it refused: {reply.reason}")
-            if not isinstance(reply, Ready) or not reply.info:
-                raise EOFError(f"it answered {type(reply).__name__}")
-            info = reply.info
-            slots_shm = rp.attach_segment(str(info["slots"]))
-            ctr_shm = rp.attach_segment(str(info["counters"]))
-        except (EOFError, OSError, KeyError, ValueError) as e:
-            adopt.close_quietly(conn)  # a process that said yes is orphaned again
-            return str(e)
+        return self.attach_accepted(ask_to_take_over(published, request, self.link.start_timeout))
+
+    def attach_accepted(self, answer: Accepted | str) -> str:
+        """Serve this trainer with the process whose ``Ready`` is ``answer`` (from
+        :func:`ask_to_take_over`); a string (why it did not accept) is returned as is."""
+        if isinstance(answer, str):
+            return answer
+        info = answer.reply.info
+        assert info is not None
         n, row = int(info["n_slots"]), int(info["row_bytes"])
         if self.slots is not None:
             self.slots.release()
         self._drop_segments()
+        slots_shm, ctr_shm = answer.segments
         self.slots = RecordSlots(self.core, n, rp.segment_tensor(slots_shm, n * row).view(n, row))
         ctr = torch.frombuffer(ctr_shm.buf, dtype=torch.int64, count=channel.N_COUNTERS)
-        self.segments = (slots_shm, ctr_shm)
+        self.segments = answer.segments
         self.counters = channel.view(ctr)
         self._records_seen = (0, 0, 0, 0)
-        self.link.attach(reply.pid, conn, info, counters=ctr)
+        self.link.attach(answer.reply.pid, answer.conn, info, counters=ctr)
         return ""
 
     @property

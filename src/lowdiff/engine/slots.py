@@ -11,8 +11,8 @@ after the update, and the record's JSON document (:meth:`RecordSlots.row_meta`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -50,8 +50,12 @@ class RecordSlots:
         self.pinned = core.record_device is not None and pin(self.tensor)
         """Whether a device copies records straight into these slots (asynchronously):
         the checkpointing process never depends on the trainer's device memory."""
-        self.views = [self.layout.views(self.tensor[i]) for i in range(n)]
-        self.dsts = [_SlotDsts.of(self.layout, v) for v in self.views]
+        self.views: PerSlot[dict[str, torch.Tensor]] = PerSlot(
+            n, lambda i: self.layout.views(self.tensor[i])
+        )
+        self.dsts: PerSlot[_SlotDsts] = PerSlot(
+            n, lambda i: _SlotDsts.of(self.layout, self.views[i])
+        )
         self.next = 0
         self.filled = 0
         """Slots handed to the checkpointing process (compared with its SLOTS_DONE)."""
@@ -166,6 +170,33 @@ class RecordSlots:
         )
         # the extra-state tree (already encoded) goes last, before the closing brace
         return doc if extra is None else f'{doc[:-1]},"extra":{dumps(extra)}}}'
+
+
+T = TypeVar("T")
+
+
+class PerSlot(Sequence[T]):
+    """One item per slot, made the first time that slot is used: a restart needs the
+    first slot at once, not all of them (views of a row cost a few hundred µs each)."""
+
+    def __init__(self, n: int, make: Callable[[int], T]) -> None:
+        self._items: list[T | None] = [None] * n
+        self._make = make
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(len(self._items))[i]]
+        item = self._items[i]
+        if item is None:
+            item = self._items[i] = self._make(i % len(self._items))
+        return item
 
 
 @dataclasses.dataclass

@@ -186,7 +186,7 @@ _SAME, _CHANGED, _UNSURE = 0, 1, 2
 def _row_offsets(
     params: list[tuple[ParamInfo, torch.nn.Parameter]],
     slot_rows: list[torch.Tensor],
-    row_views: list[dict[str, torch.Tensor]],
+    row_views: Sequence[dict[str, torch.Tensor]],
 ) -> list[tuple[int, int]]:
     """Each parameter's gradient field as a byte range of a slot row."""
     first, base = row_views[0], slot_rows[0].data_ptr()
@@ -205,7 +205,7 @@ class GradSnapshotter:
         self,
         params: list[tuple[ParamInfo, torch.nn.Parameter]],
         slot_rows: list[torch.Tensor],
-        row_views: list[dict[str, torch.Tensor]],
+        row_views: Sequence[dict[str, torch.Tensor]],
         acquire_slot: Callable[[], int],
         *,
         block_bytes: int = 1 << 20,

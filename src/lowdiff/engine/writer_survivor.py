@@ -25,6 +25,7 @@ unlinked, its descriptor removed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -37,6 +38,7 @@ from lowdiff.engine.remote_tier import announce
 from lowdiff.format import layout
 from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
+from lowdiff.proc.adopt import TrainerSegments
 from lowdiff.proc.channel import DURABLE
 from lowdiff.proc.spawn import release_trainer_stdio
 
@@ -60,6 +62,9 @@ class WriterSurvivor:
         self.listener: adopt.AdoptionListener | None = None
         self.adoptions = 0
         self.segments: adopt.TrainerSegments | None = None
+        self.spare: adopt.TrainerSegments | None = None
+        """Slots and counters made while waiting, for a trainer that asks for as many
+        slots as the last one had (the usual case): the takeover need not make them."""
 
     def on_sigterm(self, *_: Any) -> None:
         self.released = True
@@ -98,6 +103,9 @@ class WriterSurvivor:
         if self.listener is None:
             self.listener = adopt.AdoptionListener(f"lowdiff-{w.cfg.run_id[:16]}-{os.getpid()}")
         self.ctl.write(rp.STATE_ORPHANED, w.durable_now(), self._doc())
+        if self.spare is None:  # after ORPHANED: a next trainer recovering waits for that
+            with contextlib.suppress(Exception):  # else made at the takeover
+                self.spare = self._make_segments(int(w.slots.shape[0]))
         return adopt.wait_for_trainer(
             self.listener, w.cfg.idle_timeout, lambda: self.released, self.adopt
         )
@@ -128,13 +136,15 @@ class WriterSurvivor:
         msg = adopt.take_request(listener, conn, self._mismatch)
         if msg is None:
             return False
-        try:
-            made = adopt.TrainerSegments.make(
-                f"lowdiff-{w.cfg.run_id[:16]}-t{self.adoptions + 1}", msg.slots, w.cfg.row_bytes
-            )
-        except BaseException as e:  # noqa: BLE001 -- the trainer starts a process of its own
-            adopt.refuse(conn, f"cannot make the record slots: {e}")
-            return False
+        made, self.spare = self.spare, None
+        if made is None or made.n_slots != msg.slots:
+            if made is not None:
+                made.unlink()
+            try:
+                made = self._make_segments(msg.slots)
+            except BaseException as e:  # noqa: BLE001 -- the trainer starts a process of its own
+                adopt.refuse(conn, f"cannot make the record slots: {e}")
+                return False
         old, self.segments = self.segments, made
         w.cfg = dataclasses.replace(
             w.cfg,
@@ -158,11 +168,17 @@ class WriterSurvivor:
         )  # fmt: skip
         return True
 
+    def _make_segments(self, n: int) -> TrainerSegments:
+        cfg = self.w.cfg
+        name = f"lowdiff-{cfg.run_id[:16]}-t{self.adoptions + 1}"
+        return adopt.TrainerSegments.make(name, n, cfg.row_bytes)
+
     def teardown(self) -> None:
         if self.listener is not None:
             self.listener.close()
         if self.ctl is not None:
             rp.unlink_and_close(self.ctl.shm)
             rp.remove_descriptor(self.root, self.w.cfg.run_id)
-        if self.segments is not None:
-            self.segments.unlink()
+        for segments in (self.segments, self.spare):
+            if segments is not None:
+                segments.unlink()

@@ -192,6 +192,10 @@ class TrainerSegments:
             info,
         )
 
+    @property
+    def n_slots(self) -> int:
+        return int(self.info["n_slots"])
+
     def unlink(self) -> None:
         for shm in self.segments:
             rp.unlink_and_close(shm)

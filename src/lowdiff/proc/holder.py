@@ -318,7 +318,7 @@ def find_survivor(
         if state == STATE_CLOSED or not pid_alive(d.pid) or time.monotonic() > deadline:
             ctl_shm.close()
             return None, f"the replica is not available (state {state})"
-        time.sleep(0.005)  # the owner is still at what its trainer sent
+        time.sleep(0.002)  # the owner is still at what its trainer sent
 
 
 def find_live_replica(
