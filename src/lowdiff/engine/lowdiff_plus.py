@@ -174,6 +174,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         if live is None:
             core.memory_miss_reason = why
             return False
+        self._ask_survivor_early(live)
         try:
             assert core.root is not None
             core.check_manifest(layout.read_manifest(core.root))
@@ -186,6 +187,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             stats.total_s = time.perf_counter() - t0
             adopted = self._adopt(live, stats)
         except BaseException:
+            self._drop_early_answer()
             live.release_owner(self.options.start_timeout)
             raise
         if adopted:
@@ -239,6 +241,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             stats.total_s = time.perf_counter() - t0
             adopted = self._adopt(live, stats)
         except BaseException:
+            self._drop_early_answer()
             live.release_owner(self.options.start_timeout)
             raise
         if ctx.all_min([int(adopted)])[0]:

@@ -187,12 +187,11 @@ class CheckpointingStrategy(EngineStrategy):
         key = bytes(multiprocessing.current_process().authkey)
         return Adopt(os.getpid(), found.step, n_slots, cfg, trainer_env(), key)
 
-    def _ask_survivor_early(self) -> None:
-        """(one process) Ask the survivor found by :meth:`settle_previous_process` to
-        serve this trainer on a thread, while the state is recovered from disk: its
-        answer is waited for only by :meth:`_adopt` (its request names the step it
-        holds, and is used only if the recovery reaches that same step)."""
-        found = self.survivor
+    def _ask_survivor_early(self, found: Survivor | None) -> None:
+        """(one process) Ask ``found``, the previous trainer's process, to serve this
+        trainer on a thread, while the state is recovered (from disk, or copied out of
+        its memory): its answer is waited for only by :meth:`_adopt` (its request names
+        the step the process holds, and is used only if the recovery reaches that step)."""
         if found is None or "address" not in found.doc or self.core.dist is not None:
             return
         assert self.session is not None
@@ -273,7 +272,7 @@ class CheckpointingStrategy(EngineStrategy):
         if self._resume_from_memory():
             return core.step
         self.settle_previous_process()
-        self._ask_survivor_early()
+        self._ask_survivor_early(self.survivor)
         try:
             core.remove_stale_temps()
             if is_empty_dir(core.root) and not self._fetch_remote():
