@@ -95,6 +95,7 @@ def test_a_writer_whose_chain_the_recovery_does_not_reach_is_not_taken_over(tmp_
     started, _ = _process_line(first)
     survivor = rp.read_descriptor(ckdir)
     assert survivor is not None and rp.pid_alive(started)
+    rp.wait_until_written(ckdir, 60)  # the launcher returned before the writer was done
     written = lowdiff.inspect_dir(ckdir).recoverable[1]
     newest = max((ckdir / "records").glob("rec-*.safetensors"))  # rec-FIRST-LAST, zero-padded
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])

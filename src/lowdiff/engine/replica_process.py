@@ -206,11 +206,13 @@ class ReplicaProcess:
         released or ``idle_timeout`` passed (what it holds is persisted)."""
         rep, persister = self.rep, self.persister
         assert rep is not None and persister is not None
+        # the trainer's streams first: a launcher waiting for the end of its output sees
+        # it end at once, not after the last steps are merged
+        release_trainer_stdio(self.root / layout.REPLICA_LOG)
         self.end.drain(self.handle, (Kind.STEP, Kind.STAGE, Kind.INIT))
         self.end.close()
         if rep.opt is None:
             return False
-        release_trainer_stdio(self.root / layout.REPLICA_LOG)
         if self.listener is None:
             self.listener = AdoptionListener(f"lowdiff-{self.cfg.run_id[:16]}-{os.getpid()}")
             rep.adoption = self.listener.published()

@@ -528,6 +528,7 @@ def worker_main(
         while w.end.serve(w.handle):
             # The trainer died without close(): keep every record it managed to send,
             # then wait for the next trainer (idle_timeout) or exit.
+            survivor.trainer_gone()
             w.end.drain(w.handle_orphaned, (Kind.RECORD, Kind.FULL, Kind.STAGE, Kind.BATCH_SIZE))
             w.end.close()
             w.write_batch()

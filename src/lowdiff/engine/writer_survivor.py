@@ -62,6 +62,7 @@ class WriterSurvivor:
         self.listener: adopt.AdoptionListener | None = None
         self.adoptions = 0
         self.segments: adopt.TrainerSegments | None = None
+        self.stdio_released = False
         self.spare: adopt.TrainerSegments | None = None
         """Slots and counters made while waiting, for a trainer that asks for as many
         slots as the last one had (the usual case): the takeover need not make them."""
@@ -92,6 +93,14 @@ class WriterSurvivor:
             rp.Descriptor(os.getpid(), socket.gethostname(), cfg.run_id, name, cfg.layout_id),
         )
 
+    def trainer_gone(self) -> None:
+        """(its pipes closed) Let go of the trainer's standard streams before writing
+        what it sent, when this writer is to outlive it: a launcher waiting for the end
+        of the trainer's output sees the trainer end at once, not after the last batch."""
+        if self.ctl is not None and not self.stdio_released:
+            release_trainer_stdio(self.root / layout.REPLICA_LOG)
+            self.stdio_released = True
+
     def orphaned(self) -> bool:
         """(everything the dead trainer sent is on disk) Offer the writer to the next
         trainer; True once one took it over, False when released or ``idle_timeout``
@@ -99,7 +108,7 @@ class WriterSurvivor:
         w = self.w
         if self.ctl is None or self.released:
             return False
-        release_trainer_stdio(self.root / layout.REPLICA_LOG)
+        self.trainer_gone()
         if self.listener is None:
             self.listener = adopt.AdoptionListener(f"lowdiff-{w.cfg.run_id[:16]}-{os.getpid()}")
         self.ctl.write(rp.STATE_ORPHANED, w.durable_now(), self._doc())
