@@ -265,6 +265,40 @@ def test_auto_picks_and_applies_a_plan(tmp_path, mtbf, want, caplog):
     assert m["full_every"] == "auto" and m["batch_size"] == "auto"
 
 
+@pytest.mark.multiprocess
+def test_a_restarted_trainer_starts_from_the_previous_plan(tmp_path):
+    """The plan is left in the directory: a trainer restarted on it with the same MTBF
+    starts from that (f, b) instead of (30, 3); another MTBF, or a damaged plan file,
+    starts from (30, 3). The file changes nothing in what is recovered."""
+
+    def session(mtbf: float, start: int, stop: int) -> list[dict]:
+        _seed()
+        objs = _build()
+        ck = lowdiff.Checkpointer(
+            objs[0], objs[1], tmp_path, scheduler=objs[2],
+            full_every="auto", batch_size="auto", mtbf=mtbf, keep_full=None,
+        )  # fmt: skip
+        assert ck.resume() == start
+        _train(ck, objs, start, stop)
+        ck.close()
+        return ck.plan_history
+
+    first = session(1e-9, 0, 24)  # failures all the time: f* = b* = 1
+    assert (first[-1]["f"], first[-1]["b"]) == (1, 1)
+    plan = tmp_path / layout.PLAN_FILE
+    assert plan.exists()
+    again = session(1e-9, 24, 30)
+    assert again[0]["reason"] == "start (the previous session's plan; profiling)"
+    assert (again[0]["f"], again[0]["b"]) == (1, 1)
+    other = session(1e9, 30, 34)  # another MTBF: the plan was not made for it
+    assert other[0]["reason"] == "start (profiling)" and (other[0]["f"], other[0]["b"]) == (30, 3)
+    plan.write_text("{not json")
+    damaged = session(1e9, 34, 36)
+    assert damaged[0]["reason"] == "start (profiling)"
+    assert lowdiff.inspect_dir(tmp_path).recoverable == (0, 36)
+    assert lowdiff.verify_dir(tmp_path)[1] == []
+
+
 def _force_at(plan: dict[int, tuple[int, int]]):
     def hook(ck: Any, step: int) -> None:
         if step == 0:

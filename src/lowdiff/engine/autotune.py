@@ -6,19 +6,31 @@ for the replay of one record, decompression, record and full-checkpoint writes),
 the :class:`lowdiff.plan.AutoTuner` for a new (f, b) when one is due, and applies it:
 the next full checkpoint is due f steps after the previous one, and the checkpointing
 process writes its partial batch, then batches b records per file.
+
+Each plan is also left in the directory (``.lowdiff.plan.json``: f, b, the MTBF and the
+record layout it was made for). A trainer restarted on the directory with the same MTBF
+and model starts from it instead of the default (30, 3), and profiles from there: after
+frequent failures it does not go back to long chains of records to replay. The file is
+a hint: a missing, unreadable or foreign one means the default start.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowdiff.engine.core import EngineCore
 from lowdiff.engine.messages import BatchSize
+from lowdiff.format import layout
+from lowdiff.format.atomic import TMP_PREFIX
 from lowdiff.plan import AutoTuner, resolve_mtbf
 from lowdiff.state import capture as st
 from lowdiff.strategy import check_int
@@ -49,13 +61,20 @@ class AutoPlan:
         self.core = core
         self.send = send
         mtbf_s, self.mtbf_source = resolve_mtbf(mtbf)
+        self.mtbf_s = mtbf_s
+        f, b = core.full_every, core.batch_size
+        self.previous = load_plan(core.root, core.layout.layout_id, mtbf_s)
+        """The (f, b) of the previous session's last plan on this directory, if any."""
+        if self.previous is not None:
+            f = self.previous[0] if tune_f else f
+            b = self.previous[1] if tune_b else b
         self.tuner = AutoTuner(
             record_bytes=core.layout.row_bytes,
             mtbf=mtbf_s,
             tune_f=tune_f,
             tune_b=tune_b,
-            f=core.full_every,
-            b=core.batch_size,
+            f=f,
+            b=b,
         )
         core.full_every, core.batch_size = self.tuner.f, self.tuner.b
         self._step_t: float | None = None
@@ -67,7 +86,10 @@ class AutoPlan:
         tuner, now = self.tuner, time.perf_counter()
         if self._step_t is None:
             if not tuner.history:
-                tuner.force(t, self.core.full_every, self.core.batch_size, "start (profiling)")
+                why = "start (profiling)"
+                if self.previous is not None:
+                    why = "start (the previous session's plan; profiling)"
+                tuner.force(t, self.core.full_every, self.core.batch_size, why)
         else:
             tuner.observe_iteration(now - self._step_t - self._ck_s)
         self._step_t = now
@@ -134,6 +156,7 @@ class AutoPlan:
         if b != core.batch_size:
             self.send(BatchSize(b))
         core.full_every, core.batch_size = f, b
+        save_plan(core.root, core.layout.layout_id if core.layout else "", self.mtbf_s, f, b)
         m = entry.get("inputs")
         why = ""
         if m is not None:
@@ -155,3 +178,36 @@ class AutoPlan:
             entry["reason"],
             why,
         )
+
+
+def load_plan(root: Path | None, layout_id: str, mtbf: float) -> tuple[int, int] | None:
+    """The (f, b) left in ``root`` by the planner of a previous session with the same
+    record layout and MTBF; None when there is none (or it is unreadable or foreign)."""
+    if root is None:
+        return None
+    try:
+        doc = json.loads((root / layout.PLAN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("layout_id") != layout_id or doc.get("mtbf") != mtbf:
+        return None
+    f, b = doc.get("f"), doc.get("b")
+    if type(f) is not int or type(b) is not int or not 1 <= b <= f:
+        return None
+    return f, b
+
+
+def save_plan(root: Path | None, layout_id: str, mtbf: float, f: int, b: int) -> None:
+    """Leave the plan in use in ``root`` for a restarted trainer (replaced whole; not
+    synced: losing it only means the default start)."""
+    if root is None:
+        return
+    doc = {"f": f, "b": b, "mtbf": mtbf, "layout_id": layout_id}
+    tmp = root / f"{TMP_PREFIX}plan-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, root / layout.PLAN_FILE)
+    except OSError as e:
+        _plan_log.warning("%s: cannot leave the plan for a restart: %s", root, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()

@@ -11,6 +11,8 @@
       quarantine/...                       files set aside at recovery (corrupt, or beyond
                                            the recovered step); never read again
       .lowdiff.lock, .lowdiff.writer.lock  held by the trainer and its checkpointing process
+      .lowdiff.plan.json                   with full_every/batch_size "auto": the last (f, b)
+                                           planned, where a restarted trainer starts
 
 File names are only an index: every file also carries its kind and steps in its own
 checksummed metadata, and recovery checks that the two agree.
@@ -35,6 +37,9 @@ QUARANTINE_DIR = "quarantine"
 LOCK_FILE = ".lowdiff.lock"
 WRITER_LOCK_FILE = ".lowdiff.writer.lock"
 REPLICA_LOG = ".lowdiff.replica.log"
+PLAN_FILE = ".lowdiff.plan.json"
+"""The last (f, b) the ``"auto"`` planner chose (a hint, never needed for recovery: see
+:mod:`lowdiff.engine.autotune`)."""
 """Where a LowDiff+ replica whose trainer died writes what it prints (see
 :func:`lowdiff.proc.spawn.release_trainer_stdio`)."""
 

@@ -105,6 +105,7 @@ def is_empty_dir(root: Path) -> bool:
         layout.LOCK_FILE,
         layout.WRITER_LOCK_FILE,
         layout.REPLICA_LOG,
+        layout.PLAN_FILE,
         ".lowdiff.replica.json",
     }
     entries = list(root.iterdir())
