@@ -3,18 +3,21 @@ next trainer takes it over after recovering from disk (no new process)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sys
 import time
 
 import pytest
+from tests import launch
 
 import lowdiff
 from lowdiff.format import layout
 from lowdiff.proc import holder as rp
 
 from .test_lowdiff_plus_recovery import _process_line, _recovery_line
-from .test_sigkill_recovery import _equal_states, _losses, _run
+from .test_sigkill_recovery import SCRIPT, _env, _equal_states, _losses, _run
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -111,6 +114,50 @@ def test_a_writer_whose_chain_the_recovery_does_not_reach_is_not_taken_over(tmp_
              dump_at={steps: str(tmp_path / "ref.safetensors")})
     )  # fmt: skip
     assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
+    assert not _segments(survivor.run_id)
+
+
+def test_a_recovery_that_fails_leaves_the_writer_for_the_next_trainer(tmp_path):
+    """The manifest is damaged after the crash: the next trainer has already asked the
+    writer to take it on (while recovering) when its recovery raises, naming the file.
+    That trainer gone, the writer waits for the next one again; once the manifest is
+    repaired, the next trainer takes it over and the run ends bit-identical."""
+    steps = 20
+    ckdir = tmp_path / "ck"
+    base = dict(BASE, dir=str(ckdir), steps=steps)
+    first, reported = _run(dict(base, sleep=0.02), kill_after=8)
+    started, _ = _process_line(first)
+    survivor = rp.read_descriptor(ckdir)
+    assert survivor is not None and rp.pid_alive(started)
+    rp.wait_until_written(ckdir, 60)
+    manifest = ckdir / layout.MANIFEST
+    good = manifest.read_bytes()
+    raw = bytearray(good)
+    i = raw.index(b'"format')
+    raw[i + 2] ^= 0x01  # a flipped bit inside the checksummed JSON
+    manifest.write_bytes(bytes(raw))
+
+    out = launch.run(
+        [sys.executable, str(SCRIPT), json.dumps(base)],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "lowdiff.json" in out.stderr and "CorruptCheckpointError" in out.stderr
+    deadline = time.monotonic() + 30
+    while not rp.survivor_idle(ckdir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rp.survivor_idle(ckdir) and rp.pid_alive(started)
+
+    manifest.write_bytes(good)
+    last, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    assert reported <= int(last[0].split()[1]) <= reported + 1
+    assert _process_line(last) == (started, started)
+    ref, _ = _run(
+        dict(BASE, dir=str(tmp_path / "u"), steps=steps,
+             dump_at={steps: str(tmp_path / "ref.safetensors")})
+    )  # fmt: skip
+    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
+    assert _wait_gone(started)
     assert not _segments(survivor.run_id)
 
 
