@@ -30,6 +30,12 @@ _STRATEGIES: dict[str, str] = {**_OWN, **BASELINES}
 STRATEGIES: tuple[str, ...] = tuple(_STRATEGIES)
 
 
+def strategy_modules() -> tuple[str, ...]:
+    """The modules of every strategy (imported on first use), for a process server that
+    imports ahead what a training job will (:mod:`lowdiff.prefork`)."""
+    return tuple(dict.fromkeys(v.partition(":")[0] for v in _STRATEGIES.values()))
+
+
 def strategy_class(name: str) -> type[Strategy]:
     """The class implementing strategy ``name``."""
     if name not in _STRATEGIES:

@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from lowdiff.baselines import BASELINES
-from lowdiff.checkpointer import Checkpointer
+from lowdiff.checkpointer import Checkpointer, strategy_modules
 from lowdiff.compressors import compressor_from_spec
 from lowdiff.inspect import inspect_dir
 from lowdiff.recovery.restore import recover
@@ -56,11 +56,7 @@ from lowdiff.workloads import models, text
 PRELOAD = (
     "transformers",
     "transformers.models.gpt2.modeling_gpt2",
-    "lowdiff.baselines.checkfreq",
-    "lowdiff.baselines.dcp_async",
-    "lowdiff.baselines.gemini",
-    "lowdiff.baselines.naive_dc",
-    "lowdiff.baselines.torch_save",
+    *strategy_modules(),  # lowdiff's own and the baselines', the same for every method
     "lowdiff.workloads.train",
 )
 """What a fork server of this job imports (see :mod:`lowdiff.prefork`): everything the
