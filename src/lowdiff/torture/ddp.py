@@ -294,6 +294,7 @@ def _check_kill(
         return f"{name}: no agreed resume"
     resumed, source = resumes.pop()  # type: ignore[misc]
     report.recoveries_by_source[f"{k.strategy} {source}"] += 1
+    report.adoptions += _taken_over(out)
     acked = max(lg.durable for lg in logs)
     handed = logs[k.rank].last_step
     _check_steps(report, name, k, out, resumed, acked, handed)
@@ -310,6 +311,17 @@ def _check_kill(
         f"{name}: acknowledged {acked}, handed off {handed}, resumed at {resumed} from "
         f"{source}, {'WRONG STATE' if wrong else 'states exact'}"
     )
+
+
+def _taken_over(out: Path) -> int:
+    """How many ranks of the restarted attempt took over the checkpointing process that
+    outlived their killed attempt (the job's ``process-rank*`` files: ``"{own} {adopted}"``)."""
+    n = 0
+    for f in out.glob("process-rank*-*.txt"):
+        fields = f.read_text().split()
+        if len(fields) == 2 and int(fields[1]) > 0:
+            n += 1
+    return n
 
 
 def _kill_args(k: DdpKill, run: Path) -> list[str]:
