@@ -35,6 +35,18 @@ def _segments(run_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"lowdiff-{run_id[:16]}")]
 
 
+def _finish_and_compare(tmp_path, base: dict, steps: int) -> tuple[list[str], list[str]]:
+    """A new trainer of ``base`` trains to ``steps``, and the same job runs uninterrupted
+    in another directory: their final states are ``torch.equal``. The two runs' lines."""
+    last, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    ref, _ = _run(
+        dict(BASE, dir=str(tmp_path / "u"), steps=steps,
+             dump_at={steps: str(tmp_path / "ref.safetensors")})
+    )  # fmt: skip
+    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
+    return last, ref
+
+
 def test_next_trainer_takes_the_surviving_writer_over(tmp_path):
     """Two crashes in a row: each next trainer recovers from disk every step it handed
     over, then takes over the writer that outlived the last one; the run ends
@@ -56,14 +68,9 @@ def test_next_trainer_takes_the_surviving_writer_over(tmp_path):
     assert reported <= start <= reported + 1
     assert _process_line(second) == (started, started)  # taken over, not started anew
 
-    last, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    last, ref = _finish_and_compare(tmp_path, base, steps)
     assert reported2 <= int(last[0].split()[1]) <= reported2 + 1
     assert _process_line(last) == (started, started)
-    ref, _ = _run(
-        dict(BASE, dir=str(tmp_path / "u"), steps=steps,
-             dump_at={steps: str(tmp_path / "ref.safetensors")})
-    )  # fmt: skip
-    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
     assert _losses(last) == {s: v for s, v in _losses(ref).items() if s in _losses(last)}
     # closed: the writer wrote the last step and exited, leaving nothing behind
     assert _wait_gone(started)
@@ -103,17 +110,12 @@ def test_a_writer_whose_chain_the_recovery_does_not_reach_is_not_taken_over(tmp_
     newest = max((ckdir / "records").glob("rec-*.safetensors"))  # rec-FIRST-LAST, zero-padded
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
 
-    lines, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    lines, _ = _finish_and_compare(tmp_path, base, steps)
     start = int(lines[0].split()[1])
     assert start < written  # the damage made the recovery stop short of the writer's chain
     pid, adopted = _process_line(lines)
     assert adopted == -1 and pid != started
     assert _wait_gone(started)
-    ref, _ = _run(
-        dict(BASE, dir=str(tmp_path / "u"), steps=steps,
-             dump_at={steps: str(tmp_path / "ref.safetensors")})
-    )  # fmt: skip
-    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
     assert not _segments(survivor.run_id)
 
 
@@ -149,14 +151,9 @@ def test_a_recovery_that_fails_leaves_the_writer_for_the_next_trainer(tmp_path):
     assert rp.survivor_idle(ckdir) and rp.pid_alive(started)
 
     manifest.write_bytes(good)
-    last, _ = _run(dict(base, dump_at={steps: str(tmp_path / "final.safetensors")}))
+    last, _ = _finish_and_compare(tmp_path, base, steps)
     assert reported <= int(last[0].split()[1]) <= reported + 1
     assert _process_line(last) == (started, started)
-    ref, _ = _run(
-        dict(BASE, dir=str(tmp_path / "u"), steps=steps,
-             dump_at={steps: str(tmp_path / "ref.safetensors")})
-    )  # fmt: skip
-    assert _equal_states(tmp_path / "final.safetensors", tmp_path / "ref.safetensors") == []
     assert _wait_gone(started)
     assert not _segments(survivor.run_id)
 
