@@ -46,10 +46,6 @@ from lowdiff.proc.spawn import (
     trainer_env,
 )
 
-SENDS_BEFORE_READY = 8
-"""Requests sent to a process still starting before the trainer waits for it to be ready
-(a record or a full checkpoint each, a few KiB: far from filling the pipe)."""
-
 
 class ProcessLink:
     """The trainer's end of one background process.
@@ -87,7 +83,6 @@ class ProcessLink:
         self._sentinel = -1
         self._maybe_gone = True
         self._await_ready = False
-        self._sends_before_ready = 0
 
     # ------------------------------------------------------------------ start
     def start(
@@ -104,30 +99,12 @@ class ProcessLink:
         ``counters`` is the shared counter tensor the process writes (its ``BEAT`` tells a
         slow process from a stuck one); without it, waits watch liveness and messages only.
         ``wait=False`` waits for the process to be ready only when it is first needed: the
-        first wait (:meth:`ensure_ready`), or a request past the first
-        :data:`SENDS_BEFORE_READY`, which wait in the pipe for it; its start (taking its
+        first request sent or the first wait (:meth:`ensure_ready`); its start (taking its
         locks) overlaps with what the trainer does until then.
         """
         self.launch(target, args, name=name, counters=counters)
         self._await_ready = True
-        self._sends_before_ready = 0
         if wait:
-            self.ensure_ready()
-
-    def _ready_before_send(self) -> None:
-        """A process started with ``start(wait=False)`` reads its requests once it is
-        ready: the first :data:`SENDS_BEFORE_READY` requests wait in the pipe for it (the
-        trainer goes on; the first wait bounds its start by ``start_timeout``); a request
-        past them waits until it is ready, so the pipe never fills for a process that
-        hangs while starting."""
-        if not self._await_ready:
-            return
-        self.poll()
-        if self.ready:
-            self._await_ready = False
-        elif self._sends_before_ready < SENDS_BEFORE_READY:
-            self._sends_before_ready += 1
-        else:
             self.ensure_ready()
 
     def ensure_ready(self, check: Callable[[], None] | None = None) -> None:
@@ -224,7 +201,7 @@ class ProcessLink:
         """Send a request; a closed pipe raises why the process is gone."""
         assert self.requests is not None, f"{self.what} is not started"
         with preempt.busy():
-            self._ready_before_send()
+            self.ensure_ready()
             try:
                 self.requests.send(msg)
             except (BrokenPipeError, ConnectionResetError, OSError):
