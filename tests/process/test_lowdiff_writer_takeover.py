@@ -25,10 +25,14 @@ BASE = {"strategy": "lowdiff", "full_every": 5, "batch_size": 3, "idle_timeout":
 
 
 def _wait_gone(pid: int, timeout: float = 30) -> bool:
+    return _wait_for(lambda: not rp.pid_alive(pid), timeout)
+
+
+def _wait_for(cond, timeout: float = 30) -> bool:
     deadline = time.monotonic() + timeout
-    while rp.pid_alive(pid) and time.monotonic() < deadline:
+    while not cond() and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not rp.pid_alive(pid)
+    return bool(cond())
 
 
 def _segments(run_id: str) -> list[str]:
@@ -145,10 +149,10 @@ def test_a_recovery_that_fails_leaves_the_writer_for_the_next_trainer(tmp_path):
     )  # fmt: skip
     assert out.returncode != 0
     assert "lowdiff.json" in out.stderr and "CorruptCheckpointError" in out.stderr
-    deadline = time.monotonic() + 30
-    while not rp.survivor_idle(ckdir) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert rp.survivor_idle(ckdir) and rp.pid_alive(started)
+    assert _wait_for(lambda: rp.survivor_idle(ckdir)) and rp.pid_alive(started)
+    # the failing trainer's request had been accepted before it failed: it took the
+    # slots made ahead (t1), and waiting again the writer made the next ones (t2)
+    assert _wait_for(lambda: any(n.endswith("-t2-slots") for n in _segments(survivor.run_id)))
 
     manifest.write_bytes(good)
     last, _ = _finish_and_compare(tmp_path, base, steps)
@@ -180,6 +184,8 @@ def test_killed_trainer_returns_to_a_launcher_that_captures_its_output(tmp_path)
     d = rp.read_descriptor(ckdir)
     assert d is not None and rp.pid_alive(d.pid)
     assert (ckdir / layout.REPLICA_LOG).exists()
+    # it made the next trainer's slots while waiting (lowdiff-<run>-t1-slots)
+    assert _wait_for(lambda: any(n.endswith("-t1-slots") for n in _segments(d.run_id)))
     os.kill(d.pid, signal.SIGTERM)  # released: it exits
     assert _wait_gone(d.pid, 60)
     assert rp.read_descriptor(ckdir) is None

@@ -61,9 +61,9 @@ class AutoPlan:
         self.core = core
         self.send = send
         mtbf_s, self.mtbf_source = resolve_mtbf(mtbf)
-        self.mtbf_s = mtbf_s
+        self.mtbf_s, self.layout_id = mtbf_s, core.layout.layout_id
         f, b = core.full_every, core.batch_size
-        self.previous = load_plan(core.root, core.layout.layout_id, mtbf_s)
+        self.previous = load_plan(core.root, self.layout_id, mtbf_s)
         """The (f, b) of the previous session's last plan on this directory, if any."""
         if self.previous is not None:
             f = self.previous[0] if tune_f else f
@@ -156,7 +156,7 @@ class AutoPlan:
         if b != core.batch_size:
             self.send(BatchSize(b))
         core.full_every, core.batch_size = f, b
-        save_plan(core.root, core.layout.layout_id if core.layout else "", self.mtbf_s, f, b)
+        save_plan(core.root, self.layout_id, self.mtbf_s, f, b)
         m = entry.get("inputs")
         why = ""
         if m is not None:
