@@ -147,9 +147,23 @@ def torchrun(
     p = subprocess.CompletedProcess(cmd, code, out, err)
     if check:
         assert p.returncode == 0, (
-            f"torchrun failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
+            f"torchrun failed ({p.returncode}); the agent's account:\n{agent_account(p.stderr)}\n"
+            f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-8000:]}"
         )
     return p
+
+
+def agent_account(stderr: str) -> str:
+    """The lines of torchrun's own output that say which worker ended how (its exit
+    codes, signals and restarts, and its closing failure summary), ahead of the workers'
+    tracebacks that a failed job's output is mostly made of."""
+    keep = ("exitcode", "restart", "Signal", "closing signal", "FAILED", "rank ", "Root Cause", "Error")
+    lines = [
+        ln
+        for ln in stderr.splitlines()
+        if not ln.startswith("[rank") and any(k in ln for k in keep)
+    ]
+    return "\n".join(lines[-40:]) or "(none)"
 
 
 @dataclass(frozen=True)
