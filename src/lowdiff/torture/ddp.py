@@ -157,7 +157,16 @@ def agent_account(stderr: str) -> str:
     """The lines of torchrun's own output that say which worker ended how (its exit
     codes, signals and restarts, and its closing failure summary), ahead of the workers'
     tracebacks that a failed job's output is mostly made of."""
-    keep = ("exitcode", "restart", "Signal", "closing signal", "FAILED", "rank ", "Root Cause", "Error")
+    keep = (
+        "exitcode",
+        "restart",
+        "Signal",
+        "closing signal",
+        "FAILED",
+        "rank ",
+        "Root Cause",
+        "Error",
+    )
     lines = [
         ln
         for ln in stderr.splitlines()
