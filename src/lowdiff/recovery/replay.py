@@ -17,6 +17,7 @@ job's (:mod:`lowdiff.recovery.job`) are in :mod:`lowdiff.recovery.restore`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -158,7 +159,11 @@ def apply_full_state(
     where: str,
     restore_rng: bool = True,
 ) -> None:
-    """Load a full state (tensors + metadata, from a file or from the replica in memory)."""
+    """Load a full state (tensors + metadata, from a file or from the replica in memory).
+
+    The copies run on one thread (:func:`one_copy_thread`): they are memory-bound, and a
+    parallel copy stalls whenever a background process (the one the state comes from,
+    busy answering the new trainer) holds one of the cores its threads wait for."""
     t1 = time.perf_counter()
     aliases = json.loads(md["model_aliases"])
     msd = {
@@ -168,24 +173,26 @@ def apply_full_state(
     }
     for alias, canon in aliases.items():
         msd[st.canonical_name(alias)] = msd[st.canonical_name(canon)]
-    osd = codec.loads(md["optim"], lambda name: tensors[name].clone())
+    with one_copy_thread():
+        osd = codec.loads(md["optim"], lambda name: tensors[name].clone())
     sched_state = codec.loads(md["scheduler"])
     t2 = time.perf_counter()
     target = st.unwrap_model(model)
     msd = shard_model_state(msd, target)
-    try:
-        target.load_state_dict(msd, strict=True)
-    except RuntimeError as e:
-        raise CheckpointMismatchError(
-            f"{where}: the model does not match the checkpoint: {e}"
-        ) from None
-    try:
-        osd = shard_optimizer_state(st.match_param_layout(osd, optimizer), optimizer)
-        optimizer.load_state_dict(osd)
-    except (ValueError, KeyError) as e:
-        raise CheckpointMismatchError(
-            f"{where}: the optimizer does not match the checkpoint: {e}"
-        ) from None
+    with one_copy_thread():
+        try:
+            target.load_state_dict(msd, strict=True)
+        except RuntimeError as e:
+            raise CheckpointMismatchError(
+                f"{where}: the model does not match the checkpoint: {e}"
+            ) from None
+        try:
+            osd = shard_optimizer_state(st.match_param_layout(osd, optimizer), optimizer)
+            optimizer.load_state_dict(osd)
+        except (ValueError, KeyError) as e:
+            raise CheckpointMismatchError(
+                f"{where}: the optimizer does not match the checkpoint: {e}"
+            ) from None
     _load_scheduler(scheduler, sched_state, where)
     stats.extra = json.loads(md["extra"]) if "extra" in md else None
     if restore_rng:
@@ -205,6 +212,25 @@ def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:
             f"{where}: a scheduler was passed, but the checkpoint holds no scheduler state"
         )
     scheduler.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def one_copy_thread() -> Iterator[None]:
+    """Run the block with one intra-op thread, then restore the caller's count.
+
+    For copies only: a copy's result does not depend on the thread count, whereas an
+    optimizer step's reductions may, so replay never runs under it. Measured on 2 cores
+    (``benchmarks/first_steps.py``): the optimizer state of a 3.3M-parameter model cloned
+    out of a surviving replica took 2 to 50 ms with 2 threads, 3 to 12 ms with one."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 _END = object()
