@@ -18,6 +18,7 @@ job's (:mod:`lowdiff.recovery.job`) are in :mod:`lowdiff.recovery.restore`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import queue
 import threading
@@ -214,6 +215,11 @@ def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:
     scheduler.load_state_dict(state)
 
 
+@functools.cache
+def _openmp_backend() -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 @contextlib.contextmanager
 def one_copy_thread() -> Iterator[None]:
     """Run the block with one intra-op thread, then restore the caller's count.
@@ -223,8 +229,8 @@ def one_copy_thread() -> Iterator[None]:
     (``benchmarks/first_steps.py``): the optimizer state of a 3.3M-parameter model cloned
     out of a surviving replica took 2 to 50 ms with 2 threads, 3 to 12 ms with one."""
     n = torch.get_num_threads()
-    if n == 1:
-        yield
+    if n == 1 or not _openmp_backend():
+        yield  # ATen's native thread pool cannot be resized once it ran (it would warn)
         return
     torch.set_num_threads(1)
     try:
