@@ -313,6 +313,27 @@ def decompress_grads(
     return out
 
 
+READ_AHEAD_BYTES = 256 << 20
+"""How many bytes of decoded gradients recovery's reader may hold ahead of replay (at
+least one record, at most :data:`READ_AHEAD_RECORDS`): the dense gradients of the
+records queued live on the parameters' devices, so a model of 64M parameters or more is
+replayed one decoded record ahead instead of eight, and its recovery needs a gradient's
+worth of memory or two beside the model, as its training does."""
+READ_AHEAD_RECORDS = 8
+
+
+def read_ahead(sources: list[tuple[RecordLayout, list[FileInfo]]]) -> int:
+    """Records the reader decodes ahead of replay for these record layouts."""
+    dense = 0
+    for rl, _ in sources:
+        for p in rl.params:
+            n = 1
+            for s in p.shape:
+                n *= s
+            dense += n * p.dtype.itemsize
+    return max(1, min(READ_AHEAD_RECORDS, READ_AHEAD_BYTES // max(1, dense)))
+
+
 class _Reader(threading.Thread):
     """Reads, verifies and decodes records ahead of replay.
 
@@ -334,7 +355,7 @@ class _Reader(threading.Thread):
         super().__init__(daemon=True, name="lowdiff-recovery-reader")
         self.sources, self.own, self.start_step, self.end_step = sources, own, start, end
         self.comp, self.devices, self.stats = compressor, devices, stats
-        self.q: queue.Queue[Any] = queue.Queue(maxsize=8)
+        self.q: queue.Queue[Any] = queue.Queue(maxsize=read_ahead(sources))
         self.stop = threading.Event()
 
     def run(self) -> None:
