@@ -45,6 +45,20 @@ def test_tuner_waits_for_its_profile():
     assert t.ready and t.due(5)
 
 
+def test_a_measured_recovery_raises_the_replay_cost_per_record():
+    t = _profiled()  # optimizer step 2 ms, decompression 1 ms a record
+    assert t.model(10**7).replay_s_per_record == pytest.approx(0.002)
+    t.observe_recovery(10, 0.05)  # 5 ms a record in a real recovery
+    m = t.model(10**7)
+    assert m.replay_s_per_record == pytest.approx(0.004)  # 5 ms less the decompression
+    assert m.r_b(1) > t.model(10**7).s_b(1) / m.read_bw + 0.005 - 1e-9
+    fast = _profiled()
+    fast.observe_recovery(10, 0.001)  # faster than the profile says: the profile stands
+    assert fast.model(10**7).replay_s_per_record == pytest.approx(0.002)
+    fast.observe_recovery(0, 1.0)  # nothing replayed: no measurement
+    assert fast._recovered.n == 1
+
+
 def test_tuner_plans_the_argmin_of_its_model():
     from lowdiff.plan import optimize
 
@@ -297,6 +311,35 @@ def test_a_restarted_trainer_starts_from_the_previous_plan(tmp_path):
     assert damaged[0]["reason"] == "start (profiling)"
     assert lowdiff.inspect_dir(tmp_path).recoverable == (0, 36)
     assert lowdiff.verify_dir(tmp_path)[1] == []
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_trainer_counts_replay_at_its_own_recovery_rate(tmp_path):
+    """A trainer that replayed records at resume feeds their measured rate to its tuner:
+    the replay cost per record it plans with is at least that rate less decompression."""
+
+    def session(start: int, stop: int) -> Any:
+        _seed()
+        objs = _build()
+        ck = lowdiff.Checkpointer(
+            objs[0], objs[1], tmp_path, scheduler=objs[2], compressor=_topk(),
+            full_every="auto", batch_size="auto", mtbf=1e9,
+        )  # fmt: skip
+        assert ck.resume() == start
+        _train(ck, objs, start, stop)
+        return ck
+
+    first = session(0, 12)  # (30, 3) while profiling: one full checkpoint, at step 0
+    first.close()
+    ck = session(12, 14)
+    stats = ck.recovery_stats
+    assert stats is not None and stats.full_step == 0 and stats.records_replayed == 12
+    assert 0 < stats.records_s <= stats.total_s
+    tuner = ck.strategy_impl.autoplan.tuner
+    assert tuner._recovered.n == 1
+    rate = stats.records_s / stats.records_replayed
+    assert tuner._replay_s_per_record() >= rate - tuner._dec.value - 1e-12
+    ck.close()
 
 
 def _force_at(plan: dict[int, tuple[int, int]]):

@@ -85,6 +85,10 @@ class AutoPlan:
         """tau: the time between two steps without the previous one's checkpointing."""
         tuner, now = self.tuner, time.perf_counter()
         if self._step_t is None:
+            stats = self.core.recovery_stats
+            if stats is not None and stats.records_replayed:
+                # what replaying a record really cost this trainer, a moment ago
+                tuner.observe_recovery(stats.records_replayed, stats.records_s)
             if not tuner.history:
                 why = "start (profiling)"
                 if self.previous is not None:

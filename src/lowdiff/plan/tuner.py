@@ -97,7 +97,9 @@ class AutoTuner:
       latency (taken as both L_B and L_F) by :func:`fit_bandwidth`;
     - ``observe_optimizer_step(s)`` (replay per record), ``observe_decompress(s)``
       (per record) and ``observe_full_copy(s)`` (copying the state into the staging
-      buffer, the reverse of loading it: with S_F / W_r it gives R_F).
+      buffer, the reverse of loading it: with S_F / W_r it gives R_F);
+    - ``observe_recovery(n, s)``: a real recovery's replay of ``n`` records (a restarted
+      trainer's own): a record's replay is counted at least at that rate.
 
     W_r is taken equal to W. The first plan is applied as soon as the tuner is profiled
     (``profile_steps`` iterations, one full checkpoint and one record file written); it
@@ -145,6 +147,7 @@ class AutoTuner:
         self._tau, self._opt, self._dec = _Ewma(alpha), _Ewma(alpha), _Ewma(alpha)
         self._rec_bytes, self._rec_s, self._rec_extra = _Ewma(alpha), _Ewma(alpha), _Ewma(alpha)
         self._full_bytes, self._full_s, self._copy = _Ewma(alpha), _Ewma(alpha), _Ewma(alpha)
+        self._recovered = _Ewma(alpha)
 
     # -- measurements ---------------------------------------------------------------------
     def observe_iteration(self, seconds: float) -> None:
@@ -169,6 +172,14 @@ class AutoTuner:
 
     def observe_full_copy(self, seconds: float) -> None:
         self._copy.add(seconds)
+
+    def observe_recovery(self, records: int, seconds: float) -> None:
+        """A real recovery replayed ``records`` records in ``seconds`` (their wall time,
+        without the full checkpoint's load): from then on a record's replay is counted
+        at least at that rate (its decompression and optimizer step, plus what the
+        training-time measurements leave out: reading, checking, setting the gradients)."""
+        if records > 0 and seconds > 0:
+            self._recovered.add(seconds / records)
 
     @property
     def wants_decompress_sample(self) -> bool:
@@ -201,8 +212,15 @@ class AutoTuner:
             batch_latency=lat,
             full_recovery_s=s_f / w + self._copy.value,
             decompress_s_per_record=self._dec.value,
-            replay_s_per_record=self._opt.value,
+            replay_s_per_record=self._replay_s_per_record(),
         )
+
+    def _replay_s_per_record(self) -> float:
+        """The optimizer step (training's update stands for a replayed one), or what a
+        real recovery measured beyond the decompression, whichever is larger."""
+        if self._recovered.n == 0:
+            return self._opt.value
+        return max(self._opt.value, self._recovered.value - self._dec.value)
 
     def due(self, step: int) -> bool:
         """Whether :meth:`decide` should run at this step."""

@@ -56,6 +56,9 @@ class RecoveryStats:
     decode_s: float = 0.0
     replay_s: float = 0.0
     total_s: float = 0.0
+    records_s: float = 0.0
+    """Wall time of the records' replay alone (their reading, decoding and optimizer
+    steps, which overlap), without the full checkpoint's load."""
     bytes_read: int = 0
     files_read: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
@@ -469,6 +472,7 @@ def replay_records(
     stats.step = start
     if target == start:
         return
+    t0 = time.perf_counter()
     live = [p for _, p in st.optimizer_params(model, optimizer)]
     reader = _Reader(
         sources, own, start, target, compressor, {i: p.device for i, p in enumerate(live)}, stats
@@ -489,6 +493,7 @@ def replay_records(
     if last is not None:
         _apply_record_state(sources[own][0], *last, model, optimizer, scheduler, stats)
     stats.step = expected
+    stats.records_s += time.perf_counter() - t0
 
 
 def _replay_queued(
