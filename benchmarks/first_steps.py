@@ -28,15 +28,8 @@ from typing import Any
 
 import torch
 
-from lowdiff.bench.core import (
-    Arm,
-    BenchSettings,
-    build_workload,
-    crash_after,
-    make_checkpointer,
-    make_optimizer,
-)
-from lowdiff.proc.spawn import spawn_context
+from lowdiff.bench.core import Arm, BenchSettings, build_workload, make_checkpointer, make_optimizer
+from lowdiff.bench.exp_recovery import crash_in_child
 
 
 def arms(f: int) -> dict[str, Arm]:
@@ -47,31 +40,12 @@ def arms(f: int) -> dict[str, Arm]:
     }
 
 
-def _child(settings: dict[str, Any], directory: str, arm: Arm, steps: int) -> None:
-    def train() -> None:
-        s = BenchSettings.from_dict(settings)
-        wl = build_workload(s)
-        opt = make_optimizer(wl.model, s.lr)
-        ck = make_checkpointer(arm, wl.model, opt, Path(directory))
-        for t in range(steps):
-            wl.forward_backward(t)
-            ck.step()
-            opt.zero_grad(set_to_none=True)
-        ck.flush()
-
-    crash_after(train, error_exit=1)
-
-
 def restart(s: BenchSettings, arm: Arm, f: int, workdir: Path) -> dict[str, float]:
     """One crash at step 2f − 1 and the restart; its timings in seconds."""
     d = workdir / "ck"
     shutil.rmtree(d, ignore_errors=True)
     target = 2 * f - 1
-    proc = spawn_context().Process(target=_child, args=(s.as_dict(), str(d), arm, target))
-    proc.start()
-    proc.join(600)
-    if proc.exitcode != -9:
-        raise RuntimeError(f"the {arm.label} training child ended with {proc.exitcode}")
+    crash_in_child(s, arm, d, target)
     wl = build_workload(s)
     opt = make_optimizer(wl.model, s.lr)
     times = [time.perf_counter()]

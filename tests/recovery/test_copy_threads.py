@@ -63,6 +63,11 @@ def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dic
     return tensors, meta
 
 
+def _load(tensors: dict, meta: dict, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    stats = RecoveryStats(full_step=3, step=3)
+    apply_full_state(tensors, meta, model, opt, None, stats, where="test", restore_rng=False)
+
+
 def test_a_full_state_loads_the_same_bits_and_keeps_the_thread_count(two_threads):
     src_model, src_opt = _trained(0)
     tensors, meta = _full_state(src_model, src_opt)
@@ -71,16 +76,7 @@ def test_a_full_state_loads_the_same_bits_and_keeps_the_thread_count(two_threads
     seen: list[int] = []
     load = opt.load_state_dict
     opt.load_state_dict = lambda sd: (seen.append(torch.get_num_threads()), load(sd))[1]
-    apply_full_state(
-        tensors,
-        meta,
-        model,
-        opt,
-        None,
-        RecoveryStats(full_step=3, step=3),
-        where="test",
-        restore_rng=False,
-    )
+    _load(tensors, meta, model, opt)
     assert seen == [1]  # the optimizer state went in on one thread
     assert torch.get_num_threads() == 2
     assert diff_states(snapshot_state(model, opt), snapshot_state(src_model, src_opt)) == []
@@ -92,14 +88,5 @@ def test_a_mismatched_model_is_refused_and_the_thread_count_kept(two_threads):
     other = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 8))
     opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
     with pytest.raises(CheckpointMismatchError, match="the model does not match"):
-        apply_full_state(
-            tensors,
-            meta,
-            other,
-            opt,
-            None,
-            RecoveryStats(full_step=3, step=3),
-            where="test",
-            restore_rng=False,
-        )
+        _load(tensors, meta, other, opt)
     assert torch.get_num_threads() == 2

@@ -206,6 +206,27 @@ def _killed_child(settings: dict[str, Any], directory: str, arm: Arm, steps: int
     crash_after(train, error_exit=1)
 
 
+def crash_in_child(s: BenchSettings, arm: Arm, directory: Path, steps: int) -> None:
+    """Train ``steps`` steps of ``arm`` on ``directory`` in a child process, which then
+    dies by SIGKILL (its checkpointing processes outlive it, as after a crash).
+
+    Raises:
+        RuntimeError: the child ended otherwise (its traceback is on stderr).
+    """
+    proc = spawn_context().Process(
+        target=_killed_child, args=(s.as_dict(), str(directory), arm, steps)
+    )
+    proc.start()
+    proc.join(600)
+    if proc.exitcode != -signal.SIGKILL:
+        if proc.is_alive():
+            proc.kill()
+        raise RuntimeError(
+            f"the {arm.label} training child did not reach its failure point (exit code "
+            f"{proc.exitcode}); its traceback is above"
+        )
+
+
 def _killed_case(ctx: Context, arm: Arm, f: int, target: int) -> dict[str, Any]:
     """A method that recovers from memory: a child trains to ``target`` and is
     SIGKILLed, then this process restarts the job."""
@@ -213,19 +234,7 @@ def _killed_case(ctx: Context, arm: Arm, f: int, target: int) -> dict[str, Any]:
     d = Path(s.workdir) / f"lowdiff-bench-recovery-{os.getpid()}-{arm.strategy}-killed-{f}"
     shutil.rmtree(d, ignore_errors=True)
     try:
-        proc = spawn_context().Process(
-            target=_killed_child,
-            args=(s.as_dict(), str(d), arm, target),
-        )
-        proc.start()
-        proc.join(600)
-        if proc.exitcode != -signal.SIGKILL:
-            if proc.is_alive():
-                proc.kill()
-            raise RuntimeError(
-                f"the {arm.label} training child did not reach its failure point (exit code "
-                f"{proc.exitcode}); its traceback is above"
-            )
+        crash_in_child(s, arm, d, target)
         row, ck = _restart(s, arm, d, f, target)
         ck.close()
         return row
