@@ -8,7 +8,7 @@ tensors), the first step after the restart and the one after it. A method whose 
 a step runs in the background shows it in the step that waits for it.
 
 Each restart is the bench's: a training child (the same workload, optimizer and
-``Checkpointer`` arguments as the bench's arms) trains to step 2f − 1, flushes, and is
+``Checkpointer`` arguments as the bench's, :func:`lowdiff.bench.exp_recovery.memory_arms`) trains to step 2f − 1, flushes, and is
 SIGKILLed; this process then builds the model and optimizer afresh and restarts.
 
 Run: ``python benchmarks/first_steps.py [--workload gpt2-3m] [--full-every 5]
@@ -29,15 +29,7 @@ from typing import Any
 import torch
 
 from lowdiff.bench.core import Arm, BenchSettings, build_workload, make_checkpointer, make_optimizer
-from lowdiff.bench.exp_recovery import crash_in_child
-
-
-def arms(f: int) -> dict[str, Arm]:
-    """LowDiff+ (S) and Gemini (S) as the recovery experiment runs them at interval ``f``."""
-    return {
-        "LowDiff+ (S)": Arm("LowDiff+", "lowdiff+", None, f, (("persist_every", f),)),
-        "Gemini (S)": Arm("Gemini", "gemini", None, 1, (("persist_every", f),)),
-    }
+from lowdiff.bench.exp_recovery import crash_in_child, memory_arms
 
 
 def restart(s: BenchSettings, arm: Arm, f: int, workdir: Path) -> dict[str, float]:
@@ -82,10 +74,10 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats + 1):  # the first round warms up
-            for label, arm in arms(args.full_every).items():
+            for arm in memory_arms(args.full_every):
                 row = restart(s, arm, args.full_every, Path(tmp))
                 if i > 0:
-                    rows.append({"method": label, **row})
+                    rows.append({"method": arm.label, **row})
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -96,7 +88,7 @@ def main() -> None:
     )
     keys = ("resume_s", "copy_s", "first_step_s", "second_step_s")
     print(f"{'method':14s}" + "".join(f"{k[:-2]:>22s}" for k in keys))
-    for label in arms(args.full_every):
+    for label in (arm.label for arm in memory_arms(args.full_every)):
         mine = [r for r in rows if r["method"] == label]
         cells = []
         for k in keys:

@@ -13,8 +13,13 @@ import torch
 from torch import nn
 
 from lowdiff.errors import CheckpointMismatchError
+from lowdiff.recovery import replay
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state, one_copy_thread
 from lowdiff.state.capture import diff_states, snapshot_state
+
+pytestmark = pytest.mark.skipif(
+    not replay._openmp_backend(), reason="torch's thread count is changed under OpenMP only"
+)
 
 
 @pytest.fixture

@@ -32,9 +32,9 @@ def test_the_read_ahead_is_bounded_by_bytes():
     large = _layout((100_000, 1000))
     assert replay.read_ahead([(large, [])]) == 1
     # in between: as many records as fit in the budget; every shard's gradients count
-    mid = _layout((16 << 20,), dtype=torch.float16)  # 32 MiB a record
-    assert replay.read_ahead([(mid, [])]) == min(8, replay.READ_AHEAD_BYTES // (32 << 20))
-    assert replay.read_ahead([(mid, []), (mid, [])]) == replay.READ_AHEAD_BYTES // (64 << 20)
+    mid = _layout((24 << 20,), dtype=torch.float16)  # 48 MiB a record
+    assert replay.read_ahead([(mid, [])]) == 5  # 256 MiB // 48 MiB
+    assert replay.read_ahead([(mid, []), (mid, [])]) == 2  # 256 MiB // 96 MiB
 
 
 def _train(directory, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -70,14 +70,22 @@ def recovery(ctx: Context) -> list[dict[str, Any]]:
                 rows.append(_median([_recovery_case(ctx, arm, target) for _ in range(n)]))
         killed = [
             Arm("LowDiff (S)", "lowdiff", p.ratio, f, (("batch_size", min(b, f)),)),
-            Arm("Gemini (S)", "gemini", None, 1, (("persist_every", f),)),
-            Arm("LowDiff+ (S)", "lowdiff+", None, f),
+            *memory_arms(f),
         ]
         for arm in killed:
             if ctx.wants(arm.strategy):
                 ctx.progress(f"recovery f={f}: {arm.label}")
                 rows.append(_median([_killed_case(ctx, arm, f, target) for _ in range(n)]))
     return rows
+
+
+def memory_arms(f: int) -> list[Arm]:
+    """The methods that restart from the memory of a process that outlived the trainer,
+    checkpointing every ``f`` steps: Gemini (S) and LowDiff+ (S)."""
+    return [
+        Arm("Gemini (S)", "gemini", None, 1, (("persist_every", f),)),
+        Arm("LowDiff+ (S)", "lowdiff+", None, f),
+    ]
 
 
 RESTARTS = 3

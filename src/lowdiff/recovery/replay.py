@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import queue
 import threading
 import time
@@ -179,11 +180,10 @@ def apply_full_state(
         msd[st.canonical_name(alias)] = msd[st.canonical_name(canon)]
     with one_copy_thread():
         osd = codec.loads(md["optim"], lambda name: tensors[name].clone())
-    sched_state = codec.loads(md["scheduler"])
-    t2 = time.perf_counter()
-    target = st.unwrap_model(model)
-    msd = shard_model_state(msd, target)
-    with one_copy_thread():
+        sched_state = codec.loads(md["scheduler"])
+        t2 = time.perf_counter()
+        target = st.unwrap_model(model)
+        msd = shard_model_state(msd, target)
         try:
             target.load_state_dict(msd, strict=True)
         except RuntimeError as e:
@@ -327,13 +327,7 @@ READ_AHEAD_RECORDS = 8
 
 def read_ahead(sources: list[tuple[RecordLayout, list[FileInfo]]]) -> int:
     """Records the reader decodes ahead of replay for these record layouts."""
-    dense = 0
-    for rl, _ in sources:
-        for p in rl.params:
-            n = 1
-            for s in p.shape:
-                n *= s
-            dense += n * p.dtype.itemsize
+    dense = sum(math.prod(p.shape) * p.dtype.itemsize for rl, _ in sources for p in rl.params)
     return max(1, min(READ_AHEAD_RECORDS, READ_AHEAD_BYTES // max(1, dense)))
 
 
