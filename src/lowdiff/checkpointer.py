@@ -98,10 +98,11 @@ class Checkpointer:
         sigterm_timeout: strategies ``"lowdiff"`` and ``"lowdiff+"``: on SIGTERM (a
             scheduler reclaiming the node, a preemption), wait up to this many seconds
             until every step whose ``step()`` returned is durable (each rank its own
-            shard, no collective), then end as SIGTERM would have (exit status -15, or
-            the process's own handler). Default 30, the grace period Kubernetes and
-            Slurm give by default. None leaves SIGTERM alone; so does a process that set
-            a SIGTERM handler of its own before the first ``Checkpointer``.
+            shard, no collective), then go on as SIGTERM would have had it: exit status
+            -15, or the SIGTERM handler the process set before its first
+            ``Checkpointer``, which is kept and called after lowdiff's (with the signal
+            and the frame). Default 30, the grace period Kubernetes and Slurm give by
+            default. None leaves SIGTERM alone.
         mtbf: with ``"auto"``: the job's mean time between failures in seconds; default:
             the environment variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
         on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,

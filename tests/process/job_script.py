@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import sys
 import time
 
@@ -68,6 +69,13 @@ def dump(path: str, model, opt, sched) -> None:
 
 def main(cfg: dict) -> None:
     torch.set_num_threads(1)
+    if "own_sigterm_exit" in cfg:  # the job's own SIGTERM handler, set before lowdiff's
+
+        def on_sigterm(signum, frame) -> None:
+            print(f"own handler {signum} {frame is not None}", flush=True)
+            sys.exit(cfg["own_sigterm_exit"])
+
+        signal.signal(signal.SIGTERM, on_sigterm)
     device = torch.device(cfg.get("device", "cpu"))
     if device.type == "cuda":
         torch.cuda.manual_seed_all(0)

@@ -40,8 +40,9 @@ def _pid_gone(pid: int, timeout: float = 30.0) -> bool:
         ("lowdiff", {"batch_size": 16, "full_every": 100}),
         ("lowdiff+", {"persist_every": 1000, "idle_timeout": 60}),
         ("lowdiff", {"batch_size": 16, "full_every": 100, "attach": True}),
+        ("lowdiff", {"batch_size": 16, "full_every": 100, "own_sigterm_exit": 7}),
     ],
-    ids=["lowdiff", "lowdiff+", "lowdiff-attach"],
+    ids=["lowdiff", "lowdiff+", "lowdiff-attach", "lowdiff-own-handler"],
 )
 def test_sigterm_makes_every_acknowledged_step_durable_before_the_exit(
     tmp_path, strategy, opts
@@ -66,9 +67,12 @@ def test_sigterm_makes_every_acknowledged_step_durable_before_the_exit(
                     behind = last - durable
                     proc.send_signal(signal.SIGTERM)
                     break
+        own = []
         for line in proc.stdout:  # steps acknowledged before the handler ran
             if line.startswith("step "):
                 last = int(line.split()[1])
+            elif line.startswith("own handler"):
+                own.append(line.split()[2:])
         code = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
@@ -79,37 +83,67 @@ def test_sigterm_makes_every_acknowledged_step_durable_before_the_exit(
         os.kill(worker, signal.SIGKILL)
     assert _pid_gone(worker)
     assert behind > 0, "SIGTERM arrived when every step was durable already"
-    assert code == -signal.SIGTERM, code
+    if "own_sigterm_exit" in opts:
+        # the job's own handler ran after lowdiff's, with the signal and its frame, and
+        # ended the job its own way
+        assert own == [[str(int(signal.SIGTERM)), "True"]], own
+        assert code == opts["own_sigterm_exit"], code
+    else:
+        assert not own
+        assert code == -signal.SIGTERM, code
     info = lowdiff.inspect_dir(ckdir)
     assert info.recoverable is not None and info.recoverable[1] >= last, (info.recoverable, last)
     rp.remove_stale_replica(ckdir)  # what the killed replica left in /dev/shm (LowDiff+)
 
 
 CHECK_HANDLER = """
-import signal, sys, torch, lowdiff
-def mine(*_): pass
+import os, signal, sys, torch, lowdiff
+calls = []
+def mine(signum, frame):
+    calls.append(signum)
 case = sys.argv[1]
 if case == "own":
     signal.signal(signal.SIGTERM, mine)
+elif case == "ignored":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
 opts = {"sigterm_timeout": None} if case == "none" else {}
-ck = lowdiff.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), sys.argv[2],
-                          compressor=lowdiff.TopK(0.5), **opts)
+ck = lowdiff.Checkpointer(model, opt, sys.argv[2], compressor=lowdiff.TopK(0.5),
+                          batch_size=100, **opts)
+ck.resume()
 h = signal.getsignal(signal.SIGTERM)
 print("dfl" if h == signal.SIG_DFL else "own" if h is mine else h.__module__)
+if case in ("own", "ignored"):
+    # the process goes on after each SIGTERM (its handler returns, or it ignores
+    # SIGTERM), and every SIGTERM makes the steps acknowledged so far durable first
+    for k in range(2):
+        model(torch.ones(2)).sum().backward()
+        ck.step()
+        opt.zero_grad()
+        before = ck.durable_step
+        os.kill(os.getpid(), signal.SIGTERM)
+        print(before, ck.durable_step, len(calls))
 ck.close()
 """
 
 
 @pytest.mark.parametrize(
-    "case,want", [("none", "dfl"), ("own", "own"), ("default", "lowdiff.proc.preempt")]
+    "case,want",
+    [
+        ("none", ["dfl"]),
+        ("default", ["lowdiff.proc.preempt"]),
+        ("own", ["lowdiff.proc.preempt", "0", "1", "1", "1", "2", "2"]),
+        ("ignored", ["lowdiff.proc.preempt", "0", "1", "0", "1", "2", "0"]),
+    ],
 )
 def test_who_handles_sigterm(tmp_path, case, want) -> None:
-    """lowdiff handles SIGTERM by default, not with ``sigterm_timeout=None``, and never
-    in place of a handler the process set itself."""
+    """lowdiff handles SIGTERM by default and not with ``sigterm_timeout=None``; a
+    handler the process set itself is kept and called after lowdiff made the
+    acknowledged steps durable (SIGTERM ignored: the process goes on), for every SIGTERM."""
     r = launch.run(
         [sys.executable, "-c", CHECK_HANDLER, case, str(tmp_path / "ck")],
         capture_output=True, text=True, timeout=120, env=_env(),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [want]
+    assert r.stdout.split() == want
