@@ -212,15 +212,58 @@ def test_two_checkpointers_on_one_directory(tmp_path: Path) -> None:
     m2, o2, _ = _build()
     first = _ck(m1, o1, tmp_path)
     try:
-        with pytest.raises(lowdiff.DirectoryLockedError, match="pid=") as info:
+        # held by this very process: the error says so, and what to do
+        with pytest.raises(
+            lowdiff.DirectoryLockedError, match="Checkpointer of this process"
+        ) as info:
             _ck(m2, o2, tmp_path)
-        assert f"pid={os.getpid()}" in str(info.value)
+        assert f"(pid {os.getpid()})" in str(info.value) and "close()" in str(info.value)
         assert str(tmp_path) in str(info.value)
     finally:
         first.close()
     # once the first one is closed the directory is free again
     second = _ck(m2, o2, tmp_path)
     second.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+", "torch-save"])
+def test_a_checkpointer_dropped_without_close_lets_go_of_the_directory(
+    tmp_path: Path, strategy: str
+) -> None:
+    """A Checkpointer dropped without close() is collected (nothing of lowdiff's on the
+    model or the optimizer keeps it alive), and a new one on the same directory, with the
+    same model and optimizer (a notebook cell run again), continues where it ended."""
+    import gc
+    import weakref
+
+    model, opt, _ = _build()
+    kw: dict[str, Any] = {"strategy": strategy, "full_every": 4}
+    if strategy == "lowdiff":
+        kw.update(compressor=lowdiff.TopK(ratio=RATIO), idle_timeout=60)
+    elif strategy == "lowdiff+":
+        kw.update(idle_timeout=60)
+
+    def make() -> lowdiff.Checkpointer:
+        return lowdiff.Checkpointer(model, opt, tmp_path, **kw)
+
+    ck = make()
+    ck.resume()
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        ((model(torch.randn(6, 8, generator=g)) - 1.0) ** 2).mean().backward()
+        ck.step()
+        opt.zero_grad()
+    ck.flush()
+    gone = weakref.ref(ck.strategy_impl)
+    del ck
+    gc.collect()
+    assert gone() is None, gc.get_referrers(gone())
+    again = make()
+    try:
+        assert again.resume() == (4 if strategy == "torch-save" else 5)
+    finally:
+        again.close()
 
 
 @pytest.mark.multiprocess

@@ -60,13 +60,12 @@ from lowdiff.compressors.base import Compressor
 from lowdiff.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
-    DirectoryLockedError,
     LowDiffError,
     RecoveryWarning,
 )
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
-from lowdiff.proc.locks import acquire_flock, lock_holder
+from lowdiff.proc.locks import lock_directory
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 from lowdiff.state import capture as st
@@ -185,14 +184,9 @@ class BaselineCheckpointer(Strategy):
         }
         self.root = Path(directory)
         check_directory(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = acquire_flock(self.root / layout.LOCK_FILE, blocking=False)
-        if fd is None:
-            raise DirectoryLockedError(
-                f"{self.root} is in use by another trainer ({lock_holder(self.root / layout.LOCK_FILE)}); "
-                "two trainers cannot write to one checkpoint directory"
-            )
-        self._lock_fd: int | None = fd
+        self._lock_fd: int | None = lock_directory(
+            self.root, "; two trainers cannot write to one checkpoint directory"
+        )
         ref = weakref.ref(self)
         atexit.register(_close_at_exit, ref)
 

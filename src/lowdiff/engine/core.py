@@ -24,12 +24,12 @@ import torch
 from lowdiff.compressors.base import Compressor
 from lowdiff.ddp.context import DistContext, JobMin, assign_shards
 from lowdiff.ddp.shard import shard_state_dict
-from lowdiff.errors import CheckpointMismatchError, DirectoryLockedError
+from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
 from lowdiff.proc.holder import release_survivor
-from lowdiff.proc.locks import acquire_flock, lock_holder, wait_for_writer
+from lowdiff.proc.locks import lock_directory, wait_for_writer
 from lowdiff.recovery.job import generations, is_job_dir, rank_root
 from lowdiff.recovery.quarantine import quarantine_beyond
 from lowdiff.recovery.replay import RecoveryStats, check_compatible
@@ -196,13 +196,7 @@ class EngineCore:
     @staticmethod
     def _lock(root: Path, why: str = "") -> int:
         check_directory(root)
-        root.mkdir(parents=True, exist_ok=True)
-        fd = acquire_flock(root / layout.LOCK_FILE, blocking=False)
-        if fd is None:
-            raise DirectoryLockedError(
-                f"{root} is in use by another trainer ({lock_holder(root / layout.LOCK_FILE)}){why}"
-            )
-        return fd
+        return lock_directory(root, why)
 
     def switch_root(self, root: Path) -> None:
         """Under DDP: make ``root`` this rank's shard directory (locked) instead of the one

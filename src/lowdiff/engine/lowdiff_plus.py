@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -60,7 +61,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         if core.dist is None or core.dist.sharded:
             return  # fully_shard: the post-accumulate hooks see the reduce-scattered shard
         owned = {id(p): k for k, (_, p) in enumerate(core.shard_params())}
-        hook_state = PlusHookState(core.dist, owned, self._on_reduced_grad)
+        hook_state = PlusHookState(core.dist, owned, _weak_method(self._on_reduced_grad, None))
         try:
             core.model.register_comm_hook(hook_state, plus_hook)  # type: ignore[operator]
         except RuntimeError as e:
@@ -103,7 +104,9 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             self.core.shard_params(),
             session.slots.rows(),
             session.slots.views,
-            self._acquire_slot,
+            # the hooks on the model's parameters must not keep a Checkpointer dropped
+            # without close() alive (its directory lock, its process): a weak reference
+            _weak_method(self._acquire_slot, _dropped),
             autograd_hooks=self.core.dist is None or sharded,
             compare_bytes=sharded,
         )
@@ -285,3 +288,21 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
                 self.snapshotter.close()
             self.snapshotter = None
         super()._release()
+
+
+def _dropped() -> Any:
+    raise LowDiffError("this Checkpointer was dropped; its gradient hooks are inactive")
+
+
+def _weak_method(method: Callable[..., Any], gone: Callable[[], Any] | None) -> Callable[..., Any]:
+    """``method`` (a bound method) through a weak reference to its object: once the
+    object is collected, a call runs ``gone()`` instead (None: does nothing)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any) -> Any:
+        m = ref()
+        if m is None:
+            return None if gone is None else gone()
+        return m(*args)
+
+    return call

@@ -8,6 +8,7 @@ reused pid cannot fool them.
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import socket
 import time
@@ -28,6 +29,39 @@ def acquire_flock(path: Path, *, blocking: bool) -> int | None:
     os.ftruncate(fd, 0)
     os.write(fd, f"pid={os.getpid()} host={socket.gethostname()}\n".encode())
     return fd
+
+
+def lock_directory(root: Path, why: str = "") -> int:
+    """Take the trainer's lock on checkpoint directory ``root`` (created if missing);
+    returns its fd.
+
+    A lock held in this very process belongs to another ``Checkpointer`` of it: one that
+    was dropped without ``close()`` and not collected yet (a reference cycle) lets go once
+    the garbage collector runs, so it runs once before the error.
+
+    Raises:
+        DirectoryLockedError: another trainer holds it (named by its pid and host), or a
+            ``Checkpointer`` of this process still in use (close it first).
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / layout.LOCK_FILE
+    fd = acquire_flock(path, blocking=False)
+    if fd is None and _held_here(path):
+        gc.collect()
+        fd = acquire_flock(path, blocking=False)
+    if fd is not None:
+        return fd
+    if _held_here(path):
+        raise DirectoryLockedError(
+            f"{root} is in use by another Checkpointer of this process (pid {os.getpid()}); "
+            "close() that one first (a Checkpointer is also let go once nothing refers to it)"
+        )
+    raise DirectoryLockedError(f"{root} is in use by another trainer ({lock_holder(path)}){why}")
+
+
+def _held_here(path: Path) -> bool:
+    """Whether the lock file names this process (on this host) as its holder."""
+    return lock_holder(path).split() == [f"pid={os.getpid()}", f"host={socket.gethostname()}"]
 
 
 def lock_holder(path: Path) -> str:
