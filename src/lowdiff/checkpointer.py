@@ -8,7 +8,10 @@ whatever the strategy.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
+import inspect
 import os
 from typing import Any
 
@@ -46,6 +49,43 @@ def strategy_class(name: str) -> type[Strategy]:
     cls = getattr(importlib.import_module(module), cls_name)
     assert isinstance(cls, type) and issubclass(cls, Strategy)
     return cls
+
+
+def strategy_options(cls: type[Strategy]) -> set[str]:
+    """The keyword options strategy class ``cls`` takes (``Checkpointer``'s ``**options``)."""
+    from lowdiff.engine.base import EngineStrategy  # noqa: PLC0415 -- imported on first use
+    from lowdiff.engine.options import EngineOptions  # noqa: PLC0415
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is EngineStrategy:
+            names |= {f.name for f in dataclasses.fields(EngineOptions)}
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names |= {
+            p.name
+            for p in params
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.name not in ("self", "model", "optimizer", "directory")
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def _check_options(strategy: str, cls: type[Strategy], options: dict[str, Any]) -> None:
+    """A clear error for an option the strategy does not take (a typo, another
+    strategy's option), with the nearest name it takes."""
+    known = strategy_options(cls)
+    for name in sorted(set(options) - known):
+        near = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise TypeError(
+            f"lowdiff.Checkpointer(strategy={strategy!r}) takes no option {name!r}{hint} "
+            f"(its options: {', '.join(sorted(known))})"
+        )
 
 
 class Checkpointer:
@@ -175,6 +215,7 @@ class Checkpointer:
                     f"not by the baseline {strategy!r}"
                 )
             options.pop("extra_state", None)
+        _check_options(strategy, cls, options)
         self._impl: Strategy = cls(model, optimizer, directory, **options)
 
     @property

@@ -426,3 +426,20 @@ def test_checkpointing_process_that_cannot_start_leaves_close_clean(
         assert ck2.resume() == 0
     finally:
         ck2.close()
+
+
+@pytest.mark.parametrize(
+    "strategy,option,near",
+    [("lowdiff", "batchsize", "batch_size"), ("lowdiff+", "full_evry", "full_every"),
+     ("torch-save", "batch_size", None)],
+)  # fmt: skip
+def test_an_option_the_strategy_does_not_take_is_named(
+    tmp_path: Path, strategy: str, option: str, near: str | None
+) -> None:
+    model, opt, _ = _build()
+    with pytest.raises(TypeError, match=f"takes no option '{option}'") as info:
+        lowdiff.Checkpointer(model, opt, tmp_path, strategy=strategy, **{option: 3})
+    text = str(info.value)
+    assert f"strategy={strategy!r}" in text and "Options" not in text and "__init__" not in text
+    assert (f"did you mean {near!r}" in text) if near else "did you mean" not in text
+    assert not any(tmp_path.iterdir())  # refused before anything was written
