@@ -86,17 +86,35 @@ class DirectoryInfo:
         return total
 
 
-def inspect_dir(path: str | Path) -> DirectoryInfo:
-    """Summarise a checkpoint directory (headers only; see :func:`verify_dir` for checksums).
+def inspect_dir(path: str | Path, *, verify: bool = False) -> DirectoryInfo:
+    """Summarise a checkpoint directory.
+
+    By default from the files' headers alone: fast whatever the size of the checkpoints,
+    and a file whose data section was damaged after it was written (a flipped byte) still
+    counts, so the recoverable steps are those the headers promise. ``verify=True`` reads
+    every file and checks its checksum too (as :func:`verify_dir` does): a damaged file is
+    listed in ``problems`` and the recoverable steps are those recovery can really reach
+    (a damaged record file ends its chain, a damaged full checkpoint serves nothing).
 
     Example:
         >>> info = lowdiff.inspect_dir("runs/ckpt")  # doctest: +SKIP
         >>> info.recoverable  # doctest: +SKIP
         (0, 240)
+        >>> lowdiff.inspect_dir("runs/ckpt", verify=True).recoverable  # doctest: +SKIP
+        (0, 240)
     """
     sc = scan(path)
+    problems = list(sc.problems)
+    bad: set[Path] = set()
+    if verify:
+        for f in sc.fulls + sc.records:
+            try:
+                sfile.verify(f.path)
+            except CorruptCheckpointError as e:
+                problems.append((e.path, e.reason))
+                bad.add(f.path)
     try:
-        foreign = [(x.file.path, x.describe()) for x in make_plan(sc, None).foreign]
+        foreign = [(x.file.path, x.describe()) for x in make_plan(sc, None, bad).foreign]
     except RecoveryError:
         foreign = []  # nothing recoverable: ``recoverable`` says so
     return DirectoryInfo(
@@ -104,9 +122,9 @@ def inspect_dir(path: str | Path) -> DirectoryInfo:
         sc.manifest,
         sc.fulls,
         sc.records,
-        recoverable_range(sc),
-        sc.problems,
-        recoverable_intervals(sc),
+        recoverable_range(sc, bad),
+        problems,
+        recoverable_intervals(sc, bad),
         replica_status(sc.root),
         foreign,
     )
@@ -158,21 +176,26 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
-def inspect_job(path: str | Path) -> JobInfo:
+def inspect_job(path: str | Path, *, verify: bool = False) -> JobInfo:
     """Summarise a distributed job's directory: every shard, and the steps all of them serve.
 
     A job resumed at other world sizes has several generations (see
     :func:`lowdiff.recovery.job.generations`): the shards of every generation are listed,
     oldest first, the steps are those some generation serves, and the manifest is the
-    newest generation's.
+    newest generation's. ``verify=True``: as for :func:`inspect_dir`, every shard's files
+    are read and checked, and a step counts only if every shard reaches it through intact
+    files.
     """
     root = Path(path)
     gens = generations(root)
     shards: list[DirectoryInfo] = []
     spans: list[tuple[int, int]] = []
     for g in gens:
-        spans.extend(generation_intervals(g))
-        shards.extend(inspect_dir(d) for d in g.shard_dirs())
+        infos = [inspect_dir(d, verify=verify) for d in g.shard_dirs()]
+        shards.extend(infos)
+        spans.extend(
+            generation_intervals(g, {p for i in infos for p, _ in i.problems} if verify else None)
+        )
     manifest = layout.read_manifest(gens[-1].root) if gens else layout.read_manifest(root)
     return JobInfo(root, manifest, shards, merge_intervals(spans), gens)
 

@@ -54,6 +54,40 @@ def test_inspect_text_and_json(trained, capsys):
     assert sum(f["records"] for f in info["record_files"]) == 9
 
 
+def test_inspect_verify_leaves_a_damaged_file_out_of_the_recoverable_steps(
+    trained, tmp_path, capsys
+):
+    """A byte flipped in a record file's data: the headers still promise every step, and
+    inspect says that this is what it shows; ``--verify`` (``inspect_dir(verify=True)``)
+    names the file and gives the steps recovery can really reach."""
+    import shutil
+
+    d = tmp_path / "ck"
+    shutil.copytree(trained[0], d)
+    damaged = next(p for p in sorted((d / "records").glob("rec-*")) if "-000000000002-" in p.name)
+    raw = bytearray(damaged.read_bytes())
+    raw[-3] ^= 0x10  # in the data section: the header still parses
+    damaged.write_bytes(bytes(raw))
+    assert lowdiff.inspect_dir(d).recoverable_intervals == [(0, 9)]
+    info = lowdiff.inspect_dir(d, verify=True)
+    # records 2..3 are gone: from step 0 the chain ends at 2; steps 4..9 from full 4
+    assert info.recoverable_intervals == [(0, 2), (4, 9)]
+    assert [p for p, _ in info.problems] == [damaged]
+    with pytest.raises(lowdiff.RecoveryError):
+        m, o = _model()
+        lowdiff.restore(d, m, o, step=3)
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "recoverable  steps 0..9  (by the file headers; --verify checks every byte)" in out
+    assert main(["inspect", str(d), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "recoverable  steps 0..2, 4..9  (every file's checksum checked)" in out
+    assert damaged.name in out
+    assert main(["inspect", str(d), "--verify", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verified"] is True and doc["recoverable_intervals"] == [[0, 2], [4, 9]]
+
+
 @pytest.mark.parametrize("step", [0, 3, 4, 9, None])
 def test_export_matches_live_state(trained, tmp_path, step):
     d, snaps = trained

@@ -75,7 +75,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if is_baseline_dir(args.directory):
         return _inspect_baseline(args)
-    info = inspect_dir(args.directory)
+    info = inspect_dir(args.directory, verify=args.verify)
     m = info.manifest
     if args.json:
         out = {
@@ -86,6 +86,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "parameters": info.n_parameters,
             "recoverable": list(info.recoverable) if info.recoverable else None,
             "recoverable_intervals": [list(i) for i in info.recoverable_intervals],
+            "verified": args.verify,
             "live_replica": info.live_replica,
             "full_checkpoints": [
                 {"step": f.first_step, "bytes": f.nbytes, "path": str(f.path)}
@@ -115,6 +116,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     iv = info.recoverable_intervals
     print(
         f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
+        f"  ({_checked(args)})"
     )
     lr = info.live_replica
     if lr is not None:
@@ -144,6 +146,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for p, r in info.problems:
             print(f"  {p}: {r}")
     return 0
+
+
+def _checked(args: argparse.Namespace) -> str:
+    """How the recoverable steps were established, for inspect's summary line."""
+    if args.verify:
+        return "every file's checksum checked"
+    return "by the file headers; --verify checks every byte"
 
 
 def _inspect_baseline(args: argparse.Namespace) -> int:
@@ -181,7 +190,7 @@ def _inspect_baseline(args: argparse.Namespace) -> int:
 def _inspect_job(args: argparse.Namespace) -> int:
     from lowdiff.inspect import inspect_job
 
-    job = inspect_job(args.directory)
+    job = inspect_job(args.directory, verify=args.verify)
     iv = job.recoverable_intervals
     if args.json:
         out = {
@@ -194,6 +203,7 @@ def _inspect_job(args: argparse.Namespace) -> int:
             ],
             "recoverable": list(job.recoverable) if job.recoverable else None,
             "recoverable_intervals": [list(i) for i in iv],
+            "verified": args.verify,
             "shards": [
                 {
                     "directory": str(s.root),
@@ -216,7 +226,7 @@ def _inspect_job(args: argparse.Namespace) -> int:
     print(f"strategy     {job.manifest.get('strategy')}")
     print(
         f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
-        "  (steps every shard serves; a resume agrees on the newest)"
+        f"  (steps every shard serves; a resume agrees on the newest; {_checked(args)})"
     )
     print("\nshards:")
     for s in job.shards:
@@ -349,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     _remote_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--all", action="store_true", help="list every record file")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every file and check its checksum: damaged files are listed as problems "
+        "and left out of the recoverable steps (default: from the headers alone)",
+    )
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("verify", help="check every checksum; exit 1 naming each bad file")

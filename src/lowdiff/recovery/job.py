@@ -425,16 +425,20 @@ def _check_serves(g: Generation, step: int | None) -> None:
         plan_sharded(scan_dirs(g.root, g.shard_dirs()), step)
 
 
-def generation_intervals(g: Generation) -> list[tuple[int, int]]:
+def generation_intervals(
+    g: Generation, exclude: AbstractSet[Path] | None = None
+) -> list[tuple[int, int]]:
     """The steps generation ``g`` serves, as sorted, disjoint inclusive intervals (by the
-    headers; for a sharded generation, the steps every shard serves)."""
+    headers, leaving out the files in ``exclude``; for a sharded generation, the steps
+    every shard serves)."""
+    exclude = exclude or frozenset()
     if g.single:
-        return recoverable_intervals(scan(g.root))
+        return recoverable_intervals(scan(g.root), exclude)
     scans = scan_dirs(g.root, g.shard_dirs())
     common = set.intersection(
-        *({f.first_step for f in sc.fulls if f.path not in usable(sc)} for sc in scans)
+        *({f.first_step for f in sc.fulls if f.path not in usable(sc, exclude)} for sc in scans)
     )
-    return merge_intervals((f, min(chain_from(sc, f)[0] for sc in scans)) for f in common)
+    return merge_intervals((f, min(chain_from(sc, f, exclude)[0] for sc in scans)) for f in common)
 
 
 def _describe_generations(gens: list[Generation]) -> str:
