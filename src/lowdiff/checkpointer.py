@@ -157,8 +157,9 @@ class Checkpointer:
             a dict-like of counters). Captured at every step with the record (after the
             scheduler stepped) and restored by ``resume()`` and
             ``lowdiff.restore(..., extra_state=...)``. Saved as JSON with tensors inline,
-            never pickled; a state that cannot be saved so is a ``TypeError`` at the first
-            step naming the object and the value.
+            never pickled; a state that cannot be saved so is a ``TypeError`` naming the
+            object and the value, raised where it is first captured: by ``resume()`` on an
+            empty directory (the step-0 full checkpoint), else by the first ``step()``.
         remote: strategies ``"lowdiff"`` and ``"lowdiff+"``, in one process or under DDP
             (refused under ``fully_shard``): a second, remote tier as any fsspec URL
             (``"s3://bucket/run"``, ``"gcs://..."``, ``"file:///mnt/shared/run"``). The
