@@ -120,9 +120,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     )
     lr = info.live_replica
     if lr is not None:
-        where = f"step {lr['step']}, " if "step" in lr else ""
+        where = f"step {lr['step']}, " if lr.get("step", -1) >= 0 else ""
+        label = "live writer " if lr.get("process") == "writer" else "live replica"
         print(
-            f"live replica {where}{lr['state']} (checkpointing process pid {lr['pid']} on {lr['host']})"
+            f"{label} {where}{lr['state']} (checkpointing process pid {lr['pid']} on {lr['host']})"
         )
     print(f"\nfull checkpoints ({len(info.full_checkpoints)}):")
     for f in info.full_checkpoints:

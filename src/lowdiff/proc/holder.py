@@ -457,6 +457,8 @@ def replica_status(root: Path) -> dict[str, Any] | None:
             else "stale (other run)"
         )
         out["step"] = step
+        # LowDiff's writer publishes the same block as LowDiff+'s replica
+        out["process"] = doc.get("process", "replica")
     except (LowDiffError, ValueError):
         out["state"] = "unreadable"
     finally:

@@ -73,6 +73,23 @@ def guard_hint() -> str:
     return GUARD_HINT.format(where="" if path is None else f" ({path})")
 
 
+def check_main_script(how: str = "multiprocessing's spawn method") -> None:
+    """Refuse a main script that a new process could not import (see :func:`spawn_context`).
+
+    Raises:
+        LowDiffError: If the main script is not a file (a script piped into ``python -``),
+            naming ``how`` the background processes are started.
+    """
+    path = _main_script()
+    if path is not None and not os.path.isfile(path):
+        raise LowDiffError(
+            f"the main script {path!r} is not a file: lowdiff starts its background "
+            f"processes with {how}, which imports the main script again in each new "
+            "process. Save the training script to a file and run that (with its "
+            'training under `if __name__ == "__main__":`), or use `python -c` or a notebook.'
+        )
+
+
 def spawn_context() -> Any:
     """``torch.multiprocessing``'s spawn context, once the new process can run the main script.
 
@@ -80,14 +97,7 @@ def spawn_context() -> Any:
         LowDiffError: If the main script is not a file (a script piped into ``python -``):
             spawn could not run it again, and the new process would die at once.
     """
-    path = _main_script()
-    if path is not None and not os.path.isfile(path):
-        raise LowDiffError(
-            f"the main script {path!r} is not a file: lowdiff starts its background "
-            "processes with multiprocessing's spawn method, which runs the main script again "
-            "in each new process. Save the training script to a file and run that (with its "
-            'training under `if __name__ == "__main__":`), or use `python -c` or a notebook.'
-        )
+    check_main_script()
     return tmp.get_context("spawn")
 
 
@@ -101,10 +111,10 @@ def process_context() -> Any:
     running (see the module docstring and :mod:`lowdiff.proc.server`).
 
     Raises:
-        LowDiffError: If the main script is not a file (see :func:`spawn_context`).
+        LowDiffError: If the main script is not a file (see :func:`check_main_script`).
         ValueError: If ``LOWDIFF_PROCESS_START`` holds no known start method.
     """
-    spawn_context()  # the same check of the main script
+    check_main_script("multiprocessing's forkserver method (a server lowdiff forks them from)")
     ctx = tmp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     server.ensure_running()
