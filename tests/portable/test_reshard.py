@@ -132,6 +132,23 @@ def test_two_ranks_resume_in_four(prefork, tmp_path):
     job = inspect_job(ck)
     assert job.world_size == 4 and job.recoverable == (0, 13) and len(job.shards) == 6
     assert verify_dir(ck)[1] == []
+    assert inspect_job(ck, verify=True).recoverable_intervals == job.recoverable_intervals
+    # a byte flipped in the data of one shard's newest record file: the headers still
+    # promise step 13; --verify leaves the file out, for the whole generation
+    import shutil
+
+    damaged_job = tmp_path / "damaged"
+    shutil.copytree(ck, damaged_job)
+    shard = sorted(p for p in damaged_job.rglob("rank-00002") if p.is_dir())[-1]
+    rec = sorted((shard / "records").glob("rec-*"))[-1]
+    raw = bytearray(rec.read_bytes())
+    raw[-3] ^= 0x10
+    rec.write_bytes(bytes(raw))
+    assert inspect_job(damaged_job).recoverable == (0, 13)
+    checked = inspect_job(damaged_job, verify=True)
+    assert checked.recoverable is not None and checked.recoverable[1] < 13, checked
+    assert checked.recoverable[0] == 0
+    assert [p for s in checked.shards for p, _ in s.problems] == [rec]
     for step in (4, 12):
         assert lowdiff.export(ck, step=step, format="torch", out=tmp_path / f"{step}.pt") == step
         got = torch.load(tmp_path / f"{step}.pt", weights_only=False)
