@@ -178,3 +178,19 @@ def test_example_script_trains_and_resumes(tmp_path, strategy):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed at step 40" in r.stdout
     assert lowdiff.inspect_dir(d).recoverable[1] == 60
+
+
+def test_a_reader_that_goes_away_ends_the_cli_quietly(trained):
+    """``lowdiff inspect DIR | head -1``: the CLI ends without a traceback when its reader
+    closes the pipe."""
+    d, _ = trained
+    proc = launch.popen(
+        [sys.executable, "-m", "lowdiff", "inspect", str(d), "--all"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before anything was read
+    err = proc.stderr.read().decode()
+    code = proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert code == 141, (code, err)

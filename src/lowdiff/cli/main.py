@@ -9,6 +9,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
+import signal
 import sys
 import tempfile
 import warnings
@@ -110,9 +112,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"directory    {info.root}")
     print(f"strategy     {m.get('strategy')}   compressor {m.get('compressor')}")
     print(f"optimizer    {m.get('optimizer')}   parameters {info.n_parameters:,}")
-    print(
-        f"settings     full_every={m.get('full_every')} batch_size={m.get('batch_size')} keep_full={m.get('keep_full')}"
-    )
+    settings = f"keep_full={m.get('keep_full')}"
+    if m.get("strategy") != "lowdiff+":  # LowDiff+ persists its replica: no f or b of its own
+        settings = f"full_every={m.get('full_every')} batch_size={m.get('batch_size')} {settings}"
+    print(f"settings     {settings}")
     iv = info.recoverable_intervals
     print(
         f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
@@ -445,4 +448,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> None:
     """Console-script entry point."""
-    raise SystemExit(main())
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (``lowdiff inspect DIR | head``): end quietly, as a shell
+        # tool does, without a traceback or a second error when Python flushes at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
+    raise SystemExit(code)
