@@ -318,15 +318,16 @@ def _publish(dest: Path, write: Any) -> None:
 def _write_torch(
     tmp: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sched: Any, step: int
 ) -> None:
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": sched,
-            "step": step,
-        },
-        tmp,
-    )
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": sched,
+        "step": step,
+    }
+    # through a file object: torch names the archive inside after a path's file name,
+    # which a temp name without a suffix (an --out without one) leaves empty
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
 
 
 def fqn_optimizer_state_dict(
