@@ -355,6 +355,21 @@ def test_restore_mismatch(ckpt_dir: Path, which: str) -> None:
         assert needle in str(info.value)
 
 
+@pytest.mark.multiprocess
+def test_restore_into_another_scheduler_class_is_refused(ckpt_dir: Path) -> None:
+    """The directory was written with StepLR: a scheduler of another class is refused
+    before anything is loaded (its state would take StepLR's keys); None restores model
+    and optimizer without scheduler state."""
+    model, opt, _ = _build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    with pytest.raises(lowdiff.CheckpointMismatchError, match="StepLR, got .*CosineAnnealingLR"):
+        lowdiff.restore(ckpt_dir, model, opt, cosine)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert "step_size" not in cosine.state_dict()
+    assert lowdiff.restore(ckpt_dir, model, opt, None) == N_STEPS
+
+
 # ----------------------------------------------------------------------------- restore(step=...)
 
 

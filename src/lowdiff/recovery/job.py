@@ -46,6 +46,7 @@ from lowdiff.format import codec, layout, sfile
 from lowdiff.recovery.replay import (
     RecoveryStats,
     apply_full_state,
+    check_classes,
     pass_over_full,
     replay,
     replay_records,
@@ -227,14 +228,14 @@ def scan_dirs(root: Path, dirs: list[Path]) -> list[Scan]:
 
 
 def check_compatible_sharded(
-    rls: list[RecordLayout], manifests: list[dict[str, Any]], model: Any, optimizer: Any
+    rls: list[RecordLayout],
+    manifests: list[dict[str, Any]],
+    model: Any,
+    optimizer: Any,
+    scheduler: Any | None = None,
 ) -> None:
-    want = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     for m in manifests:
-        if m.get("optimizer") != want:
-            raise CheckpointMismatchError(
-                f"the checkpoint was written with optimizer {m.get('optimizer')}, got {want}"
-            )
+        check_classes(m, optimizer, scheduler)
     saved = sorted((p for rl in rls for p in rl.params), key=lambda p: p.index)
     live = st.optimizer_params(model, optimizer)
     if [p.index for p in saved] != list(range(len(live))):
@@ -547,7 +548,7 @@ def _recover_shards(
     scans = scan_dirs(root, dirs)
     skipped = warn_damaged([pw for sc in scans for pw in sc.problems])
     rls = [RecordLayout.from_json(sc.manifest["record_layout"]) for sc in scans]
-    check_compatible_sharded(rls, [sc.manifest for sc in scans], model, optimizer)
+    check_compatible_sharded(rls, [sc.manifest for sc in scans], model, optimizer, scheduler)
     compressor = compressor_from_spec(scans[own].manifest["compressor"])
     bad: set[Path] = set()
     while True:

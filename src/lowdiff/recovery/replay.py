@@ -81,16 +81,41 @@ class RecoveryStats:
         return dict(self.__dict__)
 
 
-def check_compatible(
-    manifest: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> RecordLayout:
-    """Raise :class:`CheckpointMismatchError` unless model and optimizer fit the checkpoint."""
-    rl = RecordLayout.from_json(manifest["record_layout"])
+def check_classes(manifest: dict[str, Any], optimizer: Any, scheduler: Any | None) -> None:
+    """Raise :class:`CheckpointMismatchError` unless the optimizer, and the scheduler when
+    one is passed, are of the classes the checkpoint was written with (a scheduler of
+    another class would take the saved state's keys into its own and step wrongly; None
+    restores no scheduler state)."""
     want = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if manifest.get("optimizer") != want:
         raise CheckpointMismatchError(
             f"the checkpoint was written with optimizer {manifest.get('optimizer')}, got {want}"
         )
+    if scheduler is None or getattr(scheduler, "takes_any_scheduler_state", False):
+        return  # no scheduler state restored, or a holder of whichever state there is
+    have = manifest.get("scheduler")
+    sched = f"{type(scheduler).__module__}.{type(scheduler).__qualname__}"
+    if have is None:
+        raise CheckpointMismatchError(
+            f"a scheduler ({sched}) was passed, but the checkpoint was written without one; "
+            "pass scheduler=None"
+        )
+    if have != sched:
+        raise CheckpointMismatchError(
+            f"the checkpoint was written with scheduler {have}, got {sched}"
+        )
+
+
+def check_compatible(
+    manifest: dict[str, Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None = None,
+) -> RecordLayout:
+    """Raise :class:`CheckpointMismatchError` unless model, optimizer and scheduler fit
+    the checkpoint."""
+    rl = RecordLayout.from_json(manifest["record_layout"])
+    check_classes(manifest, optimizer, scheduler)
     try:
         live = st.optimizer_params(model, optimizer)
     except ValueError as e:
@@ -404,7 +429,7 @@ def replay(
     """Load ``plan.full`` and replay its records; see the module docstring."""
     t_start = time.perf_counter()
     manifest = sc.manifest
-    rl = check_compatible(manifest, model, optimizer)
+    rl = check_compatible(manifest, model, optimizer, scheduler)
     compressor = compressor_from_spec(manifest["compressor"])
     stats = RecoveryStats(full_step=plan.full.first_step, step=plan.full.first_step)
     load_full(plan.full, model, optimizer, scheduler, stats)
