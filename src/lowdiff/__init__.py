@@ -25,7 +25,7 @@ from lowdiff.errors import (
     UnsupportedSetupError,
 )
 from lowdiff.exporting import export
-from lowdiff.inspect import DirectoryInfo, inspect_dir, verify_dir
+from lowdiff.inspect import DirectoryInfo, JobInfo, inspect_dir, inspect_job, verify_dir
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.restore import restore
 
@@ -39,6 +39,7 @@ __all__ = [
     "Compressor",
     "CorruptCheckpointError",
     "DirectoryInfo",
+    "JobInfo",
     "DirectoryLockedError",
     "DurabilityWarning",
     "LowDiffError",
@@ -56,6 +57,7 @@ __all__ = [
     "own_strategy",
     "export",
     "inspect_dir",
+    "inspect_job",
     "restore",
     "verify_dir",
     "__version__",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lowdiff.baselines.base import is_baseline_dir, verify_baseline_dir
-from lowdiff.errors import CorruptCheckpointError, RecoveryError
+from lowdiff.errors import CorruptCheckpointError, NotACheckpointDirectoryError, RecoveryError
 from lowdiff.exporting import export as _export
 from lowdiff.exporting import rebuild as _rebuild
 from lowdiff.format import layout, sfile
@@ -103,6 +103,11 @@ def inspect_dir(path: str | Path, *, verify: bool = False) -> DirectoryInfo:
         >>> lowdiff.inspect_dir("runs/ckpt", verify=True).recoverable  # doctest: +SKIP
         (0, 240)
     """
+    if is_job_dir(Path(path)):
+        raise NotACheckpointDirectoryError(
+            f"{path} is a distributed job's directory (one shard per rank): summarise it with "
+            "lowdiff.inspect_job(), or one shard with inspect_dir() on its rank directory"
+        )
     sc = scan(path)
     problems = list(sc.problems)
     bad: set[Path] = set()

@@ -194,3 +194,16 @@ def test_a_reader_that_goes_away_ends_the_cli_quietly(trained):
     code = proc.wait(timeout=120)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert code == 141, (code, err)
+
+
+def test_inspect_dir_of_a_job_names_inspect_job(tmp_path):
+    """A distributed job's root is not one directory's worth of files: inspect_dir says
+    so and names lowdiff.inspect_job, instead of summarising nothing."""
+    from lowdiff.format import layout
+    from lowdiff.recovery.job import job_manifest
+
+    job = tmp_path / "job"
+    (job / "rank-00000").mkdir(parents=True)
+    layout.write_manifest(job, job_manifest(1, "lowdiff"))
+    with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="lowdiff.inspect_job"):
+        lowdiff.inspect_dir(job)
