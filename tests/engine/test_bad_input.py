@@ -458,3 +458,18 @@ def test_an_option_the_strategy_does_not_take_is_named(
     assert f"strategy={strategy!r}" in text and "Options" not in text and "__init__" not in text
     assert (f"did you mean {near!r}" in text) if near else "did you mean" not in text
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("text", ['{"hello": 1}', "{}", '{"checksum": "xxh3:0", "lowdiff_m'])
+def test_a_foreign_manifest_alone_is_refused_not_overwritten(tmp_path: Path, text: str) -> None:
+    """A ``lowdiff.json`` that lowdiff did not write (or a torn one: lowdiff's own is
+    published atomically) is refused even with nothing else beside it, and left as it is."""
+    (tmp_path / "lowdiff.json").write_text(text)
+    model, opt, sched = _build()
+    ck = _ck(model, opt, tmp_path, sched)
+    try:
+        with pytest.raises(lowdiff.CorruptCheckpointError, match="lowdiff.json"):
+            ck.resume()
+    finally:
+        ck.close()
+    assert (tmp_path / "lowdiff.json").read_text() == text

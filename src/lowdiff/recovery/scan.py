@@ -24,7 +24,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowdiff.errors import CorruptCheckpointError, NotACheckpointDirectoryError, RecoveryError
+from lowdiff.errors import (
+    CorruptCheckpointError,
+    LowDiffError,
+    NotACheckpointDirectoryError,
+    RecoveryError,
+)
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
 
@@ -109,13 +114,28 @@ def is_empty_dir(root: Path) -> bool:
         ".lowdiff.replica.json",
     }
     entries = list(root.iterdir())
-    if all(_unused_subdir(p) for p in entries if p.name in (layout.FULL_DIR, layout.RECORDS_DIR)):
+    if all(
+        _unused_subdir(p) for p in entries if p.name in (layout.FULL_DIR, layout.RECORDS_DIR)
+    ) and _own_manifest(root):
         # a manifest and no checkpoint file: the trainer that created the directory died
-        # before its first full checkpoint was written, so nothing was ever durable
+        # before its first full checkpoint was written, so nothing was ever durable (a
+        # manifest lowdiff cannot read is not its own: published atomically, lowdiff's is
+        # never torn; it stays, and is refused as the file it is)
         ignorable.add(layout.MANIFEST)
     return all(
         p.name in ignorable or p.name.startswith(TMP_PREFIX) or _unused_subdir(p) for p in entries
     )
+
+
+def _own_manifest(root: Path) -> bool:
+    """Whether ``root`` has no manifest, or one lowdiff wrote (intact)."""
+    if not (root / layout.MANIFEST).exists():
+        return True
+    try:
+        layout.read_manifest(root)
+    except (LowDiffError, OSError, ValueError):
+        return False
+    return True
 
 
 def _unused_subdir(p: Path) -> bool:
