@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     step = ck.resume()  # restores model, optimizer, scheduler, RNG and the loader's position
     print(f"resumed {step}", flush=True)
-    while step < args.steps:
+    # the bound is the count of optimizer updates (ck.step_count, what resume() returns),
+    # not of loop iterations: a GradScaler that skips an update (no optimizer.step()) would
+    # make a restarted loop's iteration count differ from an uninterrupted one's
+    while ck.step_count < args.steps:
         for x, y in loader:  # a resumed loader goes on with the next batch of its epoch
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()  # lowdiff checkpoints this update
             scheduler.step()
             optimizer.zero_grad()
-            step += 1
+            step = ck.step_count
             print(f"step {step} {loss.item().hex()} {x.sum().item().hex()}", flush=True)
             if args.sleep:
                 time.sleep(args.sleep)

@@ -183,9 +183,13 @@ def test_cuda_sigkill_then_resume_is_bit_identical(tmp_path):
     assert _equal_states(tmp_path / "resumed.safetensors", tmp_path / "ref.safetensors") == []
 
 
-def test_sigkill_of_an_attached_loop_then_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("kill_after", [13, 16])
+def test_sigkill_of_an_attached_loop_then_resume_is_bit_identical(tmp_path, kill_after):
     """lowdiff.attach: the loop calls opt.step() and sched.step() itself. A step is handed
-    over when the next one begins, so a kill loses at most the step reported last."""
+    over when the next one begins, so a kill loses at most the step reported last. Step 16
+    writes a full checkpoint (full_every=8): its record too waits for the user's
+    scheduler.step() (sent with the full checkpoint's staging, it held the scheduler's
+    state from before that step)."""
     steps = 22
     base = {
         "dir": str(tmp_path / "ck"),
@@ -196,7 +200,7 @@ def test_sigkill_of_an_attached_loop_then_resume_is_bit_identical(tmp_path):
         "batch_size": 3,
         "sleep": 0.01,
     }
-    _, reported = _run(base, kill_after=13)
+    _, reported = _run(base, kill_after=kill_after)
     resumed = dict(
         base,
         dump_at_resume=str(tmp_path / "resumed.safetensors"),

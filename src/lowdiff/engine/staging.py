@@ -111,7 +111,11 @@ class FullStager:
         """Stage the state at ``step`` and hand it over as ``message`` (``Full`` for
         LowDiff's writer, ``Init`` for LowDiff+'s replica)."""
         core, handover = self.core, self.handover
-        handover.finish()  # a deferred full checkpoint still holds the staging buffer
+        if not self.released(session):
+            # a full checkpoint still deferred (not sent) holds the staging buffer: send it
+            # now. Otherwise this step's record stays deferred until the user's scheduler
+            # has stepped (sending it now would record the scheduler a step behind).
+            handover.finish()
         tensors, meta = self._state()
         meta["step"] = str(step)
         t0 = time.perf_counter()
