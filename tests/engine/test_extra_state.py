@@ -120,3 +120,45 @@ def test_extra_state_errors_are_clear(tmp_path):
         lowdiff.Checkpointer(
             m, o, tmp_path / "d", strategy="torch-save", extra_state={"x": Stream()}
         )
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.n = int(sd["n"])
+
+
+@pytest.mark.parametrize("recapture", [False, True])
+def test_a_counter_changed_after_the_update_under_attach(tmp_path, recapture):
+    """README, "When the extra state is taken": under attach a counter the loop changes
+    after optimizer.step() is taken before the change (restored a step behind), unless it
+    is captured after the update and taken again with recapture() after each change."""
+    m, o, s = _build()
+    stream, ctr = Stream(), Counter()
+    ck = lowdiff.attach(
+        m, o, tmp_path, scheduler=s, compressor=lowdiff.TopK(0.2, error_feedback=False),
+        full_every=4, batch_size=3, keep_full=None, extra_state={"ctr": ctr},
+    )  # fmt: skip
+    ck.resume()
+    if recapture:
+        lowdiff.own_strategy(ck).capture_after_update("ctr")
+    for _ in range(9):
+        x, y = stream.next()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+        s.step()
+        o.zero_grad()
+        ctr.n += 1  # the loop's own count of updates, changed after optimizer.step()
+        if recapture:
+            lowdiff.own_strategy(ck).recapture("ctr")
+    ck.close()
+    for step in (3, 4, 9):
+        got = Counter()
+        m2, o2, s2 = _build()
+        assert lowdiff.restore(tmp_path, m2, o2, s2, step=step, extra_state={"ctr": got}) == step
+        assert got.n == (step if recapture else step - 1), (step, got.n)
