@@ -266,9 +266,10 @@ def plan_sharded(
         return reach, f
     fits = [f for reach, f in options if f <= target <= reach]
     if not fits:
-        have = ", ".join(f"{f}..{reach}" for reach, f in options)
+        have = ", ".join(f"{lo}..{hi}" for lo, hi in merge_intervals((f, r) for r, f in options))
         raise RecoveryError(
-            f"step {target} is not recoverable in every shard; recoverable: {have or 'nothing'}"
+            f"{scans[0].root.parent}: step {target} is not recoverable in every shard; "
+            f"recoverable: {have or 'nothing'}"
         )
     return target, max(fits)
 
