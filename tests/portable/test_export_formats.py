@@ -165,6 +165,15 @@ def test_bad_input_is_named_and_changes_nothing(ddp_job, tmp_path, capsys):
 def test_inspect_and_verify_a_job(ddp_job, tmp_path, capsys):
     ck, _ = ddp_job
     assert main(["inspect", str(ck)]) == 0
-    assert "recoverable  steps 0..12" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "recoverable  steps 0..12" in out and "rec-" not in out
+    # --all lists every shard's files
+    assert main(["inspect", str(ck), "--all"]) == 0
+    out = capsys.readouterr().out
+    for shard in ("rank-00000", "rank-00001"):
+        for f in sorted((ck / shard / "records").glob("rec-*")) + sorted(
+            (ck / shard / "full").glob("full-*")
+        ):
+            assert f.name in out, f.name
     assert main(["verify", str(ck)]) == 0
     capsys.readouterr()

@@ -50,6 +50,7 @@ def test_cli_reads_a_remote_tier(
     assert main(["inspect", backend.url, "--json", *opts]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["recoverable"] == [0, 7] and len(info["full_checkpoints"]) == 2
+    assert info["directory"] == backend.url  # the URL named, not the temporary download
     out = tmp_path / "model.safetensors"
     assert main(["export", backend.url, "--out", str(out), *opts]) == 0
     got = load_file(str(out))

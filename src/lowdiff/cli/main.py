@@ -31,6 +31,7 @@ def _local(args: argparse.Namespace, *, everything: bool) -> Iterator[list[str]]
     from lowdiff.remote import fetch, is_url
 
     where = str(args.directory)
+    args.shown = where  # what the user named: the URL, not the download's temp directory
     if not is_url(where):
         args.directory = Path(where)
         yield []
@@ -81,7 +82,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     m = info.manifest
     if args.json:
         out = {
-            "directory": str(info.root),
+            "directory": args.shown,
             "strategy": m.get("strategy"),
             "compressor": m.get("compressor"),
             "optimizer": m.get("optimizer"),
@@ -109,7 +110,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1))
         return 0
-    print(f"directory    {info.root}")
+    print(f"directory    {args.shown}")
     print(f"strategy     {m.get('strategy')}   compressor {m.get('compressor')}")
     print(f"optimizer    {m.get('optimizer')}   parameters {info.n_parameters:,}")
     settings = f"keep_full={m.get('keep_full')}"
@@ -174,13 +175,9 @@ def _inspect_baseline(args: argparse.Namespace) -> int:
         )
         items.append({"step": step, "bytes": size, "path": str(p)})
     if args.json:
-        print(
-            json.dumps(
-                {"directory": str(args.directory), "manifest": m, "checkpoints": items}, indent=1
-            )
-        )
+        print(json.dumps({"directory": args.shown, "manifest": m, "checkpoints": items}, indent=1))
         return 0
-    print(f"directory    {args.directory}")
+    print(f"directory    {args.shown}")
     print(
         f"strategy     {m.get('strategy')}   (a baseline; lowdiff resumes it with the same strategy)"
     )
@@ -198,7 +195,7 @@ def _inspect_job(args: argparse.Namespace) -> int:
     iv = job.recoverable_intervals
     if args.json:
         out = {
-            "directory": str(job.root),
+            "directory": args.shown,
             "strategy": job.manifest.get("strategy"),
             "world_size": job.world_size,
             "generations": [
@@ -226,7 +223,7 @@ def _inspect_job(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=1))
         return 0
-    print(f"directory    {job.root}  ({job.describe()})")
+    print(f"directory    {args.shown}  ({job.describe()})")
     print(f"strategy     {job.manifest.get('strategy')}")
     print(
         f"recoverable  {'steps ' + ', '.join(f'{lo}..{hi}' for lo, hi in iv) if iv else 'nothing'}"
@@ -243,6 +240,16 @@ def _inspect_job(args: argparse.Namespace) -> int:
         if s.live_replica is not None:
             line += f"  live replica: {s.live_replica['state']}"
         print(line)
+        if args.all:  # every file of the shard
+            for f in s.full_checkpoints:
+                print(
+                    f"      full   step {f.first_step:>8}  {fmt_bytes(f.nbytes):>10}  {f.path.name}"
+                )
+            for rf in s.record_files:
+                print(
+                    f"      records steps {rf.first_step:>6}..{rf.last_step:<6} {rf.n_records:>3} "
+                    f"records  {fmt_bytes(rf.nbytes):>10}  {rf.path.name}"
+                )
         for p, r in s.problems:
             print(f"      problem: {p}: {r}")
     return 0
@@ -362,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("directory", help=_DIR_HELP)
     _remote_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--all", action="store_true", help="list every record file")
+    p.add_argument(
+        "--all", action="store_true", help="list every record file (a job: every shard's files)"
+    )
     p.add_argument(
         "--verify",
         action="store_true",
