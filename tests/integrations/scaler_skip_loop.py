@@ -28,11 +28,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=total)
     # a huge loss on some batches overflows the scaled gradients: the update is skipped
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    order, workers = (torch.Generator().manual_seed(seed) for seed in (7, 8))
     loader = StatefulDataLoader(
-        ds,
-        batch_size=8,
-        sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(7)),
-        generator=torch.Generator().manual_seed(8),
+        ds, 8, sampler=RandomSampler(ds, generator=order), generator=workers
     )
     ck = lowdiff.attach(
         model, optimizer, directory, scheduler=scheduler,

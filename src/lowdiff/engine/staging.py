@@ -52,6 +52,9 @@ class FullStager:
         """The staging buffer and layout the views were made for, and the views."""
         self.staged = 0
         """Stagings handed over (compared with the process's STAGING_DONE count)."""
+        self._unsent = False
+        """A full checkpoint staged and deferred (driven by the optimizer's hooks), not
+        sent yet: it holds the staging buffer until it is."""
 
     def reset(self) -> None:
         """A new checkpointing process: it needs the staging buffer sent again."""
@@ -111,10 +114,11 @@ class FullStager:
         """Stage the state at ``step`` and hand it over as ``message`` (``Full`` for
         LowDiff's writer, ``Init`` for LowDiff+'s replica)."""
         core, handover = self.core, self.handover
-        if not self.released(session):
-            # a full checkpoint still deferred (not sent) holds the staging buffer: send it
-            # now. Otherwise this step's record stays deferred until the user's scheduler
-            # has stepped (sending it now would record the scheduler a step behind).
+        if self._unsent:
+            # the previous full checkpoint, still deferred (not sent), holds the staging
+            # buffer: send it now. Otherwise this step's record stays deferred until the
+            # user's scheduler has stepped (sending it now would record the scheduler a
+            # step behind).
             handover.finish()
         tensors, meta = self._state()
         meta["step"] = str(step)
@@ -133,6 +137,7 @@ class FullStager:
         self.staged += 1
 
         def send() -> None:
+            self._unsent = False
             if handover.deferred:
                 # the hyperparameters the scheduler set since the copy (the state tensors
                 # are unchanged: no update ran in between)
@@ -142,6 +147,7 @@ class FullStager:
                 meta["extra"] = dumps(extra)
             session.send(message(step, entries_json, meta))
 
+        self._unsent = True
         handover.handover(send, extra)
         stats = core.stats
         stats["fulls_requested"] += 1
