@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (max_steps)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to kill it)")
     parser.add_argument("--dump", help="write the final state here (safetensors; for the tests)")
+    parser.add_argument(
+        "--save-steps",
+        type=int,
+        default=0,
+        help="also let the Trainer save its own checkpoints every N steps (default: none)",
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -90,7 +96,9 @@ def main(argv: list[str] | None = None) -> None:
         lr_scheduler_type="cosine",
         warmup_steps=3,
         logging_steps=5,
-        save_strategy="no",
+        # the Trainer's own checkpoints are not needed (lowdiff's are per step) but may be kept
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         use_cpu=True,
         seed=0,

@@ -28,3 +28,37 @@ def test_trainer_resumes_bit_exactly_after_sigkill(tmp_path):
     # the resume point's weights hold every key, tied ones included: the Trainer, which
     # loads them before lowdiff restores the model, has no missing key to warn about
     assert "missing keys" not in err[0], err[0][-3000:]
+
+
+def test_the_trainers_own_checkpoints_after_a_resume(tmp_path):
+    """A resumed run whose Trainer also saves checkpoints of its own (save_strategy
+    "steps"): the saves after the resume point work (they look up every stateful
+    callback's state), and training stays bit-identical."""
+    start, _ = kill_resume_compare(
+        tmp_path, "hf_trainer.py", ["--steps", "12", "--save-steps", "5"], kill_after=4
+    )
+    assert start < 10  # the Trainer saves again at step 10, after the resume point
+    saved = {p.name for p in (tmp_path / "ck-out").glob("checkpoint-*")}
+    # step 10 and the last step (12) were saved by the resumed Trainer
+    assert {"checkpoint-10", "checkpoint-12"} <= saved, saved
+
+
+def test_ignore_data_skip_is_refused(tmp_path):
+    import torch
+    import transformers
+
+    from lowdiff.errors import LowDiffError
+    from lowdiff.integrations.hf import LowDiffCallback
+
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ds = [{"input_ids": torch.arange(8) % 16, "labels": torch.arange(8) % 16}] * 4
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=2,
+        ignore_data_skip=True, report_to=[], use_cpu=True, save_strategy="no",
+    )  # fmt: skip
+    cb = LowDiffCallback(tmp_path / "ck", compressor=None, strategy="lowdiff+")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])
+    with pytest.raises(LowDiffError, match="ignore_data_skip=False"):
+        trainer.train()
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())

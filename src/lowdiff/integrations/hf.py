@@ -108,7 +108,11 @@ class LowDiffCallback(TrainerCallback):
         >>> trainer.train(resume_from_checkpoint=cb.resume_from_checkpoint)  # doctest: +SKIP
 
     Single process only (the Trainer under ``torchrun`` is refused with a clear error).
-    ``args.ignore_data_skip`` must stay False (the Trainer skips the trained batches).
+    ``args.ignore_data_skip`` must stay False (the Trainer skips the trained batches;
+    True is refused). After a resume, other callbacks' exported state (an
+    ``EarlyStoppingCallback``'s patience) starts fresh, and ``TrainerState.total_flos`` is
+    the Trainer's count as of its last log or save before the resume point (the Trainer
+    adds a step's FLOs to it only when it logs or saves).
     With ``error_feedback=False`` (or no compression, ``strategy="lowdiff+"``) training
     after a resume is bit-identical to a run that never stopped.
     """
@@ -227,6 +231,12 @@ class LowDiffCallback(TrainerCallback):
     ) -> None:
         if args.world_size > 1:
             raise not_single_process("lowdiff.integrations.hf.LowDiffCallback")
+        if args.ignore_data_skip:
+            raise LowDiffError(
+                "LowDiffCallback needs TrainingArguments(ignore_data_skip=False): a resumed "
+                "Trainer must skip the batches already trained, or the data order after a "
+                "resume differs from the run that stopped"
+            )
         if model is None or optimizer is None:
             raise LowDiffError("on_train_begin: the Trainer passed no model or optimizer")
         if self.ck is not None:
@@ -261,6 +271,11 @@ class LowDiffCallback(TrainerCallback):
                 f"{self.directory}: resume() reached step {start}, the resume point was made for "
                 f"step {self._resume_step} (a damaged file?); take resume_from_checkpoint again"
             )
+        # the resume point's trainer_state.json holds no callback states: the Trainer's
+        # next checkpoint of its own looks each of its stateful callbacks up there
+        # (typed as a list of callbacks, a dict of their states once built or loaded)
+        states: Any = state.stateful_callbacks or {}
+        state.stateful_callbacks = _CallbackStates(states)  # type: ignore[assignment]
         if _mid_epoch(args, state, train_dataloader):
             self._rng_at_resume = _rng_state()
         log.info("lowdiff: resumed at optimizer step %d, global step %d", start, state.global_step)
@@ -301,6 +316,16 @@ class LowDiffCallback(TrainerCallback):
         if self.ck is not None:
             self.ck.close()
             log.info("lowdiff: closed at optimizer step %d", self.ck.step_count)
+
+
+class _CallbackStates(dict):  # type: ignore[type-arg]
+    """``TrainerState.stateful_callbacks`` of a run resumed by lowdiff: a callback the
+    resume point holds no state for (``TrainerControl``, an early-stopping callback) has
+    none (its state starts fresh), instead of a ``KeyError`` when the Trainer saves a
+    checkpoint of its own. A plain ``dict`` to ``dataclasses.asdict`` and JSON."""
+
+    def __missing__(self, key: str) -> None:
+        return None
 
 
 def _mid_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> bool:
