@@ -120,9 +120,7 @@ def compress_grads(
                 nograd.append(info.index)
                 continue
             if g.is_sparse:
-                raise ValueError(
-                    f"parameter {info.name!r} has a sparse gradient; lowdiff supports dense gradients only"
-                )
+                raise ValueError(st.sparse_gradient_error(info.name))
             flat = g.detach().contiguous().view(-1)
             payload = compressor.compress(flat, info.index, t)
             if flat.data_ptr() == g.data_ptr():

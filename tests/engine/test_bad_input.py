@@ -149,15 +149,30 @@ def test_optimizer_with_parameter_not_in_model(tmp_path: Path) -> None:
     assert not (tmp_path / "lowdiff").exists()
 
 
-def test_sparse_gradient_is_rejected_naming_the_parameter() -> None:
-    torch.manual_seed(0)
+@pytest.mark.parametrize("strategy", ["none", "lowdiff", "lowdiff+"])
+def test_an_embedding_with_sparse_gradients_is_refused_at_construction(
+    tmp_path: Path, strategy: str
+) -> None:
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comp = None if strategy == "lowdiff+" else lowdiff.TopK(0.5)
+    directory = None if strategy == "none" else tmp_path / "ck"
+    with pytest.raises(ValueError, match=r"'0\.weight' has a sparse gradient.*sparse=False"):
+        lowdiff.Checkpointer(model, opt, directory, strategy=strategy, compressor=comp)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_sparse_gradient_is_rejected_naming_the_parameter() -> None:
+    """A sparse gradient from elsewhere than an embedding module: refused at the step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck = lowdiff.Checkpointer(model, opt, None, strategy="none", compressor=lowdiff.TopK(0.5))
     ck.resume()
-    model(torch.tensor([1, 2, 3])).sum().backward()
+    model(torch.ones(3)).sum().backward()
+    model[0].weight.grad = model[0].weight.grad.to_sparse()
     before = model[0].weight.detach().clone()
-    with pytest.raises(ValueError, match=r"'0\.weight'.*sparse"):
+    with pytest.raises(ValueError, match=r"'0\.weight' has a sparse gradient"):
         ck.step()
     assert torch.equal(model[0].weight, before)
     ck.close()

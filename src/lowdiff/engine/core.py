@@ -101,6 +101,7 @@ class EngineCore:
                 raise ValueError(
                     f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only"
                 )
+        _refuse_sparse_gradients(model, {id(p) for _, p in self.params})
         self.numels = [local(p).numel() for _, p in self.params]
         devices = {p.device for _, p in self.params}
         if len(devices) > 1:
@@ -322,3 +323,14 @@ class EngineCore:
         if self.job is None:
             return self.remote_durable
         return min(self.remote_durable, self.job.values[1])
+
+
+def _refuse_sparse_gradients(model: torch.nn.Module, optimized: set[int]) -> None:
+    """Refuse, before anything is written, the modules whose optimized weight gets sparse
+    gradients (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``); other sources
+    of a sparse gradient are refused at the step that meets one."""
+    for name, m in model.named_modules():
+        sparse = isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+        if sparse and id(m.weight) in optimized:
+            where = f"{name}.weight" if name else "weight"
+            raise ValueError(st.sparse_gradient_error(where, f"{type(m).__name__}(sparse=True)"))

@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.state.capture import ParamInfo
+from lowdiff.state.capture import ParamInfo, sparse_gradient_error
 from lowdiff.state.sharded import local
 
 
@@ -346,6 +346,8 @@ class GradSnapshotter:
             grad = self._grad(k)
         if grad is None:
             return
+        if grad.is_sparse:
+            raise ValueError(sparse_gradient_error(self.params[k][0].name))
         slot = self._take_slot()
         first_time = self.seen[k] is None
         self.seen[k] = (grad, grad._version)

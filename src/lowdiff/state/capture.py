@@ -559,3 +559,12 @@ def diff_states(want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor
         if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
             problems.append(k)
     return sorted(problems)
+
+
+def sparse_gradient_error(name: str, source: str = "") -> str:
+    """The refusal of a sparse gradient (of parameter ``name``, from ``source``)."""
+    came = f" ({source})" if source else ""
+    return (
+        f"parameter {name!r} has a sparse gradient{came}; lowdiff supports dense gradients "
+        "only (build the embedding with sparse=False)"
+    )
