@@ -19,6 +19,8 @@ from lowdiff.torture.report import TortureReport
         (["export", "ck"], "--out"),
         (["torture", "--kills", "-3"], "--kills: expected an integer >= 0"),
         (["torture", "--jobs", "0"], "--jobs: expected an integer >= 1"),
+        (["torture", "--jobs", "-1"], "--jobs: expected an integer >= 1, got -1"),
+        (["torture", "--ddp", "0"], "--ddp: expected an integer >= 1, got 0"),
         (["torture", "--seed", "x"], "--seed"),
         (["inspect"], "directory"),
         (["frobnicate"], "invalid choice"),
@@ -28,6 +30,21 @@ def test_invalid_argument_values(argv, needle, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["torture", "--strategy", "lowdiff+"], "--strategy applies to the --ddp series only"),
+        (["torture", "--ddp", "2", "--kills", "3"], "--kills applies to the single-process"),
+        (["torture", "--ddp", "2", "--quick", "--jobs", "2"], "--quick, --jobs apply to"),
+    ],
+)
+def test_torture_options_that_would_be_ignored_are_refused(argv, needle, capsys) -> None:
+    """An option the chosen series does not use is refused, not ignored (a --strategy
+    without --ddp started the 20-minute full profile)."""
+    assert main(argv) == 2
     assert needle in capsys.readouterr().err
 
 

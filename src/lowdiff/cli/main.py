@@ -290,7 +290,17 @@ def cmd_torture(args: argparse.Namespace) -> int:
     from lowdiff.torture import FULL, QUICK, run_torture
 
     if args.ddp is not None:
+        ignored = [o for o, given in (("--quick", args.quick), ("--kills", args.kills is not None),
+                                      ("--jobs", args.jobs != 1)) if given]  # fmt: skip
+        if ignored:
+            verb = "apply" if len(ignored) > 1 else "applies"
+            raise ValueError(
+                f"{', '.join(ignored)} {verb} to the single-process profiles, not to --ddp N "
+                "(its N is the number of kills)"
+            )
         return _torture_ddp(args)
+    if args.strategy is not None:
+        raise ValueError("--strategy applies to the --ddp series only (lowdiff torture --ddp N)")
     profile = QUICK if args.quick else FULL
     if args.kills is not None:
         profile = dataclasses.replace(profile, kills=args.kills)
@@ -308,7 +318,8 @@ def _torture_ddp(args: argparse.Namespace) -> int:
 
     work = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="lowdiff-ddp-"))
     log = None if args.json else Progress().write
-    report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=args.strategy, log=log)
+    strategy = args.strategy or "both"
+    report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=strategy, log=log)
     print(report.dumps() if args.json else report.format_text())
     if args.out is None:
         if report.ok:
@@ -329,9 +340,12 @@ def _non_negative_int(text: str) -> int:
 
 
 def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected an integer >= 1, got 0")
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
 
 
@@ -423,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument(
         "--ddp",
-        type=_non_negative_int,
+        type=_positive_int,
         default=None,
         metavar="N",
         help="run only the 2-rank DDP kill series (torchrun, gloo) with N kills",
@@ -431,8 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategy",
         choices=("lowdiff", "lowdiff+", "both"),
-        default="both",
-        help="strategy of the --ddp series (both: alternating)",
+        default=None,
+        help="strategy of the --ddp series (default both: alternating)",
     )
     p.set_defaults(func=cmd_torture)
     return parser
