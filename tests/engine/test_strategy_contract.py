@@ -65,10 +65,13 @@ def test_unknown_strategy_and_option_are_clear_errors(tmp_path):
         lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="torch-save", max_lag=3)
 
 
-def test_lbfgs_is_refused_with_the_reason(tmp_path):
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+", "torch-save", "gemini"])
+def test_lbfgs_is_refused_with_the_reason(tmp_path, strategy):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.LBFGS(model.parameters())
+    comp = lowdiff.TopK(0.5) if strategy == "lowdiff" else None
     with pytest.raises(
         ValueError, match="LBFGS is not supported: its step\\(\\) evaluates the closure"
     ):
-        lowdiff.Checkpointer(model, opt, tmp_path / "ck")
+        lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy=strategy, compressor=comp)
+    assert not (tmp_path / "ck").exists()

@@ -159,6 +159,7 @@ class BaselineCheckpointer(Strategy):
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
         refuse_sharded(model, optimizer, self.strategy)
+        st.refuse_lbfgs(optimizer)
         options = BaselineOptions(compressor, full_every, keep_full, start_timeout)
         if directory is None:
             raise ValueError(f"strategy {self.strategy!r} needs a checkpoint directory, got None")

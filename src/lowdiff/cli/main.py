@@ -237,8 +237,11 @@ def _inspect_job(args: argparse.Namespace) -> int:
             f"{len(s.full_checkpoints)} full ({fmt_bytes(s.bytes_per_full)} each)  "
             f"{s.n_records} records ({fmt_bytes(s.bytes_per_record)} each)"
         )
-        if s.live_replica is not None:
-            line += f"  live replica: {s.live_replica['state']}"
+        lr = s.live_replica
+        if lr is not None:
+            what = "live writer" if lr.get("process") == "writer" else "live replica"
+            at = f"step {lr['step']}, " if lr.get("step", -1) >= 0 else ""
+            line += f"  {what}: {at}{lr['state']} (pid {lr['pid']})"
         print(line)
         if args.all:  # every file of the shard
             for f in s.full_checkpoints:

@@ -73,11 +73,7 @@ class EngineStrategy(Strategy):
     ) -> None:
         st.check_training_objects(model, optimizer, scheduler)
         refuse_sharded(model, optimizer, self.name)
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError(
-                "LBFGS is not supported: its step() evaluates the closure several times per "
-                "update, and lowdiff records the one gradient each update applies"
-            )
+        st.refuse_lbfgs(optimizer)
         extra = st.check_extra_state(extra_state)
         self.options = opts = EngineOptions(**options)
         dist = detect_dist(model)

@@ -568,3 +568,12 @@ def sparse_gradient_error(name: str, source: str = "") -> str:
         f"parameter {name!r} has a sparse gradient{came}; lowdiff supports dense gradients "
         "only (build the embedding with sparse=False)"
     )
+
+
+def refuse_lbfgs(optimizer: torch.optim.Optimizer) -> None:
+    """LBFGS evaluates its closure several times per update: no strategy can take it."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "LBFGS is not supported: its step() evaluates the closure several times per "
+            "update, and lowdiff records the one gradient each update applies"
+        )
