@@ -173,6 +173,10 @@ def test_bad_candidates(capsys):
     assert "no candidate pair" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["plan", *FLAGS, "--b-values", "0-3"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["plan", *FLAGS, "--b-values", "5-1"])
+    assert "range '5-1' runs backwards: write it low-high (1-5)" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- from a bench run

@@ -94,6 +94,10 @@ def int_list(text: str) -> list[int]:
             part = part.strip()
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise argparse.ArgumentTypeError(
+                        f"range {part!r} runs backwards: write it low-high ({hi}-{lo})"
+                    )
                 out.extend(range(lo, hi + 1))
             elif part:
                 out.append(int(part))
