@@ -25,6 +25,11 @@ class CorruptCheckpointError(LowDiffError):
         super().__init__(f"{os.fspath(path)}: {reason}")
 
 
+class NewerFormatError(CorruptCheckpointError):
+    """A file or manifest written by a newer lowdiff (a newer format version): refused
+    whole (upgrade lowdiff), never passed over or quarantined as damaged."""
+
+
 class CheckpointMismatchError(LowDiffError):
     """The checkpoint does not fit the model, optimizer or compressor it is loaded into."""
 

@@ -488,3 +488,50 @@ def test_a_foreign_manifest_alone_is_refused_not_overwritten(tmp_path: Path, tex
     finally:
         ck.close()
     assert (tmp_path / "lowdiff.json").read_text() == text
+
+
+def _rewrite_as_version(path: Path, version: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rewrite the lowdiff file ``path`` as a (valid, checksummed) file of ``version``."""
+    from lowdiff.format import sfile
+
+    loaded = sfile.read(path)
+    meta = dict(loaded.metadata)
+    tensors = {k: v.clone() for k, v in loaded.tensors.items()}
+    with monkeypatch.context() as m:
+        m.setattr(sfile, "FORMAT_VERSION", version)
+        entries, blob = sfile.pack(tensors)
+        sfile.write(path, entries, blob, meta)
+
+
+@pytest.mark.multiprocess
+def test_a_newer_lowdiffs_directory_is_refused_whole(
+    ckpt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/format.md: a reader refuses newer versions. A manifest or a record file of a
+    newer format version is refused by resume(), restore() and inspect, naming the file,
+    and nothing is rewritten or quarantined (it is not damage)."""
+    from lowdiff.format import layout
+
+    newer_manifest = tmp_path / "manifest"
+    shutil.copytree(ckpt_dir, newer_manifest)
+    body = dict(layout.read_manifest(newer_manifest), format_version=2)
+    layout.write_manifest(newer_manifest, body)
+    newer_record = tmp_path / "record"
+    shutil.copytree(ckpt_dir, newer_record)
+    rec = sorted((newer_record / "records").glob("rec-*"))[-1]
+    _rewrite_as_version(rec, 2, monkeypatch)
+    for d, named in ((newer_manifest, "lowdiff.json"), (newer_record, rec.name)):
+        before = _tree(d)
+        model, opt, sched = _build()
+        with pytest.raises(lowdiff.NewerFormatError, match=f"{named}: format version 2 is newer"):
+            lowdiff.restore(d, model, opt, sched)
+        with pytest.raises(lowdiff.NewerFormatError, match="upgrade lowdiff"):
+            lowdiff.inspect_dir(d)
+        ck = _ck(model, opt, d, sched)
+        try:
+            with pytest.raises(lowdiff.NewerFormatError, match=named):
+                ck.resume()
+        finally:
+            ck.close()
+        assert _tree(d) == before
+        assert not (d / "quarantine").exists()

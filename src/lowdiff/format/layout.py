@@ -27,8 +27,9 @@ from typing import Any
 
 import xxhash
 
-from lowdiff.errors import CorruptCheckpointError
+from lowdiff.errors import CorruptCheckpointError, NewerFormatError
 from lowdiff.format.atomic import write_bytes_atomic
+from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, newer_version_reason
 
 MANIFEST = "lowdiff.json"
 FULL_DIR = "full"
@@ -102,7 +103,9 @@ def read_manifest(root: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CorruptCheckpointError(path, "not valid JSON (torn or corrupt)") from None
     if _verified.get(str(path)) == raw:
-        return obj["lowdiff_manifest"]  # type: ignore[no-any-return]
+        body = obj["lowdiff_manifest"]
+        _check_version(path, body)  # what this process wrote may be any version
+        return body  # type: ignore[no-any-return]
     if not isinstance(obj, dict) or set(obj) != {"checksum", "lowdiff_manifest"}:
         raise CorruptCheckpointError(path, "not a lowdiff manifest")
     body = obj["lowdiff_manifest"]
@@ -115,7 +118,18 @@ def read_manifest(root: Path) -> dict[str, Any]:
         )
     if not isinstance(body, dict):
         raise CorruptCheckpointError(path, "manifest body is not an object")
+    _check_version(path, body)
     if len(_verified) > 64:
         _verified.clear()
     _verified[str(path)] = raw
     return body
+
+
+def _check_version(path: Path, body: dict[str, Any]) -> None:
+    """Refuse a lowdiff manifest of a newer format version (docs/format.md)."""
+    if body.get("format") == FORMAT_NAME:
+        version = body.get("format_version", 1)  # a job's manifest has none: version 1
+        if type(version) is not int or version < 1:
+            raise CorruptCheckpointError(path, f"bad format_version {version!r}")
+        if version > FORMAT_VERSION:
+            raise NewerFormatError(path, newer_version_reason(version))

@@ -31,12 +31,21 @@ from pathlib import Path
 import torch
 import xxhash
 
-from lowdiff.errors import CorruptCheckpointError
+from lowdiff.errors import CorruptCheckpointError, NewerFormatError
 from lowdiff.format.atomic import atomic_open
 from lowdiff.format.dtypes import dtype_from_name, dtype_name, itemsize
 
 FORMAT_NAME = "lowdiff"
 FORMAT_VERSION = 1
+
+
+def newer_version_reason(version: object) -> str:
+    return (
+        f"format version {version} is newer than this lowdiff understands ({FORMAT_VERSION}); "
+        "upgrade lowdiff"
+    )
+
+
 _CHECKSUM_KEY = "xxh3"
 _PLACEHOLDER = "0" * 16
 # A forged length field must not make the reader allocate or parse gigabytes.
@@ -331,10 +340,7 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
     except ValueError:
         raise CorruptCheckpointError(path, "missing or bad format_version") from None
     if version > FORMAT_VERSION:
-        raise CorruptCheckpointError(
-            path,
-            f"format version {version} is newer than this lowdiff understands ({FORMAT_VERSION}); upgrade lowdiff",
-        )
+        raise NewerFormatError(path, newer_version_reason(version))
     entries = []
     try:
         for name, info in header.items():

@@ -27,6 +27,7 @@ from pathlib import Path
 from lowdiff.errors import (
     CorruptCheckpointError,
     LowDiffError,
+    NewerFormatError,
     NotACheckpointDirectoryError,
     RecoveryError,
 )
@@ -182,7 +183,13 @@ def scan(root: str | Path) -> Scan:
         raise NotACheckpointDirectoryError(
             f"{root} holds no lowdiff checkpoint (no {layout.MANIFEST})"
         )
-    out = Scan(root, layout.read_manifest(root))
+    manifest = layout.read_manifest(root)
+    if manifest.get("format") != sfile.FORMAT_NAME:
+        raise NotACheckpointDirectoryError(
+            f"{root}: its manifest is of format {manifest.get('format')!r}, not a lowdiff "
+            "checkpoint directory's"
+        )
+    out = Scan(root, manifest)
     for sub, kind in ((layout.FULL_DIR, "full"), (layout.RECORDS_DIR, "records")):
         d = root / sub
         if not d.is_dir():
@@ -192,6 +199,8 @@ def scan(root: str | Path) -> Scan:
                 continue
             try:
                 out_info = _header_info(p, kind)
+            except NewerFormatError:
+                raise  # a newer lowdiff's directory: refused whole, nothing passed over
             except CorruptCheckpointError as e:
                 out.problems.append((p, e.reason))
                 continue
@@ -201,13 +210,21 @@ def scan(root: str | Path) -> Scan:
     return out
 
 
+def _check_kind(p: Path, found: str | None, want: str) -> None:
+    if found != want:
+        raise CorruptCheckpointError(
+            p, f"kind {found!r} in a file named as a {want!r} file (expected kind {want!r})"
+        )
+
+
 def _header_info(p: Path, kind: str) -> FileInfo:
     if kind == "full":
         step = layout.parse_full_name(p.name)
         if step is None:
             raise CorruptCheckpointError(p, "unexpected file name in full/ (a foreign file?)")
         hdr = sfile.read_header(p)
-        if hdr.kind != "full" or hdr.metadata.get("step") != str(step):
+        _check_kind(p, hdr.kind, "full")
+        if hdr.metadata.get("step") != str(step):
             raise CorruptCheckpointError(p, "metadata does not match the file name")
         return FileInfo(
             p, "full", step, step, hdr.file_size, 0, run_id=hdr.metadata.get("run_id") or None
@@ -216,12 +233,9 @@ def _header_info(p: Path, kind: str) -> FileInfo:
     if rng is None:
         raise CorruptCheckpointError(p, "unexpected file name in records/ (a foreign file?)")
     hdr = sfile.read_header(p)
+    _check_kind(p, hdr.kind, "records")
     md = hdr.metadata
-    if (
-        hdr.kind != "records"
-        or md.get("first_step") != str(rng[0])
-        or md.get("last_step") != str(rng[1])
-    ):
+    if md.get("first_step") != str(rng[0]) or md.get("last_step") != str(rng[1]):
         raise CorruptCheckpointError(p, "metadata does not match the file name")
     n = rng[1] - rng[0] + 1
     if md.get("n_records") != str(n):
