@@ -114,7 +114,8 @@ class Checkpointer:
             and listed in :attr:`plan_history`; recovery does not depend on f or b.
         scheduler: optional LR scheduler; ``step()`` steps it after the optimizer.
         keep_full: full checkpoints to keep (records older than the oldest kept one are
-            deleted); None keeps everything.
+            deleted), default 2: the steps from the older kept one on stay restorable;
+            None keeps everything (every step since the start).
         max_inflight: records that may wait in shared memory for the checkpointing
             process before ``step()`` blocks; default ``2 * batch_size + 2``.
         start_timeout: seconds to wait for the checkpointing process to start, or for a

@@ -183,6 +183,11 @@ class Strategy(abc.ABC):
     records_hparams: bool = False
     """Whether :meth:`after_update` needs the update's hyperparameters."""
 
+    @property
+    def is_closed(self) -> bool:
+        """Whether ``close()`` ran (a strategy driven by the optimizer's hooks says so)."""
+        return False
+
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any | None
@@ -207,6 +212,8 @@ class Strategy(abc.ABC):
             metric: passed to ``scheduler.step(metric)`` (for ReduceLROnPlateau).
         """
         if self.driven_by_hooks:
+            if self.is_closed:
+                raise RuntimeError("step() after close()")
             raise RuntimeError(
                 "lowdiff is attached to the optimizer: call optimizer.step() (and your "
                 "scheduler's step()) as usual, not ck.step()"

@@ -535,3 +535,56 @@ def test_a_newer_lowdiffs_directory_is_refused_whole(
             ck.close()
         assert _tree(d) == before
         assert not (d / "quarantine").exists()
+
+
+@pytest.mark.parametrize("drive", ["step", "attach"])
+def test_a_parameter_group_added_after_construction_is_refused(tmp_path: Path, drive: str) -> None:
+    """optimizer.add_param_group() after the Checkpointer was built: refused at the next
+    step, before anything of it is recorded (every step before stays restorable)."""
+    model, opt, sched = _build()
+    extra = nn.Linear(2, 2)
+    make = lowdiff.attach if drive == "attach" else lowdiff.Checkpointer
+    ck = make(model, opt, tmp_path, scheduler=sched, compressor=lowdiff.TopK(0.5), full_every=2)
+    ck.resume()
+
+    def update() -> None:
+        ((model(torch.ones(3, 8)) - 1.0) ** 2).mean().backward()
+        if drive == "attach":
+            opt.step()
+            sched.step()
+        else:
+            ck.step()
+        opt.zero_grad()
+
+    try:
+        update()
+        update()
+        opt.add_param_group({"params": list(extra.parameters())})
+        with pytest.raises(lowdiff.UnsupportedSetupError, match="add_param_group"):
+            update()
+    finally:
+        ck.close()
+    m2, o2, s2 = _build()
+    # under attach step 2 was still waiting for the next update's hand-over: not saved
+    assert lowdiff.restore(tmp_path, m2, o2, s2) == (1 if drive == "attach" else 2)
+
+
+def test_lowdiff_plus_refuses_frozen_parameters_in_the_optimizer(tmp_path: Path) -> None:
+    model, _, _ = _build()
+    next(model.parameters()).requires_grad_(False)
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(lowdiff.UnsupportedSetupError, match="do not require a gradient"):
+        lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy="lowdiff+")
+    assert not (tmp_path / "ck").exists()
+    # without them it works
+    opt = torch.optim.Adam(p for p in model.parameters() if p.requires_grad)
+    lowdiff.Checkpointer(model, opt, tmp_path / "ck2", strategy="lowdiff+").close()
+
+
+def test_step_of_a_closed_attached_checkpointer_says_closed(tmp_path: Path) -> None:
+    model, opt, sched = _build()
+    ck = lowdiff.attach(model, opt, tmp_path, scheduler=sched, compressor=lowdiff.TopK(0.5))
+    ck.resume()
+    ck.close()
+    with pytest.raises(RuntimeError, match=r"step\(\) after close\(\)"):
+        ck.step()

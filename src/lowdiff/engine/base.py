@@ -38,7 +38,7 @@ from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.remote_tier import RemoteSettings
 from lowdiff.engine.session import ProcessSession, remote_stalled
 from lowdiff.engine.storage_policy import CheckpointingSuspended, StoragePolicy
-from lowdiff.errors import RemoteStorageError
+from lowdiff.errors import RemoteStorageError, UnsupportedSetupError
 from lowdiff.plan import START_B, START_F
 from lowdiff.proc import channel
 from lowdiff.proc.protocol import Close, Flush, Kind
@@ -191,6 +191,10 @@ class EngineStrategy(Strategy):
         return self.core.recovery_stats
 
     @property
+    def is_closed(self) -> bool:
+        return self.core.closed
+
+    @property
     def step_count(self) -> int:
         """Optimizer updates done so far (the step the live state is at)."""
         return self.core.step
@@ -271,6 +275,7 @@ class EngineStrategy(Strategy):
         core = self.core
         if core.closed:
             raise RuntimeError("step() after close()")
+        self.check_groups()
         if not core.started:
             self._start_implicit()
         if self.session is not None:
@@ -280,6 +285,19 @@ class EngineStrategy(Strategy):
         if self.autoplan is not None:
             self.autoplan.begin_step(t)
         return t
+
+    def check_groups(self) -> None:
+        """Refuse an optimizer that gained a parameter group since construction."""
+        core = self.core
+        groups = len(core.optimizer.param_groups)
+        if groups != core.n_groups:
+            raise UnsupportedSetupError(
+                f"the optimizer has {groups} parameter groups, {core.n_groups} when the "
+                "Checkpointer was built (optimizer.add_param_group()): lowdiff's records and "
+                "full checkpoints hold the parameters it was built with, so nothing from here "
+                "on could be restored. Add every group before building the Checkpointer (a "
+                "group may start frozen or with lr 0), or close it and start a new directory"
+            )
 
     def hparams(self) -> str:
         """The update's hyperparameters as the JSON text a record holds (groups that did
@@ -388,6 +406,10 @@ class EngineStrategy(Strategy):
         core.closed = self.handover.closed = True
         closed = settled = False
         try:
+            if core.started and len(core.optimizer.param_groups) != core.n_groups:
+                # a step handed over late (attach) would be sent with the new group's
+                # hyperparameters and optimizer state: it is not saved
+                self.handover.discard()
             if core.started:
                 self.handover.finish()  # steps driven by the optimizer's hooks
             self._close_session()

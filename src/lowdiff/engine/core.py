@@ -89,6 +89,8 @@ class EngineCore:
         """Under DDP: the job-wide minima of :meth:`figures` (local, remote)."""
         self.extra = extra_state
         self.params = st.optimizer_params(model, optimizer)
+        self.n_groups = len(optimizer.param_groups)
+        """The optimizer's parameter groups (a group added later cannot be checkpointed)."""
         if dist is not None and dist.sharded:
             # under fully_shard a rank holds, snapshots and restores its own shard of every
             # parameter: the layout is that of the local shards

@@ -62,6 +62,11 @@ class Handover:
             for send in pending:
                 send()
 
+    def discard(self) -> None:
+        """Drop what waits for the scheduler's step, unsent."""
+        self._pending = []
+        self._pending_extra = []
+
     def capture_after_update(self, name: str) -> None:
         """Take ``extra_state[name]`` for each step when :meth:`recapture` is next called
         after its update, instead of right after the update."""
@@ -137,6 +142,9 @@ class OptimizerHooks:
                 "its gradients); that update is not checkpointed, so training cannot go on from "
                 "this state: resume from the checkpoint"
             )
+        check = getattr(self.strategy, "check_groups", None)
+        if check is not None:
+            check()  # before the hand-over of the previous step, which reads the groups
         self.handover.finish()
         # args are step()'s own, the optimizer first: step(self, closure=None)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)

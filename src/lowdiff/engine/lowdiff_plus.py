@@ -29,7 +29,7 @@ from lowdiff.engine.replica_process import replica_worker_main
 from lowdiff.engine.replica_worker import ReplicaConfig
 from lowdiff.engine.resume import CheckpointingStrategy
 from lowdiff.engine.snapshot import GradSnapshotter
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import LowDiffError, UnsupportedSetupError
 from lowdiff.format import layout
 from lowdiff.proc import holder as rp
 from lowdiff.recovery.job import apply_sharded_state
@@ -52,6 +52,22 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer_class(class_path(optimizer))
+        frozen = [
+            (gi, pi, tuple(p.shape))
+            for gi, g in enumerate(optimizer.param_groups)
+            for pi, p in enumerate(g["params"])
+            if not p.requires_grad
+        ]
+        if frozen:
+            gi, pi, shape = frozen[0]
+            raise UnsupportedSetupError(
+                f"strategy 'lowdiff+': {len(frozen)} parameter(s) of the optimizer do not require "
+                f"a gradient (frozen; the first: group {gi}, parameter {pi}, shape {list(shape)}). "
+                "LowDiff+ snapshots each gradient through a hook on the parameters it is built "
+                "with: leave frozen parameters out of the optimizer (e.g. "
+                "Adam(p for p in model.parameters() if p.requires_grad)), or use strategy "
+                "'lowdiff'"
+            )
 
     def _records_compressor(self, opts: EngineOptions, dist: DistContext | None) -> Compressor:
         return NoCompression()
