@@ -335,7 +335,7 @@ class BaselineCheckpointer(Strategy):
             "format": BASELINE_FORMAT,
             "format_version": BASELINE_FORMAT_VERSION,
             "strategy": self.strategy,
-            "optimizer": f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}",
+            "optimizer": st.class_path(self.optimizer),
             "full_every": self.full_every,
             "keep_full": self.keep_full,
             **self._manifest_extra(),
@@ -354,7 +354,7 @@ class BaselineCheckpointer(Strategy):
             raise CheckpointMismatchError(
                 f"{self.root}: format {manifest.get('format')!r}, expected {BASELINE_FORMAT!r}"
             )
-        want = f"{type(self.optimizer).__module__}.{type(self.optimizer).__qualname__}"
+        want = st.class_path(self.optimizer)
         if manifest.get("optimizer") != want:
             raise CheckpointMismatchError(
                 f"the checkpoint was written with optimizer {manifest.get('optimizer')}, got {want}"

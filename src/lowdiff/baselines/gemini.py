@@ -206,7 +206,7 @@ class GeminiCheckpointer(BaselineCheckpointer):
         layout_id = _layout_id(
             self._params,
             [
-                f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+                st.class_path(optimizer),
                 None if self._dist is None else [self._dist.rank, self._dist.world_size],
             ],
         )

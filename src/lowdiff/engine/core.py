@@ -30,9 +30,10 @@ from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
 from lowdiff.proc.holder import release_survivor
 from lowdiff.proc.locks import lock_directory, wait_for_writer
+from lowdiff.recovery.compat import check_compatible
 from lowdiff.recovery.job import generations, is_job_dir, rank_root
 from lowdiff.recovery.quarantine import quarantine_beyond
-from lowdiff.recovery.replay import RecoveryStats, check_compatible
+from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import check_directory, is_empty_dir
 from lowdiff.state import capture as st
 from lowdiff.state.model_config import model_config_entry
@@ -47,11 +48,6 @@ STAT_KEYS = (
 )  # fmt: skip
 """The counters of ``ck.stats`` that the training process keeps (see
 :attr:`lowdiff.Checkpointer.stats`)."""
-
-
-def class_path(obj: Any) -> str:
-    """``module.QualifiedName`` of ``obj``'s class (how manifests name classes)."""
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def dumps(tree: Any) -> str:
@@ -255,8 +251,8 @@ class EngineCore:
             "format_version": FORMAT_VERSION,
             "strategy": self.name,
             "compressor": self.compressor.spec(),
-            "optimizer": class_path(self.optimizer),
-            "scheduler": None if self.scheduler is None else class_path(self.scheduler),
+            "optimizer": st.class_path(self.optimizer),
+            "scheduler": None if self.scheduler is None else st.class_path(self.scheduler),
             "record_layout": self.layout.to_json(),
             "layout_id": self.layout.layout_id,
             "full_every": self.configured["full_every"],
@@ -292,7 +288,7 @@ class EngineCore:
                 f"{self.root}: the record layout differs (model buffers or CUDA devices changed since the "
                 "checkpoint was written)"
             )
-        want = None if self.scheduler is None else class_path(self.scheduler)
+        want = None if self.scheduler is None else st.class_path(self.scheduler)
         if manifest.get("scheduler") != want:
             raise CheckpointMismatchError(
                 f"{self.root} was written with scheduler {manifest.get('scheduler')}, got {want}"

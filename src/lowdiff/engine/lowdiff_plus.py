@@ -21,7 +21,6 @@ import torch
 from lowdiff.compressors.base import Compressor, NoCompression
 from lowdiff.ddp.context import DistContext
 from lowdiff.ddp.hooks import PlusHookState, plus_hook
-from lowdiff.engine.core import class_path
 from lowdiff.engine.messages import Full, Init, Step
 from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.replica_optim import optimizer_class
@@ -34,6 +33,7 @@ from lowdiff.format import layout
 from lowdiff.proc import holder as rp
 from lowdiff.recovery.job import apply_sharded_state
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state
+from lowdiff.state import capture as st
 from lowdiff.strategy import AUTO, StepGrads
 
 
@@ -51,7 +51,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
     """The layer-wise gradient snapshotter of the running process, or None."""
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer_class(class_path(optimizer))
+        optimizer_class(st.class_path(optimizer))
         frozen = [
             (gi, pi, tuple(p.shape))
             for gi, g in enumerate(optimizer.param_groups)
@@ -100,7 +100,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             str(core.root),
             core.run_id,
             core.layout.to_json(),
-            class_path(core.optimizer),
+            st.class_path(core.optimizer),
             persist_every,
             opts.keep_full,
             opts.idle_timeout,

@@ -43,10 +43,10 @@ from lowdiff.errors import (
     UnsupportedSetupError,
 )
 from lowdiff.format import codec, layout, sfile
+from lowdiff.recovery.compat import check_classes
 from lowdiff.recovery.replay import (
     RecoveryStats,
     apply_full_state,
-    check_classes,
     pass_over_full,
     replay,
     replay_records,

@@ -577,3 +577,8 @@ def refuse_lbfgs(optimizer: torch.optim.Optimizer) -> None:
             "LBFGS is not supported: its step() evaluates the closure several times per "
             "update, and lowdiff records the one gradient each update applies"
         )
+
+
+def class_path(obj: Any) -> str:
+    """``module.QualifiedName`` of ``obj``'s class (how manifests name classes)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
