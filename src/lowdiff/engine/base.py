@@ -286,11 +286,15 @@ class EngineStrategy(Strategy):
             self.autoplan.begin_step(t)
         return t
 
+    def groups_changed(self) -> bool:
+        """Whether the optimizer gained a parameter group since construction."""
+        return len(self.core.optimizer.param_groups) != self.core.n_groups
+
     def check_groups(self) -> None:
         """Refuse an optimizer that gained a parameter group since construction."""
         core = self.core
-        groups = len(core.optimizer.param_groups)
-        if groups != core.n_groups:
+        if self.groups_changed():
+            groups = len(core.optimizer.param_groups)
             raise UnsupportedSetupError(
                 f"the optimizer has {groups} parameter groups, {core.n_groups} when the "
                 "Checkpointer was built (optimizer.add_param_group()): lowdiff's records and "
@@ -406,7 +410,7 @@ class EngineStrategy(Strategy):
         core.closed = self.handover.closed = True
         closed = settled = False
         try:
-            if core.started and len(core.optimizer.param_groups) != core.n_groups:
+            if core.started and self.groups_changed():
                 # a step handed over late (attach) would be sent with the new group's
                 # hyperparameters and optimizer state: it is not saved
                 self.handover.discard()

@@ -1,5 +1,6 @@
 """Whether a checkpoint fits the live objects it is loaded into: the optimizer's and
-scheduler's classes, and the model's optimized parameters (names, shapes, dtypes).
+scheduler's classes, and the model's optimized parameters (names, shapes, dtypes), for
+one directory or every shard of a job.
 Every reader checks before it loads anything (a directory, a job's shards, resume())."""
 
 from __future__ import annotations
@@ -80,3 +81,26 @@ def check_compatible(
             "the model does not match the checkpoint: " + "; ".join(problems)
         )
     return rl
+
+
+def check_compatible_sharded(
+    rls: list[RecordLayout],
+    manifests: list[dict[str, Any]],
+    model: Any,
+    optimizer: Any,
+    scheduler: Any | None = None,
+) -> None:
+    for m in manifests:
+        check_classes(m, optimizer, scheduler)
+    saved = sorted((p for rl in rls for p in rl.params), key=lambda p: p.index)
+    live = st.optimizer_params(model, optimizer)
+    if [p.index for p in saved] != list(range(len(live))):
+        raise CheckpointMismatchError(
+            f"the shards hold {len(saved)} parameters, the optimizer has {len(live)}"
+        )
+    for (info, _), s in zip(live, saved, strict=True):
+        if (info.name, info.shape, info.dtype) != (s.name, s.shape, s.dtype):
+            raise CheckpointMismatchError(
+                f"parameter #{s.index}: checkpoint {s.name!r} {list(s.shape)} {s.dtype}, model "
+                f"{info.name!r} {list(info.shape)} {info.dtype}"
+            )

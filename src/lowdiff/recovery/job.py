@@ -36,14 +36,13 @@ from lowdiff.compressors.base import compressor_from_spec
 from lowdiff.ddp.context import DistContext, rank_dir
 from lowdiff.ddp.shard import merge_state_dicts
 from lowdiff.errors import (
-    CheckpointMismatchError,
     CorruptCheckpointError,
     NotACheckpointDirectoryError,
     RecoveryError,
     UnsupportedSetupError,
 )
 from lowdiff.format import codec, layout, sfile
-from lowdiff.recovery.compat import check_classes
+from lowdiff.recovery.compat import check_compatible_sharded
 from lowdiff.recovery.replay import (
     RecoveryStats,
     apply_full_state,
@@ -225,29 +224,6 @@ def scan_dirs(root: Path, dirs: list[Path]) -> list[Scan]:
             f"checkpoint needs all {world_size} shards"
         )
     return [scan(d) for d in dirs]
-
-
-def check_compatible_sharded(
-    rls: list[RecordLayout],
-    manifests: list[dict[str, Any]],
-    model: Any,
-    optimizer: Any,
-    scheduler: Any | None = None,
-) -> None:
-    for m in manifests:
-        check_classes(m, optimizer, scheduler)
-    saved = sorted((p for rl in rls for p in rl.params), key=lambda p: p.index)
-    live = st.optimizer_params(model, optimizer)
-    if [p.index for p in saved] != list(range(len(live))):
-        raise CheckpointMismatchError(
-            f"the shards hold {len(saved)} parameters, the optimizer has {len(live)}"
-        )
-    for (info, _), s in zip(live, saved, strict=True):
-        if (info.name, info.shape, info.dtype) != (s.name, s.shape, s.dtype):
-            raise CheckpointMismatchError(
-                f"parameter #{s.index}: checkpoint {s.name!r} {list(s.shape)} {s.dtype}, model "
-                f"{info.name!r} {list(info.shape)} {info.dtype}"
-            )
 
 
 def plan_sharded(
