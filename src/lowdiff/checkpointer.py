@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib
 import inspect
 import os
@@ -51,8 +52,14 @@ def strategy_class(name: str) -> type[Strategy]:
     return cls
 
 
-def strategy_options(cls: type[Strategy]) -> set[str]:
-    """The keyword options strategy class ``cls`` takes (``Checkpointer``'s ``**options``)."""
+@functools.cache
+def strategy_options(cls: type[Strategy]) -> frozenset[str]:
+    """The keyword options strategy class ``cls`` takes (``Checkpointer``'s ``**options``).
+
+    Read from the code objects of the Python ``__init__`` methods of the class and its
+    bases (``inspect.signature`` parses a built-in's signature from text, which costs
+    milliseconds at every start of a process forked from a server).
+    """
     from lowdiff.engine.base import EngineStrategy  # noqa: PLC0415 -- imported on first use
     from lowdiff.engine.options import EngineOptions  # noqa: PLC0415
 
@@ -61,18 +68,15 @@ def strategy_options(cls: type[Strategy]) -> set[str]:
         if klass is EngineStrategy:
             names |= {f.name for f in dataclasses.fields(EngineOptions)}
         init = klass.__dict__.get("__init__")
-        if init is None:
+        if not inspect.isfunction(init):
             continue
-        params = inspect.signature(init).parameters.values()
-        names |= {
-            p.name
-            for p in params
-            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-            and p.name not in ("self", "model", "optimizer", "directory")
-        }
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
+        code = init.__code__
+        # positional-or-keyword, then keyword-only (positional-only ones cannot be named)
+        named = code.co_varnames[code.co_posonlyargcount : code.co_argcount + code.co_kwonlyargcount]
+        names |= set(named) - {"self", "model", "optimizer", "directory"}
+        if not code.co_flags & inspect.CO_VARKEYWORDS:
             break
-    return names
+    return frozenset(names)
 
 
 def _check_options(strategy: str, cls: type[Strategy], options: dict[str, Any]) -> None:
