@@ -72,7 +72,9 @@ def strategy_options(cls: type[Strategy]) -> frozenset[str]:
             continue
         code = init.__code__
         # positional-or-keyword, then keyword-only (positional-only ones cannot be named)
-        named = code.co_varnames[code.co_posonlyargcount : code.co_argcount + code.co_kwonlyargcount]
+        named = code.co_varnames[
+            code.co_posonlyargcount : code.co_argcount + code.co_kwonlyargcount
+        ]
         names |= set(named) - {"self", "model", "optimizer", "directory"}
         if not code.co_flags & inspect.CO_VARKEYWORDS:
             break

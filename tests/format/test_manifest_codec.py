@@ -81,3 +81,80 @@ def test_codec_tensor_sink_references():
     assert "exp_avg" in text and "b64" not in text
     back = codec.loads(text, store.__getitem__)
     assert torch.equal(back["state"][0]["exp_avg"], torch.ones(3))
+
+
+# -- the plain walk (no tensor sink) gives the tree of the path-keeping one -------------
+
+
+class _Key(int):
+    """An int subclass (as IntEnum is): encoded as a plain int."""
+
+
+def _leaves():
+    from hypothesis import strategies as hs
+
+    return hs.one_of(
+        hs.none(),
+        hs.booleans(),
+        hs.integers(),
+        hs.floats(allow_nan=True, allow_infinity=True),
+        hs.text(max_size=5),
+        hs.sampled_from(["__tuple__", "__dict__", "__float__", "__str_dict__"]),
+        hs.integers(-5, 5).map(_Key),
+        hs.integers(0, 3).map(lambda n: torch.arange(n, dtype=torch.float32)),
+    )
+
+
+def _trees():
+    from collections import OrderedDict
+
+    from hypothesis import strategies as hs
+
+    keys = hs.one_of(hs.text(max_size=4), hs.sampled_from(["__tuple__", "__float__"]))
+    return hs.recursive(
+        _leaves(),
+        lambda kids: hs.one_of(
+            hs.lists(kids, max_size=4),
+            hs.lists(kids, max_size=4).map(tuple),
+            hs.dictionaries(keys, kids, max_size=4),
+            hs.dictionaries(hs.integers(-3, 3), kids, max_size=3),
+            hs.dictionaries(keys, kids, max_size=3).map(OrderedDict),
+        ),
+        max_leaves=20,
+    )
+
+
+def _same(a, b) -> bool:
+    """Equal trees, NaN included (a float leaf is compared by its repr)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return repr(a) == repr(b)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_the_plain_walk_builds_the_same_tree_as_the_path_keeping_one():
+    from hypothesis import given, settings
+
+    @settings(max_examples=300, deadline=None)
+    @given(_trees())
+    def check(value):
+        fast = codec.encode(value)
+        slow = codec._encode(value, None, "$")
+        assert _same(fast, slow)
+        assert codec.dumps(value) == codec.dumps(value)  # deterministic
+        back = codec.loads(codec.dumps(value))
+        assert codec.dumps(back) == codec.dumps(value)
+
+    check()
+
+
+def test_a_value_that_cannot_be_stored_is_named_by_its_path_on_the_plain_walk():
+    with pytest.raises(TypeError, match=r"cannot store object at \$\.sched\[1\]\.x"):
+        codec.encode({"sched": [1, {"x": object()}]})
+    with pytest.raises(TypeError, match=r"cannot store function at \$\.a\[0\]"):
+        codec.encode({"a": (lambda: 0,)})

@@ -35,7 +35,40 @@ TensorSource = Callable[[str], torch.Tensor]
 
 
 def encode(value: Any, sink: TensorSink | None = None, path: str = "$") -> Any:
-    """Turn ``value`` into a JSON-compatible tree (see the module docstring)."""
+    """Turn ``value`` into a JSON-compatible tree (see the module docstring).
+
+    Without a tensor sink the tree is built by a walk that keeps no path (a record's
+    scheduler state and hyperparameters are encoded at every step); a value it cannot
+    store is then encoded again the slow way, whose error names where it is.
+    """
+    if sink is None:
+        try:
+            return _encode_plain(value)
+        except (TypeError, RecursionError):
+            pass  # encoded again below: the error names the path
+    return _encode(value, sink, path)
+
+
+def _encode_plain(value: Any) -> Any:
+    """:func:`encode` without a tensor sink, for the exact built-in types; any other
+    value goes through :func:`_encode` (which gives the same tree)."""
+    t = type(value)
+    if t is str or t is bool or t is int or value is None:
+        return value
+    if t is float:
+        return value if math.isfinite(value) else _encode(value, None, "$")
+    if t is dict:
+        if all(type(k) is str for k in value) and _TAGS.isdisjoint(value):
+            return {k: _encode_plain(v) for k, v in value.items()}
+        return _encode(value, None, "$")
+    if t is list:
+        return [_encode_plain(v) for v in value]
+    if t is tuple:
+        return {"__tuple__": [_encode_plain(v) for v in value]}
+    return _encode(value, None, "$")
+
+
+def _encode(value: Any, sink: TensorSink | None, path: str) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -58,20 +91,20 @@ def encode(value: Any, sink: TensorSink | None = None, path: str = "$") -> Any:
             }
         }
     if isinstance(value, tuple):
-        return {"__tuple__": [encode(v, sink, f"{path}[{i}]") for i, v in enumerate(value)]}
+        return {"__tuple__": [_encode(v, sink, f"{path}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, sink, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_encode(v, sink, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         if all(isinstance(k, str) for k in value):
             if any(k in _TAGS for k in value):
                 # a user dict that happens to use a tag name as a key: escape it
                 return {
-                    "__str_dict__": [[k, encode(v, sink, f"{path}.{k}")] for k, v in value.items()]
+                    "__str_dict__": [[k, _encode(v, sink, f"{path}.{k}")] for k, v in value.items()]
                 }
-            return {k: encode(v, sink, f"{path}.{k}") for k, v in value.items()}
+            return {k: _encode(v, sink, f"{path}.{k}") for k, v in value.items()}
         return {
             "__dict__": [
-                [encode(k, None, f"{path}.<key>"), encode(v, sink, f"{path}[{k!r}]")]
+                [_encode(k, None, f"{path}.<key>"), _encode(v, sink, f"{path}[{k!r}]")]
                 for k, v in value.items()
             ]
         }
