@@ -61,7 +61,7 @@ class AutoPlan:
         self.core = core
         self.send = send
         mtbf_s, self.mtbf_source = resolve_mtbf(mtbf)
-        self.mtbf_s, self.layout_id = mtbf_s, core.layout.layout_id
+        self.mtbf_s, self.layout_id = mtbf_s, core.layout_id
         f, b = core.full_every, core.batch_size
         self.previous = load_plan(core.root, self.layout_id, mtbf_s)
         """The (f, b) of the previous session's last plan on this directory, if any."""

@@ -142,6 +142,9 @@ class EngineCore:
         self.rng_layout: st.RngLayout | None = None
         self.rng_capture: st.RngCapture | None = None
         self.layout: RecordLayout | None = None
+        self.layout_id = ""
+        """``layout.layout_id``, taken once (a hash of the layout's JSON: every full
+        checkpoint names it, and the engine never changes its layout)."""
         self.configured: dict[str, int | str] = {}
         """``full_every`` and ``batch_size`` as configured (``"auto"`` stays ``"auto"``)."""
         self.full_every = 1
@@ -191,6 +194,7 @@ class EngineCore:
         self.layout = RecordLayout.build(
             [info for info, _ in self.shard_params()], self.compressor, buffers, self.rng_layout
         )
+        self.layout_id = self.layout.layout_id
 
     @staticmethod
     def _lock(root: Path, why: str = "") -> int:
@@ -254,7 +258,7 @@ class EngineCore:
             "optimizer": st.class_path(self.optimizer),
             "scheduler": None if self.scheduler is None else st.class_path(self.scheduler),
             "record_layout": self.layout.to_json(),
-            "layout_id": self.layout.layout_id,
+            "layout_id": self.layout_id,
             "full_every": self.configured["full_every"],
             "batch_size": self.configured["batch_size"],
             "keep_full": keep_full,
@@ -283,7 +287,7 @@ class EngineCore:
             )
         if self.dist is None:
             check_compatible(manifest, self.model, self.optimizer)
-        if manifest.get("layout_id") != self.layout.layout_id:
+        if manifest.get("layout_id") != self.layout_id:
             raise CheckpointMismatchError(
                 f"{self.root}: the record layout differs (model buffers or CUDA devices changed since the "
                 "checkpoint was written)"

@@ -68,7 +68,7 @@ class LowDiffStrategy(CheckpointingStrategy):
     def _find_survivor(self) -> Survivor | None:
         core = self.core
         assert core.root is not None and core.layout is not None
-        found, why = find_survivor(core.root, core.layout.layout_id, self.options.start_timeout)
+        found, why = find_survivor(core.root, core.layout_id, self.options.start_timeout)
         if found is None:
             core.memory_miss_reason = why
         return found
@@ -85,7 +85,7 @@ class LowDiffStrategy(CheckpointingStrategy):
             core.batch_size,
             self.options.keep_full,
             core.layout.row_bytes,
-            core.layout.layout_id,
+            core.layout_id,
             core.run_id,
             # lineage: the first record file follows the recovered state's run
             follows=None if stats is None else stats.state_run_id,

@@ -180,9 +180,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
     def _find_replica(self) -> tuple[Any, str]:
         core = self.core
         assert core.root is not None and core.layout is not None
-        return rp.find_live_replica(
-            core.root, core.layout.layout_id, wait_s=self.options.start_timeout
-        )
+        return rp.find_live_replica(core.root, core.layout_id, wait_s=self.options.start_timeout)
 
     def _resume_from_memory(self) -> bool:
         """Restore from a live replica left by a crashed trainer, and take its process

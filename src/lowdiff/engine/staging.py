@@ -80,7 +80,7 @@ class FullStager:
         meta = {
             "kind": "full",
             "run_id": core.run_id,
-            "layout_id": core.layout.layout_id,
+            "layout_id": core.layout_id,
             "model_aliases": codec.dumps(aliases),
             "optim": ojson,
             "rng": codec.dumps(rng_extra),
