@@ -25,8 +25,13 @@ reached before the job ends is not injected.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
 import queue
+import select
+import struct
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -93,19 +98,71 @@ _Lines: TypeAlias = "queue.Queue[tuple[float, str] | None]"
 """A training process's stdout lines with the time each was read; None at EOF."""
 
 
-def _pump(stream: IO[str], sink: _Lines, log: IO[str]) -> None:
-    # After a kill the pipe stays open as long as an orphaned checkpointing process holds
-    # it; reading on a thread keeps that from blocking the supervisor.
-    try:
-        for line in stream:
-            sink.put((time.time(), line))
-            log.write(line)
-            log.flush()
-    finally:
-        sink.put(None)
-        with contextlib.suppress(Exception):
-            stream.close()
-        log.close()
+class _Stdout:
+    """A training process's stdout, read on a thread into :attr:`lines` (and a log file).
+
+    The thread reads the pipe only while holding :attr:`_lock`, and queues each complete
+    line before letting go of it. :meth:`settle` can thus tell, once the process is
+    dead, when everything it printed is queued: the pipe holds no unread byte while the
+    lock is held. That does not wait for the end of the stream, which comes only when
+    every holder of the pipe has closed it: an orphaned checkpointing process lets go of
+    the dead trainer's streams a moment after it, and a launcher (torchrun, a cluster's
+    scheduler) restarts a job when its process exits, not when its output ends.
+    """
+
+    def __init__(self, stream: IO[str], log_path: Path) -> None:
+        self.lines: _Lines = queue.Queue()
+        self._fd = stream.fileno()
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._eof = threading.Event()
+        self._log = open(log_path, "w")  # noqa: SIM115 -- closed by _pump
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        buf = b""
+        try:
+            while True:
+                select.select([self._fd], [], [])
+                with self._lock:
+                    data = os.read(self._fd, 1 << 16)
+                    if not data:
+                        break
+                    *complete, buf = (buf + data).split(b"\n")
+                    for raw in complete:
+                        self._put(raw + b"\n")
+            if buf:
+                self._put(buf)  # a line cut short by the kill
+        except OSError:
+            pass
+        finally:
+            self.lines.put(None)
+            self._eof.set()
+            with contextlib.suppress(Exception):
+                self._stream.close()
+            self._log.close()
+
+    def _put(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", errors="replace")
+        self.lines.put((time.time(), line))
+        self._log.write(line)
+        self._log.flush()
+
+    def settle(self, timeout: float) -> None:
+        """(the process is dead) Return once every line it printed is in :attr:`lines`:
+        the stream ended, or the pipe holds nothing unread (at most ``timeout`` s)."""
+        end = time.monotonic() + timeout
+        while not self._eof.is_set() and time.monotonic() < end:
+            with self._lock:
+                try:
+                    unread = struct.unpack(
+                        "i", fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
+                    )[0]
+                except OSError:
+                    return  # closed: the stream ended
+                if unread == 0:
+                    return
+            time.sleep(0.0005)
 
 
 def _stderr_tail(path: Path, n: int = 20) -> str:
@@ -185,12 +242,12 @@ def supervise(
         launch_t = time.time()
         stderr_path = files.logs / f"attempt{n}.stderr.log"
         child: Child = launcher.launch(files.config, files.home, stderr_path, job.env)
-        lines = _read_stdout(child, files.logs / f"attempt{n}.stdout.jsonl")
+        out_stream = _read_stdout(child, files.logs / f"attempt{n}.stdout.jsonl")
         seen = _Seen()
         try:
             killed_at = _follow(
                 job,
-                lines,
+                out_stream.lines,
                 seen,
                 points[failure] if failure < len(points) else None,
                 tau,
@@ -203,7 +260,7 @@ def supervise(
             raise
         if killed_at is not None:
             out.kills.append(
-                _inject(job, failure, points[failure], child, files.ckdir, lines, seen)
+                _inject(job, failure, points[failure], child, files.ckdir, out_stream, seen)
             )
         else:
             code = child.wait(timeout=60)
@@ -250,12 +307,9 @@ class _JobFiles:
         return cls(home, logs, ckdir, result, config)
 
 
-def _read_stdout(child: Child, log_path: Path) -> _Lines:
+def _read_stdout(child: Child, log_path: Path) -> _Stdout:
     """Read ``child``'s stdout on a thread into a queue (and a log file)."""
-    lines: _Lines = queue.Queue()
-    log = open(log_path, "w")  # noqa: SIM115 -- closed by _pump
-    threading.Thread(target=_pump, args=(child.stdout, lines, log), daemon=True).start()
-    return lines
+    return _Stdout(child.stdout, log_path)
 
 
 def _follow(
@@ -318,7 +372,7 @@ def _inject(
     point: FailurePoint,
     child: Child,
     ckdir: Path,
-    lines: _Lines,
+    out_stream: _Stdout,
     seen: _Seen,
 ) -> dict[str, Any]:
     """Inject failure number ``failure`` (at ``point``) as its kind says: kill the trainer
@@ -329,9 +383,10 @@ def _inject(
     with contextlib.suppress(Exception):
         child.wait(timeout=30)
     # what the trainer printed before it died may still be in the pipe
+    out_stream.settle(timeout=5.0)
     while True:
         try:
-            item = lines.get(timeout=0.05)
+            item = out_stream.lines.get_nowait()
         except queue.Empty:
             break
         if item is None:
