@@ -160,5 +160,6 @@ class LowDiffStrategy(CheckpointingStrategy):
         def restart() -> None:
             self.launch()
             self.emit_full(core.step)
+            self._started_up()
 
         self.policy.retry(prepare, restart)

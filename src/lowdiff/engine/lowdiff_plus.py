@@ -286,6 +286,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         self.launch()
         core.started = True
         self.emit_full(core.step, Init)
+        self._started_up()
 
     # ------------------------------------------------------------------ attach and the end
     def attach_to_optimizer(self) -> None:

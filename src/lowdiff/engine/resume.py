@@ -132,6 +132,15 @@ class CheckpointingStrategy(EngineStrategy):
         self.launch()
         core.started = True
         self.emit_full(core.step, self.initial_message)
+        self._started_up()
+
+    def _started_up(self) -> None:
+        """The process asked for in :meth:`launch` exists (its start ran on a thread while
+        the first full checkpoint was staged): a start that failed raises here, in
+        ``resume()``. Its own start-up (taking its locks, ``Ready``) is waited for at the
+        first record."""
+        assert self.session is not None
+        self.session.link.finish_start()
 
     def continue_recovered(self, barrier: Callable[[], None] | None = None) -> int:
         """Cut the directory back to the recovered step and start checkpointing from it
@@ -148,6 +157,7 @@ class CheckpointingStrategy(EngineStrategy):
         core.started = True
         if self.reseeds_on_resume:
             self.emit_full(core.step, self.initial_message)
+        self._started_up()
         return core.step
 
     def _take_over_survivor(self, stats: RecoveryStats) -> bool:

@@ -156,8 +156,9 @@ class ProcessSession:
     # ------------------------------------------------------------------ start
     def launch(self, target: Callable[..., None], cfg: Any, n_slots: int) -> None:
         """Make ``n_slots`` record slots and fresh counters and start ``target``; the
-        first request or wait waits until it is ready (its start overlaps with the
-        trainer's work until then)."""
+        first request or wait waits until it is ready (its start, asked of the fork server
+        on a thread, overlaps with the trainer's work until then: the first full
+        checkpoint is staged and sent early)."""
         if self.slots is not None:
             self.slots.release()
         self._drop_segments()
@@ -171,6 +172,7 @@ class ProcessSession:
             name="lowdiff-checkpointing",
             counters=ctr,
             wait=False,
+            background=True,
         )
 
     def adopt(self, published: dict[str, Any], request: Message) -> str:
@@ -211,6 +213,7 @@ class ProcessSession:
     @property
     def process(self) -> Any:
         """The checkpointing process (``multiprocessing.Process``), or None."""
+        self.link.finish_start()
         return self.link.proc
 
     # ------------------------------------------------------------------ progress
@@ -275,8 +278,10 @@ class ProcessSession:
                 )
 
     # ------------------------------------------------------------------ requests and waits
-    def send(self, msg: Message) -> None:
-        self.link.send(msg)
+    def send(self, msg: Message, early: bool = False) -> None:
+        """Send a request (``early``: it may wait in the pipe for a process still
+        starting, see :meth:`lowdiff.proc.link.ProcessLink.send`)."""
+        self.link.send(msg, early)
 
     def wait(self, ready: Callable[[], bool], what: str, timeout: float | None = None) -> None:
         """Wait until ``ready()`` while the process lives and makes progress."""

@@ -101,7 +101,7 @@ class FullStager:
             # grow with slack: optimizer state appears after the first step
             rp.ensure_shm_space(size + size // 8, "staging a full checkpoint")
             self.buffer = torch.empty(max(size, 1) + size // 8, dtype=torch.uint8).share_memory_()
-            session.send(Stage(self.buffer))
+            session.send(Stage(self.buffer), early=True)
         dsts = self._dsts
         if dsts is None or dsts[0] is not self.buffer or dsts[1] is not entries:
             views = view_tensors(entries, self.buffer[:size])
@@ -123,10 +123,11 @@ class FullStager:
         tensors, meta = self._state()
         meta["step"] = str(step)
         t0 = time.perf_counter()
-        session.wait(
-            lambda: self.released(session),
-            "the previous full checkpoint to release the staging buffer",
-        )
+        if not self.released(session):
+            session.wait(
+                lambda: self.released(session),
+                "the previous full checkpoint to release the staging buffer",
+            )
         t1 = time.perf_counter()
         entries = self._copy_in(session, tensors)
         t2 = time.perf_counter()
@@ -145,7 +146,7 @@ class FullStager:
             meta["scheduler"] = st.scheduler_state_json(core.scheduler)
             if extra is not None:
                 meta["extra"] = dumps(extra)
-            session.send(message(step, entries_json, meta))
+            session.send(message(step, entries_json, meta), early=True)
 
         self._unsent = True
         handover.handover(send, extra)

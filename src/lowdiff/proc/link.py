@@ -46,6 +46,31 @@ from lowdiff.proc.spawn import (
     trainer_env,
 )
 
+EARLY_BYTES = 32 << 10
+"""Most bytes of requests written before the process is ready: half a pipe's default
+capacity (64 KiB on Linux), so that writing them never blocks."""
+
+
+class _Start:
+    """One ``multiprocessing.Process.start()`` (run here, or on a thread of its own), with
+    the pipes made for the process and what the start raised."""
+
+    def __init__(self, proc: Any, pipes: tuple[Connection, ...], counters: Any) -> None:
+        self.proc, self.pipes, self.counters = proc, pipes, counters
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.run, name="lowdiff-process-start", daemon=True)
+
+    def run(self) -> None:
+        try:
+            self.proc.start()
+        except BaseException as e:  # noqa: BLE001 -- raised where the start is taken up
+            self.error = e
+
+    def close_all(self) -> None:
+        for c in self.pipes:
+            with contextlib.suppress(OSError):
+                c.close()
+
 
 class ProcessLink:
     """The trainer's end of one background process.
@@ -83,6 +108,10 @@ class ProcessLink:
         self._sentinel = -1
         self._maybe_gone = True
         self._await_ready = False
+        self._starting: _Start | None = None
+        """A start running on a thread (``start(background=True)``), not yet taken up."""
+        self._early_bytes = 0
+        """Bytes of early requests written before the process was ready."""
 
     # ------------------------------------------------------------------ start
     def start(
@@ -93,6 +122,7 @@ class ProcessLink:
         name: str,
         counters: Any = None,
         wait: bool = True,
+        background: bool = False,
     ) -> None:
         """Start ``target(*args, requests, results)`` in a new process; wait until ready.
 
@@ -100,9 +130,12 @@ class ProcessLink:
         slow process from a stuck one); without it, waits watch liveness and messages only.
         ``wait=False`` waits for the process to be ready only when it is first needed: the
         first request sent or the first wait (:meth:`ensure_ready`); its start (taking its
-        locks) overlaps with what the trainer does until then.
+        locks) overlaps with what the trainer does until then. ``background=True`` (with
+        ``wait=False``) also asks the fork server for the process on a thread (a fork of
+        the server and a few messages, some ms): until then only early requests
+        (:meth:`send` with ``early=True``) go out, into the pipe the process will read.
         """
-        self.launch(target, args, name=name, counters=counters)
+        self.launch(target, args, name=name, counters=counters, background=background)
         self._await_ready = True
         if wait:
             self.ensure_ready()
@@ -110,9 +143,11 @@ class ProcessLink:
     def ensure_ready(self, check: Callable[[], None] | None = None) -> None:
         """Wait until a process started with ``start(wait=False)`` is ready (at once for
         any other)."""
+        self.finish_start()
         if self._await_ready:
             self._await_ready = False
             self._wait(lambda: self.ready, repr(Kind.READY.value), self.start_timeout, check)
+            self._early_bytes = 0
 
     def launch(
         self,
@@ -121,11 +156,12 @@ class ProcessLink:
         *,
         name: str,
         counters: Any = None,
+        background: bool = False,
     ) -> None:
         """:meth:`start` without the wait: the process starts up (imports torch, takes its
         locks) while the trainer goes on, and :attr:`ready` tells when it is done; a
         caller that needs it waits with ``wait(lambda: link.ready, ...)``."""
-        ctx = process_context()
+        ctx = process_context()  # here: it may start the fork server (a fork of this process)
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
         proc = ctx.Process(
@@ -140,17 +176,43 @@ class ProcessLink:
             name=name,
             daemon=False,
         )
-        try:
-            proc.start()
-        except BaseException:
-            # e.g. spawn refusing a script without a __main__ guard: nothing runs, so
-            # nothing may be waited for or talked to
-            for c in (req_r, req_w, res_r, res_w):
-                c.close()
-            raise
+        start = _Start(proc, (req_r, req_w, res_r, res_w), counters)
+        if background:
+            self.requests = req_w  # early requests wait in the pipe for the process
+            self._starting = start
+            start.thread.start()
+            return
+        start.run()
+        self._take_up(start)
+
+    def finish_start(self) -> None:
+        """Take up the process a thread asked the fork server for (waits for that; at
+        once when none is being started)."""
+        start, self._starting = self._starting, None
+        if start is None:
+            return
+        start.thread.join(self.start_timeout)
+        if start.thread.is_alive():
+            start.close_all()
+            self.requests = None
+            raise CheckpointWorkerError(
+                f"{self.what} did not start within {self.start_timeout:.0f} s (the process "
+                "server did not answer)"
+            )
+        self._take_up(start)
+        self._await_ready = True  # (adopt() cleared it) its Ready is still to be seen
+
+    def _take_up(self, start: _Start) -> None:
+        if start.error is not None:
+            # e.g. the server refusing: nothing runs, so nothing may be waited for or
+            # talked to
+            start.close_all()
+            self.requests = None
+            raise start.error
+        req_r, req_w, res_r, res_w = start.pipes
         req_r.close()
         res_w.close()
-        self.adopt(proc, req_w, res_r, counters)
+        self.adopt(start.proc, req_w, res_r, start.counters)
 
     def adopt(
         self, proc: Any, requests: Connection, results: Connection, counters: Any = None
@@ -190,21 +252,31 @@ class ProcessLink:
 
     @property
     def started(self) -> bool:
-        return self.proc is not None
+        return self.proc is not None or self._starting is not None
 
     @property
     def ready(self) -> bool:
         return self.replies[Kind.READY] > 0
 
     # ------------------------------------------------------------------ messages
-    def send(self, msg: Message) -> None:
-        """Send a request; a closed pipe raises why the process is gone."""
+    def send(self, msg: Message, early: bool = False) -> None:
+        """Send a request; a closed pipe raises why the process is gone.
+
+        ``early``: a request that may go before the process is ready (the full checkpoint
+        that starts it): it waits in the pipe, as long as the pipe surely has room for it
+        (:data:`EARLY_BYTES` in all), so that a process slow to start cannot block it.
+        """
         assert self.requests is not None, f"{self.what} is not started"
         with preempt.busy():
-            self.ensure_ready()
+            buf = ForkingPickler.dumps(msg)
+            if not early or self._early_bytes + len(buf) > EARLY_BYTES:
+                self.ensure_ready()
+            elif self._starting is not None or self._await_ready:
+                self._early_bytes += len(buf)
             try:
-                self.requests.send(msg)
+                self.requests.send_bytes(buf)
             except (BrokenPipeError, ConnectionResetError, OSError):
+                self.finish_start()
                 self.check(force=True)
 
     def poll(self) -> None:
@@ -266,7 +338,7 @@ class ProcessLink:
         ``check`` (default :meth:`check`) runs on every wake-up and raises what the
         process reported. With ``timeout``, the wait ends there, progress or not.
         """
-        assert self.proc is not None, f"{self.what} is not started"
+        assert self.started, f"{self.what} is not started"
         with preempt.busy():
             self.ensure_ready(check)
             self._wait(ready, what, timeout, check)
@@ -311,6 +383,7 @@ class ProcessLink:
     def join(self) -> bool:
         """Wait for the process to exit (it was told to, or it failed and finishes what it
         was writing) as long as it makes progress; False (and a warning) if it stalls."""
+        self.finish_start()
         proc = self.proc
         if proc is None:
             return True
@@ -335,6 +408,8 @@ class ProcessLink:
     def stop(self, timeout: float | None = None) -> None:
         """Wait up to ``timeout`` (default ``start_timeout``) for the process to exit, kill
         it if it does not, and drop the pipes."""
+        with contextlib.suppress(Exception):
+            self.finish_start()
         proc = self.proc
         if proc is not None:
             proc.join(self.start_timeout if timeout is None else timeout)
@@ -346,6 +421,8 @@ class ProcessLink:
 
     def close_pipes(self) -> None:
         """Drop the pipes; a process still running reads the end of its requests."""
+        with contextlib.suppress(Exception):
+            self.finish_start()
         for c in (self.requests, self.results):
             if c is not None:
                 with contextlib.suppress(OSError):
