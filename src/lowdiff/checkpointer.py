@@ -134,7 +134,9 @@ class Checkpointer:
         max_lag: LowDiff+ only: how many steps the CPU replica may trail the trainer
             before ``step()`` waits (also the number of gradient snapshot buffers).
         persist_every: LowDiff+ only: persist the replica every this many steps, or
-            ``"auto"``: as often as the disk keeps up (writing at most half the time).
+            ``"auto"`` (default): at the Young–Daly interval ``sqrt(2 C M)`` seconds, C
+            the time one persist took and M the MTBF (``mtbf``), writing at most half
+            the time (under DDP: every ``full_every`` steps, the same steps on every rank).
         idle_timeout: strategies ``"lowdiff"`` and ``"lowdiff+"``: seconds the
             checkpointing process of a trainer that died waits for the next trainer on the
             same directory to take it over (LowDiff+'s replica, with the state in memory;
@@ -150,8 +152,9 @@ class Checkpointer:
             ``Checkpointer``, which is kept and called after lowdiff's (with the signal
             and the frame). Default 30, the grace period Kubernetes and Slurm give by
             default. None leaves SIGTERM alone.
-        mtbf: with ``"auto"``: the job's mean time between failures in seconds; default:
-            the environment variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
+        mtbf: with ``"auto"`` (LowDiff's f and b, LowDiff+'s ``persist_every``): the
+            job's mean time between failures in seconds; default: the environment
+            variable ``LOWDIFF_MTBF`` (seconds), else 6 hours.
         on_storage_error: what a storage error of the checkpointing process (``ENOSPC``,
             ``EIO``, ...) does. ``"raise"``: the next ``step()`` raises
             :class:`CheckpointWorkerError`. ``"warn"`` (strategy ``"lowdiff"`` only):

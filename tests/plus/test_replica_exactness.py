@@ -266,6 +266,37 @@ def test_persist_auto_max_lag_1_and_flush(tmp_path):
     _check_every_step(d, case, snaps)
 
 
+@pytest.mark.multiprocess
+def test_persist_auto_follows_the_mtbf(tmp_path):
+    """``persist_every="auto"`` persists at the Young–Daly interval of the MTBF: failures a
+    microsecond apart persist the replica as often as the disk keeps up, failures 30
+    years apart only at the start and the end; every persisted step restores exactly."""
+    case = CASES[0]
+    persisted = {}
+    for mtbf in (1e-6, 1e9):
+        random.seed(11)
+        np.random.seed(11)
+        model, opt, sched = _build(case)
+        d = tmp_path / f"ck-{mtbf:g}"
+        ck = lowdiff.Checkpointer(
+            model, opt, d, strategy="lowdiff+", scheduler=sched, persist_every="auto",
+            mtbf=mtbf, keep_full=None,
+        )  # fmt: skip
+        snaps: dict[int, dict[str, torch.Tensor]] = {}
+        try:
+            assert ck.resume() == 0
+            for step in range(N_STEPS):
+                _train_step(case, ck, model, opt, step)
+                snaps[step + 1] = _snap(model, opt, sched)
+                ck.flush() if step == N_STEPS - 1 else None
+        finally:
+            ck.close()
+        persisted[mtbf] = _persisted_steps(d)
+        _check_every_step(d, case, {s: snaps[s] for s in persisted[mtbf] if s in snaps})
+    assert persisted[1e9] == [0, N_STEPS]  # the start, the flush (close adds no step)
+    assert len(persisted[1e-6]) > len(persisted[1e9])
+
+
 # ----------------------------------------------------------------------------- arguments
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from lowdiff.chaos.launch import LAUNCHERS
 from lowdiff.chaos.supervisor import KINDS
+from lowdiff.plan import young_daly_s
 from lowdiff.workloads.models import MODELS
 
 
@@ -120,16 +121,11 @@ def young_daly_interval(cost_s: float, mtbf_s: float, tau_s: float) -> int:
         >>> young_daly_interval(0.0, 100.0, 0.1)
         1
     """
-    for name, v, positive in (
-        ("cost_s", cost_s, False),
-        ("mtbf_s", mtbf_s, True),
-        ("tau_s", tau_s, True),
-    ):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"{name} must be a finite number, got {v!r}")
-        if v < 0 or (positive and v == 0):
-            raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {v!r}")
-    return max(1, round(math.sqrt(2.0 * cost_s * mtbf_s) / tau_s))
+    if isinstance(tau_s, bool) or not isinstance(tau_s, (int, float)) or not tau_s > 0:
+        raise ValueError(f"tau_s must be a finite number > 0, got {tau_s!r}")
+    if not math.isfinite(tau_s):
+        raise ValueError(f"tau_s must be a finite number, got {tau_s!r}")
+    return max(1, round(young_daly_s(cost_s, mtbf_s) / tau_s))
 
 
 @dataclass

@@ -101,7 +101,7 @@ def format_report(r: dict[str, Any]) -> str:
             "steps",
             f"{r['steps']}  (full every {r['full_every']}, {r['batch_size']} records per write)"
             if r["strategy"] != "lowdiff+"
-            else f"{r['steps']}  (replica persisted as often as the disk keeps up, lag at most 2 steps)",
+            else f"{r['steps']}  (replica persisted at the Young–Daly interval of its MTBF, lag at most 2 steps)",
         ),
         (
             "kill step (SIGKILL sent)",

@@ -30,6 +30,7 @@ from lowdiff.engine.resume import CheckpointingStrategy
 from lowdiff.engine.snapshot import GradSnapshotter
 from lowdiff.errors import LowDiffError, UnsupportedSetupError
 from lowdiff.format import layout
+from lowdiff.plan import DEFAULT_MTBF_S, resolve_mtbf
 from lowdiff.proc import holder as rp
 from lowdiff.recovery.job import apply_sharded_state
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state
@@ -107,6 +108,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             opts.replica_threads,
             None if core.dist is None else list(core.shard),
             remote=self.remote_settings(),
+            mtbf=resolve_mtbf(opts.mtbf)[0] if persist_every == AUTO else DEFAULT_MTBF_S,
         )
         return replica_worker_main, cfg, opts.max_lag
 

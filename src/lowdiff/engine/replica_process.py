@@ -53,6 +53,7 @@ from lowdiff.engine.remote_tier import announce, drain, start_uploader
 from lowdiff.engine.replica_optim import optimizer_class
 from lowdiff.engine.replica_worker import Persister, Replica, ReplicaConfig
 from lowdiff.format import codec, layout
+from lowdiff.plan import young_daly_s
 from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
@@ -151,8 +152,10 @@ class ReplicaProcess:
             persister.wait()
         persist_every = self.cfg.persist_every
         if persist_every == "auto":
-            # as often as the disk keeps up, but writing at most half of the time
-            if not persister.busy and time.monotonic() >= persister.next_auto:
+            # the Young–Daly interval, a persist's time taken as its cost, and never
+            # writing more than half of the time
+            due = persister.started_at + young_daly_s(persister.took, self.cfg.mtbf)
+            if not persister.busy and time.monotonic() >= max(persister.next_auto, due):
                 persister.snapshot(rep)
         elif isinstance(persist_every, int) and rep.step % persist_every == 0:
             persister.snapshot(rep)
@@ -240,7 +243,10 @@ class ReplicaProcess:
             adopt.refuse(conn, f"cannot make the snapshot slots: {e}")
             return False
         self.cfg = dataclasses.replace(
-            self.cfg, persist_every=msg.cfg.persist_every, idle_timeout=msg.cfg.idle_timeout
+            self.cfg,
+            persist_every=msg.cfg.persist_every,
+            idle_timeout=msg.cfg.idle_timeout,
+            mtbf=msg.cfg.mtbf,
         )
         self.adoptions += 1
         rep.publish(rp.STATE_RUNNING)

@@ -22,6 +22,7 @@ from lowdiff.engine.replica_optim import ShardedOptimizer, optimizer_class
 from lowdiff.engine.worker import FullWriter
 from lowdiff.format import codec, sfile
 from lowdiff.format.sfile import plan, view_tensors
+from lowdiff.plan import DEFAULT_MTBF_S
 from lowdiff.proc import holder as rp
 from lowdiff.state.record import RecordLayout
 
@@ -40,6 +41,8 @@ class ReplicaConfig:
     """Under DDP: the optimizer indices this replica holds (its optimizer numbers them 0..n-1)."""
     remote: RemoteSettings | None = None
     """The remote tier its persisted full checkpoints are uploaded to (``remote=``)."""
+    mtbf: float = DEFAULT_MTBF_S
+    """Seconds between failures that ``persist_every="auto"`` plans for (``mtbf=``)."""
 
 
 class Replica:

@@ -33,6 +33,7 @@ never leave the other one blocked (see :mod:`lowdiff.proc.channel`).
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import time
@@ -236,6 +237,10 @@ class FullWriter:
         self.persisted = -1
         self.next_auto = 0.0
         """Earliest time for the next "as often as the disk keeps up" write (at most 50 % duty)."""
+        self.took = 0.0
+        """Seconds the last write took (with retention), 0 before the first."""
+        self.started_at = -math.inf
+        """When the last write began (``time.monotonic``)."""
 
     @property
     def busy(self) -> bool:
@@ -245,6 +250,7 @@ class FullWriter:
         self, step: int, entries: list[sfile.TensorEntry], blob: torch.Tensor, meta: dict[str, str]
     ) -> None:
         self.wait()
+        self.started_at = time.monotonic()
         self.thread = threading.Thread(
             target=self._write, args=(step, entries, blob, meta), daemon=True
         )
@@ -272,6 +278,7 @@ class FullWriter:
                 self.on_written(path)
             removed = retention(self.root, self.keep_full, self.protect)
             took = time.perf_counter() - t0
+            self.took = took
             self.next_auto = time.monotonic() + took
             self.persisted = max(self.persisted, step)
             if self.announce_durable:

@@ -39,6 +39,7 @@ from lowdiff.plan.model import (
     optimize_exact,
     wasted_time,
     wasted_time_terms,
+    young_daly_s,
 )
 from lowdiff.plan.tuner import (
     AUTO,
@@ -75,4 +76,5 @@ __all__ = [
     "resolve_mtbf",
     "wasted_time",
     "wasted_time_terms",
+    "young_daly_s",
 ]

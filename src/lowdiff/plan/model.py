@@ -52,6 +52,7 @@ __all__ = [
     "optimize_exact",
     "wasted_time",
     "wasted_time_terms",
+    "young_daly_s",
 ]
 
 DEFAULT_B_VALUES = tuple(range(1, 33))
@@ -145,6 +146,22 @@ class CostModel:
     def as_dict(self) -> dict[str, Any]:
         """The inputs as a JSON-able dict."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def young_daly_s(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimal time between checkpoints, ``sqrt(2 C M)`` seconds, for
+    checkpoints that cost ``cost_s`` of training each and failures ``mtbf_s`` apart.
+
+    Example:
+        >>> young_daly_s(0.02, 100.0)  # sqrt(2 * 0.02 * 100)
+        2.0
+    """
+    for name, v, positive in (("cost_s", cost_s, False), ("mtbf_s", mtbf_s, True)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if v < 0 or (positive and v == 0):
+            raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {v!r}")
+    return math.sqrt(2.0 * cost_s * mtbf_s)
 
 
 def _check_fb(f: int, b: int) -> None:
