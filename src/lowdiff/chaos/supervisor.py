@@ -121,9 +121,11 @@ class _Stdout:
 
     def _pump(self) -> None:
         buf = b""
+        poller = select.poll()  # not select(): a descriptor may be numbered past 1023
+        poller.register(self._fd, select.POLLIN)
         try:
             while True:
-                select.select([self._fd], [], [])
+                poller.poll()
                 with self._lock:
                     data = os.read(self._fd, 1 << 16)
                     if not data:
