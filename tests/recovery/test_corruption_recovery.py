@@ -163,7 +163,26 @@ def _truncate(path: Path, drop: int) -> None:
 # ----------------------------------------------------------------------------- restore
 
 
-def test_pristine_directory_verifies_and_restores(pristine: Pristine) -> None:
+@pytest.fixture(params=["inline", "thread"])
+def reader(request: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Replay's reader inline (as on the CPU) or on its thread (as with a GPU); yields
+    the threads started, checked at the end."""
+    from lowdiff.recovery import replay
+
+    started: list[int] = []
+    original = replay._Reader.start
+
+    def start(self: Any) -> None:
+        started.append(1)
+        original(self)
+
+    monkeypatch.setattr(replay, "reader_thread", lambda devices: request.param == "thread")
+    monkeypatch.setattr(replay._Reader, "start", start)
+    yield started
+    assert bool(started) == (request.param == "thread")
+
+
+def test_pristine_directory_verifies_and_restores(pristine: Pristine, reader: list[int]) -> None:
     assert lowdiff.verify_dir(pristine.dir) == (1 + 3 + 4, [])
     with _no_recovery_warning():
         for s in (0, 5, 9, N_STEPS):
@@ -180,7 +199,9 @@ def _flip_header_byte(path: Path) -> None:
 @pytest.mark.parametrize(
     "where", [0.0, 0.5, 1.0, "header"], ids=["first-byte", "middle", "last-byte", "header"]
 )
-def test_corrupt_last_record_file(pristine: Pristine, tmp_path: Path, where: Any) -> None:
+def test_corrupt_last_record_file(
+    pristine: Pristine, tmp_path: Path, where: Any, reader: list[int]
+) -> None:
     d = _copy(pristine, tmp_path)
     bad = _rec(d, 9, 10)
     if where == "header":
@@ -265,7 +286,9 @@ def test_truncated_last_record_file(pristine: Pristine, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["header-only", "empty"])
-def test_truncated_middle_record_file(pristine: Pristine, tmp_path: Path, mode: str) -> None:
+def test_truncated_middle_record_file(
+    pristine: Pristine, tmp_path: Path, mode: str, reader: list[int]
+) -> None:
     d = _copy(pristine, tmp_path)
     bad = _rec(d, 3, 5)
     raw = bad.read_bytes()
