@@ -84,7 +84,12 @@ def test_dead_checkpointing_process_is_reported(tmp_path):
         lowdiff.CheckpointWorkerError, match="exited unexpectedly|closed its connection"
     ):
         _train(model, opt, ck, 10)
+    prefix = f"lowdiff-{ck.strategy_impl.core.run_id[:16]}-"
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    assert left, "the killed process published no shared memory"
     ck.strategy_impl._release()
+    # what the killed process left in shared memory is removed with the session
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] == []
 
 
 def test_context_manager_closes(tmp_path):

@@ -27,7 +27,7 @@ from lowdiff.engine.staging import FullStager
 from lowdiff.errors import LowDiffError
 from lowdiff.format import layout
 from lowdiff.proc import preempt
-from lowdiff.proc.holder import Survivor, release_survivor, survivor_waits
+from lowdiff.proc.holder import Survivor, release_survivor, remove_stale_replica, survivor_waits
 from lowdiff.proc.protocol import Close, Flush, Kind
 from lowdiff.proc.spawn import trainer_env, warm_up
 from lowdiff.recovery.replay import RecoveryStats
@@ -382,7 +382,18 @@ class CheckpointingStrategy(EngineStrategy):
 
     def _release(self) -> None:
         preempt.unregister(self)
+        self._remove_dead_process_segments()
         super()._release()
+
+    def _remove_dead_process_segments(self) -> None:
+        """A checkpointing process of this directory that died on its own (SIGKILLed)
+        leaves its shared memory behind: remove it now, not at the next ``resume()`` on
+        the directory (which may never come). A live one (a process left to wait for the
+        next trainer) is left alone; the directory lock is still held here."""
+        root = self.core.root
+        if root is not None:
+            with contextlib.suppress(Exception):
+                remove_stale_replica(root)
 
     def _close_session(self) -> None:
         self._request_close()
