@@ -37,7 +37,7 @@ from lowdiff.baselines.files import commit_path, published, save_state
 from lowdiff.baselines.torch_save import PREFIX, SUFFIX
 from lowdiff.format import layout
 from lowdiff.format.atomic import _hook
-from lowdiff.proc.link import ChildEnd
+from lowdiff.proc.child_end import ChildEnd
 from lowdiff.proc.locks import acquire_flock
 from lowdiff.proc.protocol import Close, Closed, Kind, Message, unexpected
 from lowdiff.proc.spawn import detach_from_trainer_group

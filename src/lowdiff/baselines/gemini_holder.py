@@ -60,7 +60,7 @@ from lowdiff.format import codec, layout
 from lowdiff.format.sfile import view_tensors
 from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
-from lowdiff.proc.link import ChildEnd, run_checkpointing_process
+from lowdiff.proc.child_end import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import Close, Closed, Flush, Flushed, Kind, Message, unexpected
 
 _POLL_S = 0.2

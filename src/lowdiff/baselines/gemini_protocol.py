@@ -2,7 +2,7 @@
 configuration, the buffer numbering and the names of the files.
 
 The trainer talks to the holder through :class:`lowdiff.proc.link.ProcessLink`; the
-holder answers through :class:`lowdiff.proc.link.ChildEnd`. Every message below is a
+holder answers through :class:`lowdiff.proc.child_end.ChildEnd`. Every message below is a
 frozen dataclass of :mod:`lowdiff.proc.protocol`, with the shared ``Ready``, ``Failed``,
 ``Flush``/``Flushed`` and ``Close``/``Closed`` beside them. Requests and their replies::
 

@@ -39,7 +39,7 @@ from lowdiff.baselines.naive_dc_record import (
     unpack,
 )
 from lowdiff.format import layout
-from lowdiff.proc.link import ChildEnd
+from lowdiff.proc.child_end import ChildEnd
 from lowdiff.proc.locks import acquire_flock
 from lowdiff.proc.protocol import Close, Closed, Flush, Flushed, Kind, Message, unexpected
 from lowdiff.proc.spawn import detach_from_trainer_group

@@ -58,7 +58,7 @@ from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
 from lowdiff.proc.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
-from lowdiff.proc.link import ChildEnd, run_checkpointing_process
+from lowdiff.proc.child_end import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import (
     Close,
     Closed,

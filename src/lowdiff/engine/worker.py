@@ -62,7 +62,7 @@ from lowdiff.proc.channel import (
     STAGING_DONE,
     Counters,
 )
-from lowdiff.proc.link import ChildEnd, exits_within, run_checkpointing_process
+from lowdiff.proc.child_end import ChildEnd, exits_within, run_checkpointing_process
 from lowdiff.proc.protocol import (
     Close,
     Closed,
@@ -520,7 +520,7 @@ def worker_main(
     results: Connection,
 ) -> None:
     """Entry point of the checkpointing process (see
-    :func:`lowdiff.proc.link.run_checkpointing_process` for its frame: at nice 10 it waits
+    :func:`lowdiff.proc.child_end.run_checkpointing_process` for its frame: at nice 10 it waits
     for a moment the trainer leaves a core, and its few percent of a core are still far
     below the share that priority gets; SCHED_BATCH was slower end to end)."""
     w = _Writer(cfg, slots, Counters(counters), ChildEnd(requests, results))

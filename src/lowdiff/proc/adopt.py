@@ -6,7 +6,7 @@ address and a random key are published in its control block, which only the same
 can read. A new trainer connects with them (:func:`connect`), asks to take the process
 over, and on success talks to it over that connection as it would over the pipes of a
 process it started (:meth:`lowdiff.proc.link.ProcessLink.attach`). The process watches
-the trainer that took it over by its pid (:class:`lowdiff.proc.link.ChildEnd`).
+the trainer that took it over by its pid (:class:`lowdiff.proc.child_end.ChildEnd`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from lowdiff.proc import channel
 from lowdiff.proc import holder as rp
 from lowdiff.proc.channel import Counters
-from lowdiff.proc.link import ChildEnd
+from lowdiff.proc.child_end import ChildEnd
 from lowdiff.proc.protocol import Refused
 from lowdiff.proc.spawn import use_env
 

@@ -38,7 +38,7 @@ from lowdiff.errors import DirectoryLockedError, LowDiffError
 from lowdiff.format.atomic import write_bytes_atomic
 from lowdiff.format.dtypes import dtype_from_name, dtype_name
 from lowdiff.format.sfile import TensorEntry, view_tensors
-from lowdiff.proc.link import pid_alive
+from lowdiff.proc.child_end import pid_alive
 from lowdiff.proc.locks import wait_for_writer
 
 DESCRIPTOR = ".lowdiff.replica.json"
