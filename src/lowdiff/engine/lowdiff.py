@@ -22,7 +22,7 @@ from lowdiff.engine.gradients import (
     record_compressor,
     training_compressor,
 )
-from lowdiff.engine.messages import Record
+from lowdiff.engine.messages import Full, Record
 from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.resume import CheckpointingStrategy
 from lowdiff.engine.storage_policy import CheckpointingSuspended
@@ -158,8 +158,6 @@ class LowDiffStrategy(CheckpointingStrategy):
             core.remove_stale_temps()
 
         def restart() -> None:
-            self.launch()
-            self.emit_full(core.step)
-            self._started_up()
+            self.launch(Full)
 
         self.policy.retry(prepare, restart)

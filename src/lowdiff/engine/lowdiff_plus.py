@@ -285,10 +285,8 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         if barrier is not None:
             barrier()  # every rank's old process is gone before any rank starts anew
         core.write_manifest(self.options.keep_full)
-        self.launch()
         core.started = True
-        self.emit_full(core.step, Init)
-        self._started_up()
+        self.launch(Init)
 
     # ------------------------------------------------------------------ attach and the end
     def attach_to_optimizer(self) -> None:

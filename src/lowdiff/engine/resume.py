@@ -81,10 +81,17 @@ class CheckpointingStrategy(EngineStrategy):
         """The checkpointing process to start: (entry point, its config, record slots)."""
 
     # ------------------------------------------------------------------ the process
-    def launch(self) -> None:
-        """Start a checkpointing process for this session (and wait until it is ready);
-        a previous trainer's process kept for a takeover that did not happen is released
-        first (it exits once it persisted what it holds)."""
+    def launch(self, first: type[Full] | None = None) -> None:
+        """Start a checkpointing process for this session; a previous trainer's process
+        kept for a takeover that did not happen is released first (it exits once it
+        persisted what it holds).
+
+        The fork server is asked for the process on a thread while the state at this
+        step is staged and sent as ``first`` (the full checkpoint it starts with, if
+        any); then the started process is taken up, so that a start that failed raises
+        here. Its own start-up (taking its locks, ``Ready``) is waited for at the first
+        record.
+        """
         assert self.session is not None
         if self.survivor is not None:
             self.survivor.release_owner(self.options.start_timeout)
@@ -94,6 +101,9 @@ class CheckpointingStrategy(EngineStrategy):
         self.stager.reset()
         self.session.launch(target, cfg, n_slots)
         self._started_process()
+        if first is not None:
+            self.emit_full(self.core.step, first)
+        self.session.link.finish_start()
 
     def _started_process(self) -> None:  # noqa: B027
         """The process is ready (LowDiff+ snapshots into its slots from now on)."""
@@ -129,18 +139,8 @@ class CheckpointingStrategy(EngineStrategy):
         core = self.core
         core.make_dirs()
         core.write_manifest(self.options.keep_full)
-        self.launch()
         core.started = True
-        self.emit_full(core.step, self.initial_message)
-        self._started_up()
-
-    def _started_up(self) -> None:
-        """The process asked for in :meth:`launch` exists (its start ran on a thread while
-        the first full checkpoint was staged): a start that failed raises here, in
-        ``resume()``. Its own start-up (taking its locks, ``Ready``) is waited for at the
-        first record."""
-        assert self.session is not None
-        self.session.link.finish_start()
+        self.launch(self.initial_message)
 
     def continue_recovered(self, barrier: Callable[[], None] | None = None) -> int:
         """Cut the directory back to the recovered step and start checkpointing from it
@@ -153,11 +153,8 @@ class CheckpointingStrategy(EngineStrategy):
         if self._take_over_survivor(core.recovery_stats):
             return core.step
         core.write_manifest(self.options.keep_full)
-        self.launch()
         core.started = True
-        if self.reseeds_on_resume:
-            self.emit_full(core.step, self.initial_message)
-        self._started_up()
+        self.launch(self.initial_message if self.reseeds_on_resume else None)
         return core.step
 
     def _take_over_survivor(self, stats: RecoveryStats) -> bool:
