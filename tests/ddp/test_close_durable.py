@@ -100,4 +100,4 @@ def test_close_after_a_peer_died_makes_this_shard_durable(tmp_path: Path) -> Non
     # persists what it holds, frees its shared memory and exits)
     from lowdiff.proc.holder import release_survivor
 
-    release_survivor(tmp_path / "ck" / "rank-00001", 60.0)
+    assert release_survivor(tmp_path / "ck" / "rank-00001", 60.0)  # it was there

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -151,6 +152,18 @@ def test_the_plain_walk_builds_the_same_tree_as_the_path_keeping_one():
         assert codec.dumps(back) == codec.dumps(value)
 
     check()
+    # every form the plain walk hands to the path-keeping one, in one tree
+    mixed = {
+        "t": (1, [2.5, None]),
+        "tag": {"__tuple__": 1},
+        "ints": {3: "x"},
+        "od": OrderedDict(a=1),
+        "k": _Key(4),
+        "nan": math.nan,
+        "w": torch.ones(2),
+    }
+    assert _same(codec.encode(mixed), codec._encode(mixed, None, "$"))
+    assert codec.encode(mixed)["tag"] == {"__str_dict__": [["__tuple__", 1]]}
 
 
 def test_a_value_that_cannot_be_stored_is_named_by_its_path_on_the_plain_walk():
