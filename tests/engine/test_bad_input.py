@@ -430,16 +430,26 @@ def test_restore_rejects_bad_arguments(ckpt_dir: Path, which: str) -> None:
         lowdiff.restore(ckpt_dir, **args)
 
 
+@pytest.mark.parametrize("when", ["at once", "after resume"])
 @pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
 def test_checkpointing_process_that_cannot_start_leaves_close_clean(
-    tmp_path, monkeypatch, strategy
+    tmp_path, monkeypatch, strategy, when
 ):
     """A spawn that fails (as from a script without a ``__main__`` guard) raises its own
-    error from resume(); close() then returns without an error of its own, and the
-    directory is free for the next Checkpointer."""
+    error: from resume(), or, when the start was still going on as resume() returned (it
+    overlaps the first steps), from the first request after it failed; close() then
+    returns without an error of its own, and the directory is free for the next
+    Checkpointer. "after resume" holds the failure until resume() returned."""
     import multiprocessing.context as mpc
+    import threading
+
+    resumed = threading.Event()
+    refused = threading.Event()
 
     def refuse(self):
+        if when == "after resume":
+            assert resumed.wait(30)
+        refused.set()
         raise RuntimeError("An attempt has been made to start a new process before ...")
 
     model, opt, _ = _build()
@@ -447,8 +457,18 @@ def test_checkpointing_process_that_cannot_start_leaves_close_clean(
     monkeypatch.setattr(mpc.ForkServerProcess, "start", refuse)
     kw: dict[str, Any] = {"compressor": lowdiff.TopK(ratio=RATIO)} if strategy == "lowdiff" else {}
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy=strategy, **kw)
-    with pytest.raises(RuntimeError, match="start a new process"):
-        ck.resume()
+    with pytest.raises(RuntimeError, match="start a new process"):  # noqa: PT012
+        try:
+            ck.resume()
+        finally:
+            resumed.set()
+        assert when == "at once" or refused.wait(30)
+        for _ in range(3):
+            ((model(torch.ones(3, 8)) - 1.0) ** 2).mean().backward()
+            ck.step()
+            opt.zero_grad()
+        ck.flush()
+    assert refused.is_set()
     ck.close()  # no AssertionError, no hang
     monkeypatch.undo()
     ck2 = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy=strategy, **kw)

@@ -78,6 +78,7 @@ def test_dead_checkpointing_process_is_reported(tmp_path):
     model, opt, ck = _setup(tmp_path, full_every=100, batch_size=2)
     ck.resume()
     _train(model, opt, ck, 2)
+    ck.flush()  # the process is up and has published its shared memory
     os.kill(ck.strategy_impl.worker_process.pid, signal.SIGKILL)
     ck.strategy_impl.worker_process.join(10)
     with pytest.raises(
@@ -179,3 +180,47 @@ def test_checkpointing_process_killed_during_a_full_checkpoint(tmp_path, monkeyp
     with pytest.raises(lowdiff.CheckpointWorkerError):
         ck.close()
     assert lowdiff.restore(tmp_path / "ck", *_setup(tmp_path / "r")[:2]) >= 1
+
+
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_training_goes_on_while_the_process_starts(tmp_path, monkeypatch, strategy):
+    """resume() does not wait for the checkpointing process's start: the first steps are
+    handed over into the pipe it will read, and every one of them is durable and exact
+    once it is up. The start is held until three steps are done."""
+    import multiprocessing.context as mpc
+    import threading
+
+    steps_done = threading.Event()
+    original = mpc.ForkServerProcess.start
+
+    def slow_start(self):
+        assert steps_done.wait(30)
+        original(self)
+
+    monkeypatch.setattr(mpc.ForkServerProcess, "start", slow_start)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # LowDiff+ snapshots into max_lag slots (its own default: 2) before it waits for the replica
+    kw = {"compressor": lowdiff.TopK(0.2)} if strategy == "lowdiff" else {"max_lag": 4}
+    ck = lowdiff.Checkpointer(
+        model, opt, tmp_path / "ck", strategy=strategy, full_every=100, batch_size=2, **kw
+    )
+    assert ck.resume() == 0
+    _train(model, opt, ck, 3)
+    link = ck.strategy_impl.session.link
+    assert link.proc is None and not link.ready  # three steps, and no process yet
+    steps_done.set()
+    assert ck.flush() == 3
+    assert link.ready
+    ck.close()
+    assert ck.durable_step == 3
+    model2 = torch.nn.Linear(20, 5)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    lowdiff.restore(tmp_path / "ck", model=model2, optimizer=opt2)
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    for k in s1:
+        for name in s1[k]:
+            assert torch.equal(torch.as_tensor(s1[k][name]), torch.as_tensor(s2[k][name]))

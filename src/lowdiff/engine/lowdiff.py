@@ -143,7 +143,10 @@ class LowDiffStrategy(CheckpointingStrategy):
             raise
         nograd = grads.nograd
         self.handover.handover(
-            lambda: session.send(Record(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra))),
+            # early: the first steps' records wait in the pipe for a process still starting
+            lambda: session.send(
+                Record(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra)), early=True
+            ),
             extra,
         )
         stats["slot_wait_s"] += t1 - t0

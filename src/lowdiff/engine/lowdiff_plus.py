@@ -166,7 +166,10 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
         rng_extra, extra = slots.fill_state(grads.slot)
         slot, nograd = grads.slot, grads.nograd
         self.handover.handover(
-            lambda: session.send(Step(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra))),
+            # early: the first steps wait in the pipe for a replica still starting
+            lambda: session.send(
+                Step(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra)), early=True
+            ),
             extra,
         )
         self.core.stats["record_send_s"] += time.perf_counter() - t0

@@ -16,28 +16,24 @@ from typing import Any, ClassVar
 
 import torch
 
-from lowdiff.proc.protocol import Kind, Message
+from lowdiff.proc.protocol import Kind, Message, SlotMessage
 
 
 @dataclass(frozen=True)
-class Record(Message):
-    """LowDiff: the record of step ``step`` is complete in slot ``slot``."""
+class Record(SlotMessage):
+    """LowDiff: the record of step ``step`` is complete in slot ``slot``; ``meta`` is the
+    record's JSON document (hyperparameters, RNG, scheduler, extra state)."""
 
     kind: ClassVar[Kind] = Kind.RECORD
-    slot: int
-    step: int
-    meta: str
-    """The record's JSON document (hyperparameters, RNG, scheduler, extra state)."""
+    wire: ClassVar[bytes] = b"R"
 
 
 @dataclass(frozen=True)
-class Step(Message):
+class Step(SlotMessage):
     """LowDiff+: the gradient snapshot of step ``step`` is complete in slot ``slot``."""
 
     kind: ClassVar[Kind] = Kind.STEP
-    slot: int
-    step: int
-    meta: str
+    wire: ClassVar[bytes] = b"S"
 
 
 @dataclass(frozen=True)

@@ -88,9 +88,11 @@ class CheckpointingStrategy(EngineStrategy):
 
         The fork server is asked for the process on a thread while the state at this
         step is staged and sent as ``first`` (the full checkpoint it starts with, if
-        any); then the started process is taken up, so that a start that failed raises
-        here. Its own start-up (taking its locks, ``Ready``) is waited for at the first
-        record.
+        any). The start goes on while training does: the records of the first steps
+        wait in the pipe for the process, and it is waited for only when a slot, a
+        flush or a reply needs it, or the pipe has no sure room left
+        (:meth:`lowdiff.proc.link.ProcessLink.send`). A start that failed raises from
+        the first request after it (here when it failed at once).
         """
         assert self.session is not None
         if self.survivor is not None:
@@ -103,7 +105,7 @@ class CheckpointingStrategy(EngineStrategy):
         self._started_process()
         if first is not None:
             self.emit_full(self.core.step, first)
-        self.session.link.finish_start()
+        self.session.link.finish_start(block=False)
 
     def _started_process(self) -> None:  # noqa: B027
         """The process is ready (LowDiff+ snapshots into its slots from now on)."""

@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 
 from lowdiff.format import layout
 from lowdiff.proc.locks import acquire_flock
-from lowdiff.proc.protocol import Failed, Kind, Message, Ready
+from lowdiff.proc.protocol import Failed, Kind, Message, Ready, decode
 from lowdiff.proc.spawn import WORKER_NICE, detach_from_trainer_group
 
 
@@ -121,7 +120,7 @@ class ChildEnd:
                     return True
                 continue
             try:
-                msg = self.requests.recv()
+                msg = decode(self.requests.recv_bytes())
             except (EOFError, ConnectionError):
                 # the trainer closed its end, or died with replies unread (a socket
                 # then reports a reset instead of the end of the stream)
@@ -143,7 +142,7 @@ class ChildEnd:
                 # apart from recv(): a message that cannot be rebuilt (a shared tensor whose
                 # owner is gone raises ConnectionRefusedError, an OSError) must not end the
                 # drain as if the pipe were closed; the requests behind it still count
-                msg = ForkingPickler.loads(raw)
+                msg = decode(raw)
             except Exception:  # noqa: BLE001
                 continue
             if getattr(msg, "kind", None) in want:

@@ -27,12 +27,11 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from lowdiff.errors import CheckpointWorkerError, DurabilityWarning
 from lowdiff.proc import channel, preempt
-from lowdiff.proc.protocol import Failed, Kind, Message, Ready
+from lowdiff.proc.protocol import Failed, Kind, Message, Ready, encode
 from lowdiff.proc.spawn import (
     exit_message,
     process_context,
@@ -179,12 +178,14 @@ class ProcessLink:
         start.run()
         self._take_up(start)
 
-    def finish_start(self) -> None:
+    def finish_start(self, block: bool = True) -> None:
         """Take up the process a thread asked the fork server for (waits for that; at
-        once when none is being started)."""
-        start, self._starting = self._starting, None
-        if start is None:
+        once when none is being started). ``block=False`` takes it up only if the thread
+        is done already, and otherwise leaves it starting."""
+        start = self._starting
+        if start is None or (not block and start.thread.is_alive()):
             return
+        self._starting = None
         start.thread.join(self.start_timeout)
         if start.thread.is_alive():
             start.close_all()
@@ -257,12 +258,15 @@ class ProcessLink:
         """Send a request; a closed pipe raises why the process is gone.
 
         ``early``: a request that may go before the process is ready (the full checkpoint
-        that starts it): it waits in the pipe, as long as the pipe surely has room for it
-        (:data:`EARLY_BYTES` in all), so that a process slow to start cannot block it.
+        that starts it, the records of the first steps): it waits in the pipe, as long as
+        the pipe surely has room for it (:data:`EARLY_BYTES` in all), so that a process
+        slow to start cannot block it. A start that has failed meanwhile raises here.
         """
         assert self.requests is not None, f"{self.what} is not started"
         with preempt.busy():
-            buf = ForkingPickler.dumps(msg)
+            buf = encode(msg)
+            if self._starting is not None:
+                self.finish_start(block=False)  # a start that failed raises here
             if not early or self._early_bytes + len(buf) > EARLY_BYTES:
                 self.ensure_ready()
             elif self._starting is not None or self._await_ready:
