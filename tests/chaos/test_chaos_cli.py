@@ -28,6 +28,7 @@ from lowdiff.cli.main import main
         (["--grid-mtbf", "-3"], "--grid-mtbf must be positive seconds"),
         (["--ratio", "2"], "--ratio must be in (0, 1], got 2.0"),
         (["--model", "gpt5"], "--model: unknown model 'gpt5'"),
+        (["--rounds", "0"], "--rounds must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_options_are_named(argv: list[str], needle: str, capsys, tmp_path: Path) -> None:
@@ -73,6 +74,8 @@ def test_a_small_run_writes_the_report(tmp_path: Path, capsys) -> None:
             "4",
             "--sim-gpus",
             "8,16",
+            "--rounds",
+            "2",
             "--out",
             str(out),
             "--workdir",
@@ -86,7 +89,15 @@ def test_a_small_run_writes_the_report(tmp_path: Path, capsys) -> None:
     assert {"torch", "git_revision", "cpus_usable"} <= set(run["machine"])
     assert run["info"]["mtbfs_s"] == [0.25]
     wasted = [r for r in rows if r["experiment"] == "wasted"]
-    assert [r["method"] for r in wasted] == ["torch.save", "Gemini (S)"]
+    assert [(r["round"], r["method"]) for r in wasted] == [
+        (0, "torch.save"),
+        (0, "Gemini (S)"),
+        (1, "torch.save"),
+        (1, "Gemini (S)"),
+    ]
+    # each round's block has reference jobs on both sides: 3 for 2 blocks
+    refs = [r for r in rows if r["experiment"] == "reference"]
+    assert sorted(r["job"] for r in refs) == [f"ref-compressed-{b}" for b in range(3)]
     sched = next(r for r in rows if r["experiment"] == "schedule")
     for r in wasted:
         # the same failures for both methods, every one injected or said not to be
@@ -102,7 +113,8 @@ def test_a_small_run_writes_the_report(tmp_path: Path, capsys) -> None:
     assert {r["n_gpus"] for r in sim} == {8, 16}
     md = (out / "report.md").read_text()
     assert "Wasted time (Exp. 3)" in md and "SIMULATION" in md and "Gemini (S)" in md
+    assert "Median over 2 rounds" in md and "| Gemini (S) (2) |" in md
     for name in ("wasted", "effective_ratio", "scale_gpus"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the jobs' directories are kept where asked, with every attempt's logs
-    assert (tmp_path / "work" / "mtbf0-gemini" / "logs" / "attempt0.stderr.log").exists()
+    assert (tmp_path / "work" / "r1-mtbf0-gemini" / "logs" / "attempt0.stderr.log").exists()

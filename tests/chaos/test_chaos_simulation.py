@@ -38,3 +38,9 @@ def test_simulated_ratio_follows_the_measured_costs() -> None:
     assert a[64]["effective_ratio"] < a[16]["effective_ratio"] < a[8]["effective_ratio"]
     b = [r for r in sim if r["method"] == "B"]
     assert {r["cost_per_failure_s"] for r in b} == {0.0}
+
+
+def test_a_measured_mtbf_of_several_rounds_shows_their_median() -> None:
+    rows = [_row("A", 4.0, 1, r) for r in (0.5, 0.7, 0.6)]
+    sim = simulate_gpus(rows, [8], base_mtbf=4.0)
+    assert sim[0]["measured_effective_ratio"] == 0.6

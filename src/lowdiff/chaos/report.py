@@ -14,6 +14,7 @@ Files in the output folder:
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,24 @@ from lowdiff.bench.tables import fmt_s, table
 
 def _of(rows: list[dict[str, Any]], exp: str) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("experiment") == exp]
+
+
+def _rounds(ws: list[dict[str, Any]]) -> int:
+    """How many rounds the ``wasted`` rows come from (``lowdiff chaos --rounds``)."""
+    return len({r.get("round", 0) for r in ws})
+
+
+def median_rows(ws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One ``wasted`` row per (method, MTBF): the round at the median effective ratio (the
+    lower of the two middle ones for an even count), in the order the rows came."""
+    cells: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in ws:
+        cells.setdefault((r["method"], r["mtbf_s"]), []).append(r)
+    picked = []
+    for rs in cells.values():
+        mid = statistics.median_low(x["effective_ratio"] for x in rs)
+        picked.append(next(x for x in rs if x["effective_ratio"] == mid))
+    return picked
 
 
 def _pct(x: float | None) -> str:
@@ -76,8 +95,17 @@ def section_wasted(rows: list[dict[str, Any]]) -> str:
         "is killed), (H): hardware failures (training and checkpointing processes and their "
         "shared memory are gone).",
     ]
+    n_rounds = _rounds(ws)
+    if n_rounds > 1:
+        out += [
+            "",
+            f"Every method ran {n_rounds} rounds through each schedule (`--rounds`); each "
+            "round's job is accounted against the reference jobs around its own block.",
+        ]
     for m in sorted({r["mtbf_s"] for r in ws}, reverse=True):
         rs = [r for r in ws if r["mtbf_s"] == m]
+        if n_rounds > 1:
+            rs.sort(key=lambda r: r.get("round", 0))
         sched = rs[0]
         out += [
             "",
@@ -86,7 +114,7 @@ def section_wasted(rows: list[dict[str, Any]]) -> str:
             "",
             table(
                 [
-                    "method",
+                    "method" if n_rounds == 1 else "method (round)",
                     "checkpoints",
                     "failures",
                     "total",
@@ -100,7 +128,7 @@ def section_wasted(rows: list[dict[str, Any]]) -> str:
                 ],
                 [
                     [
-                        r["method"],
+                        r["method"] if n_rounds == 1 else f"{r['method']} ({r['round'] + 1})",
                         _fb(r),
                         str(r["failures"]),
                         fmt_s(r["total_s"]),
@@ -131,20 +159,36 @@ def section_ratio(rows: list[dict[str, Any]]) -> str:
         return ""
     mtbfs = sorted({r["mtbf_s"] for r in ws}, reverse=True)
     methods = list(dict.fromkeys(r["method"] for r in ws))
+    n_rounds = _rounds(ws)
     body = []
     for meth in methods:
         cells = []
         for m in mtbfs:
-            r = next((x for x in ws if x["method"] == meth and x["mtbf_s"] == m), None)
-            cells.append(f"{_pct(r['effective_ratio'])} ({_pct(r['core_ratio'])})" if r else "–")
+            rs = [x for x in ws if x["method"] == meth and x["mtbf_s"] == m]
+            if not rs:
+                cells.append("–")
+                continue
+            ratio = statistics.median(x["effective_ratio"] for x in rs)
+            core = statistics.median(x["core_ratio"] for x in rs)
+            spread = ""
+            if len(rs) > 1:
+                lo, hi = (f(x["effective_ratio"] for x in rs) for f in (min, max))
+                spread = f" [{100 * lo:.1f}–{100 * hi:.1f}]"
+            cells.append(f"{_pct(ratio)}{spread} ({_pct(core)})")
         body.append([meth, *cells])
+    rounds_text = (
+        f" Median over {n_rounds} rounds, in square brackets the lowest and the highest."
+        if n_rounds > 1
+        else ""
+    )
     return "\n".join(
         [
             "## Effective training time ratio (Exp. 11)",
             "",
-            "T_ff / total, per MTBF (seconds of failure-free training). In brackets: the same "
-            "without process start-ups (T_ff / (T_ff + steady overhead + lost work + restore)), "
-            "the regime of failures hours apart, where start-ups are amortised.",
+            "T_ff / total, per MTBF (seconds of failure-free training)." + rounds_text + " In "
+            "brackets: the same without process start-ups (T_ff / (T_ff + steady overhead + "
+            "lost work + restore)), the regime of failures hours apart, where start-ups are "
+            "amortised.",
             "",
             table(["method", *[f"MTBF {m:g} s" for m in mtbfs]], body),
         ]
@@ -401,7 +445,8 @@ def plots(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
 
 
 def _plot_wasted(plt: Any, ws: list[dict[str, Any]]) -> Any:
-    """Exp. 3: each method's wasted time, split into its parts, one panel per MTBF."""
+    """Exp. 3: each method's wasted time, split into its parts, one panel per MTBF (of the
+    round at the median effective ratio, :func:`median_rows`)."""
     if not ws:
         return None
     mtbfs = sorted({r["mtbf_s"] for r in ws}, reverse=True)
@@ -412,6 +457,7 @@ def _plot_wasted(plt: Any, ws: list[dict[str, Any]]) -> Any:
         ("lost_work_s", "lost work", "tab:orange"),
         ("recovery_s", "recovery", "tab:red"),
     ]
+    ws = median_rows(ws)
     for ax, m in zip(axes[0], mtbfs, strict=True):
         rs = [r for r in ws if r["mtbf_s"] == m]
         x = range(len(rs))
@@ -433,15 +479,22 @@ def _plot_wasted(plt: Any, ws: list[dict[str, Any]]) -> Any:
 
 
 def _plot_ratio(plt: Any, ws: list[dict[str, Any]]) -> Any:
-    """Exp. 11: each method's effective training time ratio against the MTBF."""
+    """Exp. 11: each method's effective training time ratio against the MTBF (the median
+    over the rounds)."""
     if not ws:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for meth in dict.fromkeys(r["method"] for r in ws):
-        rs = sorted((r for r in ws if r["method"] == meth), key=lambda r: r["mtbf_s"])
+        mtbfs = sorted({r["mtbf_s"] for r in ws if r["method"] == meth})
         ax.plot(
-            [r["mtbf_s"] for r in rs],
-            [100 * r["effective_ratio"] for r in rs],
+            mtbfs,
+            [
+                100
+                * statistics.median(
+                    r["effective_ratio"] for r in ws if r["method"] == meth and r["mtbf_s"] == m
+                )
+                for m in mtbfs
+            ],
             marker="o",
             label=meth,
         )

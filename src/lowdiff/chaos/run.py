@@ -162,29 +162,35 @@ def _compare(
     mtbfs = list(schedules)
     fb, profiled = _lowdiff_fb(s, r, rows, info, tau, mtbfs)
     intervals = _baseline_intervals(s, r, rows, info, tau, mtbfs)
-    jobs: list[tuple[Method, int, dict[str, Any], JobResult]] = []
-    for g, m in enumerate(mtbfs):
-        if g > 0:
-            r.references(g, uncompressed)
-        say(f"MTBF {m:g} s: {len(schedules[m].points)} failure(s) scheduled")
-        for meth in s.parsed_methods:
-            cfg = method_config(meth, s, fb.get(m), intervals.get((meth.strategy, m)))
-            job = Job(
-                f"mtbf{g}-{_safe_name(meth.key)}",
-                cfg,
-                kind=meth.kind,
-                env={"LOWDIFF_MTBF": repr(float(m))},
-            )
-            jobs.append((meth, g, cfg, r.run(job, schedules[m])))
-    r.references(len(mtbfs), uncompressed)
+    jobs: list[tuple[Method, int, int, dict[str, Any], JobResult]] = []
+    block = 0
+    for rnd in range(s.rounds):
+        prefix = f"r{rnd}-" if s.rounds > 1 else ""
+        for g, m in enumerate(mtbfs):
+            if block > 0:
+                r.references(block, uncompressed)
+            where = f"round {rnd + 1}/{s.rounds}, " if s.rounds > 1 else ""
+            say(f"{where}MTBF {m:g} s: {len(schedules[m].points)} failure(s) scheduled")
+            for meth in s.parsed_methods:
+                cfg = method_config(meth, s, fb.get(m), intervals.get((meth.strategy, m)))
+                job = Job(
+                    f"{prefix}mtbf{g}-{_safe_name(meth.key)}",
+                    cfg,
+                    kind=meth.kind,
+                    env={"LOWDIFF_MTBF": repr(float(m))},
+                )
+                jobs.append((meth, rnd, block, cfg, r.run(job, schedules[m])))
+            block += 1
+    r.references(block, uncompressed)
 
     method_rows = [
-        _method_row(s, r, meth, g, cfg, res, schedules[mtbfs[g]]) for meth, g, cfg, res in jobs
+        _method_row(s, r, meth, rnd, blk, cfg, res, schedules[mtbfs[blk % len(mtbfs)]])
+        for meth, rnd, blk, cfg, res in jobs
     ]
     rows += method_rows
     if method_rows:
         rows += simulate_gpus(method_rows, s.sim_gpus, mtbfs[0])
-    lowdiff_jobs = [res for meth, _, _, res in jobs if meth.strategy == "lowdiff"]
+    lowdiff_jobs = [res for meth, _, _, _, res in jobs if meth.strategy == "lowdiff"]
     if lowdiff_jobs or profiled:
         info.setdefault("lowdiff_costs", measured_costs(profiled + lowdiff_jobs))
 
@@ -289,17 +295,20 @@ def _method_row(
     s: ChaosSettings,
     r: Runner,
     meth: Method,
+    rnd: int,
     block: int,
     cfg: dict[str, Any],
     res: JobResult,
     schedule: FailureSchedule,
 ) -> dict[str, Any]:
-    """The ``wasted`` row of one method's job, accounted against the references of its block."""
+    """The ``wasted`` row of one method's job (of round ``rnd``), accounted against the
+    references of its block."""
     ref_total, ref_startup = r.t_ff(not meth.uncompressed, block)
     acc = account(res.attempts, ref_total, ref_startup)
     st = res.result.get("ck_stats") or {}
     extra = {
         "experiment": "wasted",
+        "round": rnd,
         "method": meth.label,
         "key": meth.key,
         "strategy": meth.strategy,
@@ -395,7 +404,9 @@ def simulate_gpus(
         for n in gpus:
             m_n = base_mtbf * gpus[0] / n
             total = t * (1 + o) + u + (t / m_n) * c
-            measured = [r for r in rs if math.isclose(r["mtbf_s"], m_n, rel_tol=0.01)]
+            measured = [
+                r["effective_ratio"] for r in rs if math.isclose(r["mtbf_s"], m_n, rel_tol=0.01)
+            ]
             out.append(
                 {
                     "experiment": "scale-gpus",
@@ -409,9 +420,7 @@ def simulate_gpus(
                     "failure_free_s": t,
                     "expected_failures": t / m_n,
                     "effective_ratio": t / total,
-                    "measured_effective_ratio": measured[0]["effective_ratio"]
-                    if measured
-                    else None,
+                    "measured_effective_ratio": statistics.median(measured) if measured else None,
                 }
             )
     return out

@@ -166,6 +166,10 @@ class ChaosSettings:
         workdir: Where the jobs' directories go (None: a temporary directory).
         keep: Keep the jobs' directories (checkpoints and logs) at the end.
         block: Grid jobs between two reference jobs.
+        rounds: Times every method runs through every schedule (the comparison, not the
+            grid). Each round is a block per MTBF, between reference jobs of its own; the
+            report gives each cell's median over the rounds and their range, since one
+            job of a second moves by several points with the load of the machine.
     """
 
     quick: bool = False
@@ -192,6 +196,7 @@ class ChaosSettings:
     workdir: Path | None = None
     keep: bool = False
     block: int = 4
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         self.model = self.model or ("gpt2-tiny" if self.quick else "gpt2-demo")
@@ -208,7 +213,15 @@ class ChaosSettings:
             raise ValueError(
                 f"--interval must be {YOUNG_DALY!r} or an integer >= 1, got {self.interval!r}"
             )
-        for name in ("steps", "batch_size", "seq_len", "threads", "persist_interval", "block"):
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "threads",
+            "persist_interval",
+            "block",
+            "rounds",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")

@@ -109,6 +109,13 @@ def _add_failure_options(p: argparse.ArgumentParser) -> None:
         default=10,
         help="seed of the failure schedules (default 10: 1, 2, 4 failures at the default MTBFs)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times every method runs through every schedule, each round between reference "
+        "jobs of its own; the report gives each cell's median and range (default 1)",
+    )
 
 
 def _add_method_options(p: argparse.ArgumentParser) -> None:
@@ -187,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         ratio=args.ratio,
         error_feedback=not args.no_error_feedback,
         seed=args.seed,
+        rounds=args.rounds,
         mtbfs=args.mtbf,
         methods=methods,
         lowdiff=args.lowdiff,
