@@ -371,12 +371,12 @@ class CheckpointingStrategy(EngineStrategy):
         if self.policy.suspended is not None:
             return
         self.handover.finish()
-        seen = session.link.replies[Kind.FLUSHED]
-        session.send(Flush())
-        session.wait(
-            lambda: session.link.replies[Kind.FLUSHED] > seen,
-            "'flushed' after SIGTERM",
+        session.link.request(
+            Flush(),
+            Kind.FLUSHED,
             timeout=max(0.0, deadline - time.monotonic()),
+            what="'flushed' after SIGTERM",
+            check=session.check,
         )
 
     def _release(self) -> None:

@@ -289,9 +289,7 @@ class ProcessSession:
 
     def request(self, msg: Message, reply: Kind) -> None:
         """Send ``msg`` and wait for its ``reply``."""
-        seen = self.link.replies[reply]
-        self.send(msg)
-        self.wait(lambda: self.link.replies[reply] > seen, repr(reply.value))
+        self.link.request(msg, reply, check=self.check)
 
     def take_slot(self, what: str) -> int:
         """A free record slot (waiting while the process holds them all)."""

@@ -155,6 +155,7 @@ class ProcessLink:
         locks) while the trainer goes on, and :attr:`ready` tells when it is done; a
         caller that needs it waits with ``wait(lambda: link.ready, ...)``."""
         ctx = process_context()  # here: it may start the fork server (a fork of this process)
+        self._forget_process()
         req_r, req_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
         proc = ctx.Process(
@@ -177,6 +178,19 @@ class ProcessLink:
             return
         start.run()
         self._take_up(start)
+
+    def _forget_process(self) -> None:
+        """Let go of the process served before (released by its caller: a new one is
+        started): nothing of it may be read, waited for or raised while the new one is
+        still starting."""
+        self.close_pipes()
+        self.proc = None
+        self.error = None
+        self.info = None
+        self.replies = Counter()
+        self._poller = None
+        self._sentinel = -1
+        self._maybe_gone = True
 
     def finish_start(self, block: bool = True) -> None:
         """Take up the process a thread asked the fork server for (waits for that; at
@@ -367,8 +381,26 @@ class ProcessLink:
         check: Callable[[], None] | None = None,
     ) -> None:
         """Wait for the next message of ``kind`` (a reply to the request just sent)."""
+        self.ensure_ready(check)  # a process taken up now counts its replies from zero
         seen = self.replies[kind]
         self.wait(lambda: self.replies[kind] > seen, repr(kind.value), timeout, check)
+
+    def request(
+        self,
+        msg: Message,
+        reply: Kind,
+        *,
+        timeout: float | None = None,
+        what: str | None = None,
+        check: Callable[[], None] | None = None,
+    ) -> None:
+        """Send ``msg`` and wait for its ``reply`` (``timeout``: the wait for the reply ends
+        there; ``what`` names it in errors). A process still starting is taken up and
+        ready first: its replies are counted from then on."""
+        self.ensure_ready(check)
+        seen = self.replies[reply]
+        self.send(msg)
+        self.wait(lambda: self.replies[reply] > seen, what or repr(reply.value), timeout, check)
 
     def progress(self) -> int:
         """Grows whenever the process makes progress: its ``BEAT`` counter, or (for a
