@@ -248,6 +248,11 @@ class Checkpointer:
         ``DIR/quarantine/`` (never deleted). The error-feedback residuals restart at zero.
         Under DDP every rank calls it, and they resume at one agreed step.
 
+        A checkpointing process that outlived the previous trainer is taken over; a new
+        one is started without waiting for it: training goes on while it starts, and a
+        start that fails raises :class:`CheckpointWorkerError` (or the start's own error)
+        from here or from the first ``step()`` or ``flush()`` after it failed.
+
         Returns:
             The recovered step (0 for an empty directory).
         """
