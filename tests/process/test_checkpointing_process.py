@@ -224,3 +224,29 @@ def test_training_goes_on_while_the_process_starts(tmp_path, monkeypatch, strate
     for k in s1:
         for name in s1[k]:
             assert torch.equal(torch.as_tensor(s1[k][name]), torch.as_tensor(s2[k][name]))
+
+
+def test_a_request_with_a_deadline_does_not_wait_longer_for_a_start(monkeypatch):
+    """A request with a timeout (the SIGTERM flush) gives up on a process still starting
+    at that timeout, not at ``start_timeout``."""
+    import multiprocessing.context as mpc
+    import threading
+
+    from lowdiff.proc.link import ProcessLink
+    from lowdiff.proc.protocol import Flush, Kind
+
+    hold = threading.Event()
+
+    def held_start(self):
+        assert hold.wait(30)
+        raise RuntimeError("the start was let go")
+
+    monkeypatch.setattr(mpc.ForkServerProcess, "start", held_start)
+    link = ProcessLink("the test process", stall_timeout=60.0, start_timeout=60.0)
+    link.start(print, (), name="lowdiff-test", wait=False, background=True)
+    try:
+        with pytest.raises(lowdiff.CheckpointWorkerError, match=r"did not start within 0\.2 s"):
+            link.request(Flush(), Kind.FLUSHED, timeout=0.2)
+    finally:
+        hold.set()
+        link.close_pipes()

@@ -133,13 +133,16 @@ class ProcessLink:
         if wait:
             self.ensure_ready()
 
-    def ensure_ready(self, check: Callable[[], None] | None = None) -> None:
+    def ensure_ready(
+        self, check: Callable[[], None] | None = None, timeout: float | None = None
+    ) -> None:
         """Wait until a process started with ``start(wait=False)`` is ready (at once for
-        any other)."""
-        self.finish_start()
+        any other); ``timeout`` shortens ``start_timeout`` (a wait with a deadline)."""
+        limit = self.start_timeout if timeout is None else min(self.start_timeout, timeout)
+        self.finish_start(timeout=limit)
         if self._await_ready:
+            self._wait(lambda: self.ready, repr(Kind.READY.value), limit, check)
             self._await_ready = False
-            self._wait(lambda: self.ready, repr(Kind.READY.value), self.start_timeout, check)
             self._early_bytes = 0
 
     def launch(
@@ -192,21 +195,23 @@ class ProcessLink:
         self._sentinel = -1
         self._maybe_gone = True
 
-    def finish_start(self, block: bool = True) -> None:
-        """Take up the process a thread asked the fork server for (waits for that; at
-        once when none is being started). ``block=False`` takes it up only if the thread
-        is done already, and otherwise leaves it starting."""
+    def finish_start(self, block: bool = True, timeout: float | None = None) -> None:
+        """Take up the process a thread asked the fork server for (waits for that, up to
+        ``timeout``, by default ``start_timeout``; at once when none is being started).
+        ``block=False`` takes it up only if the thread is done already, and otherwise
+        leaves it starting."""
         start = self._starting
         if start is None or (not block and start.thread.is_alive()):
             return
         self._starting = None
-        start.thread.join(self.start_timeout)
+        limit = self.start_timeout if timeout is None else timeout
+        start.thread.join(limit)
         if start.thread.is_alive():
             start.close_all()
             self.requests = None
             raise CheckpointWorkerError(
-                f"{self.what} did not start within {self.start_timeout:.0f} s (the process "
-                "server did not answer)"
+                f"{self.what} did not start within {limit:.3g} s (the process server did "
+                "not answer)"
             )
         self._take_up(start)
         self._await_ready = True  # (adopt() cleared it) its Ready is still to be seen
@@ -396,11 +401,13 @@ class ProcessLink:
     ) -> None:
         """Send ``msg`` and wait for its ``reply`` (``timeout``: the wait for the reply ends
         there; ``what`` names it in errors). A process still starting is taken up and
-        ready first: its replies are counted from then on."""
-        self.ensure_ready(check)
+        ready first (within ``timeout`` too): its replies are counted from then on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.ensure_ready(check, timeout)
         seen = self.replies[reply]
         self.send(msg)
-        self.wait(lambda: self.replies[reply] > seen, what or repr(reply.value), timeout, check)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self.wait(lambda: self.replies[reply] > seen, what or repr(reply.value), left, check)
 
     def progress(self) -> int:
         """Grows whenever the process makes progress: its ``BEAT`` counter, or (for a
