@@ -29,6 +29,10 @@ from lowdiff.cli.main import main
         (["--ratio", "2"], "--ratio must be in (0, 1], got 2.0"),
         (["--model", "gpt5"], "--model: unknown model 'gpt5'"),
         (["--rounds", "0"], "--rounds must be an integer >= 1, got 0"),
+        (
+            ["--grid", "--rounds", "2"],
+            "--rounds repeats the comparison; --grid runs each cell once",
+        ),
     ],
 )
 def test_bad_options_are_named(argv: list[str], needle: str, capsys, tmp_path: Path) -> None:

@@ -225,6 +225,8 @@ class ChaosSettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.grid and self.rounds > 1:
+            raise ValueError("--rounds repeats the comparison; --grid runs each cell once")
         if not 0 < self.ratio <= 1:
             raise ValueError(f"--ratio must be in (0, 1], got {self.ratio!r}")
         if self.mtbfs is not None:
