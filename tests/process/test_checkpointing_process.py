@@ -210,6 +210,7 @@ def test_training_goes_on_while_the_process_starts(tmp_path, monkeypatch, strate
     _train(model, opt, ck, 3)
     link = ck.strategy_impl.session.link
     assert link.proc is None and not link.ready  # three steps, and no process yet
+    assert link._early_bytes > 0  # their messages went into the pipe it will read
     steps_done.set()
     assert ck.flush() == 3
     assert link.ready

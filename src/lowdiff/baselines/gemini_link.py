@@ -245,8 +245,7 @@ class HolderLink:
     # ------------------------------------------------------------------ requests
     def request(self, msg: Message, reply: type[_Reply]) -> _Reply:
         """Send ``msg`` and wait for its reply, of class ``reply``."""
-        self.link.send(msg)
-        self.link.wait_for(reply.kind)
+        self.link.request(msg, reply.kind)
         got = self._replies.pop(reply.kind)
         assert isinstance(got, reply)
         return got
@@ -287,8 +286,7 @@ class HolderLink:
     def flush(self) -> None:
         """Have the holder persist its newest checkpoint; wait until it is on disk."""
         self.wait_acked()
-        self.link.send(Flush())
-        self.link.wait_for(Kind.FLUSHED)
+        self.link.request(Flush(), Kind.FLUSHED)
 
     def _on_message(self, msg: Message) -> None:
         match msg:
@@ -316,8 +314,7 @@ class HolderLink:
         link = self.link
         if link.started:
             with contextlib.suppress(CheckpointWorkerError):
-                link.send(Close())
-                link.wait_for(Kind.CLOSED)
+                link.request(Close(), Kind.CLOSED)
             link.join()
         self.forget()
         self.bufs.close()

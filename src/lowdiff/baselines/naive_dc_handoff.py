@@ -139,8 +139,7 @@ class Handoff:
 
     # ------------------------------------------------------------------ flush and close
     def _request(self, msg: Message, reply: Kind) -> None:
-        self.link.send(msg)
-        self.link.wait_for(reply)
+        self.link.request(msg, reply)
 
     def flush(self) -> None:
         """Wait until every record handed off is durable."""

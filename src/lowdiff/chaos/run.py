@@ -162,7 +162,7 @@ def _compare(
     mtbfs = list(schedules)
     fb, profiled = _lowdiff_fb(s, r, rows, info, tau, mtbfs)
     intervals = _baseline_intervals(s, r, rows, info, tau, mtbfs)
-    jobs: list[tuple[Method, int, int, dict[str, Any], JobResult]] = []
+    jobs: list[tuple[Method, int, int, float, dict[str, Any], JobResult]] = []
     block = 0
     for rnd in range(s.rounds):
         prefix = f"r{rnd}-" if s.rounds > 1 else ""
@@ -179,18 +179,18 @@ def _compare(
                     kind=meth.kind,
                     env={"LOWDIFF_MTBF": repr(float(m))},
                 )
-                jobs.append((meth, rnd, block, cfg, r.run(job, schedules[m])))
+                jobs.append((meth, rnd, block, m, cfg, r.run(job, schedules[m])))
             block += 1
     r.references(block, uncompressed)
 
     method_rows = [
-        _method_row(s, r, meth, rnd, blk, cfg, res, schedules[mtbfs[blk % len(mtbfs)]])
-        for meth, rnd, blk, cfg, res in jobs
+        _method_row(s, r, meth, rnd, blk, cfg, res, schedules[m])
+        for meth, rnd, blk, m, cfg, res in jobs
     ]
     rows += method_rows
     if method_rows:
         rows += simulate_gpus(method_rows, s.sim_gpus, mtbfs[0])
-    lowdiff_jobs = [res for meth, _, _, _, res in jobs if meth.strategy == "lowdiff"]
+    lowdiff_jobs = [res for meth, *_, res in jobs if meth.strategy == "lowdiff"]
     if lowdiff_jobs or profiled:
         info.setdefault("lowdiff_costs", measured_costs(profiled + lowdiff_jobs))
 

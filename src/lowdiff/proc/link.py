@@ -379,17 +379,6 @@ class ProcessLink:
             who=self.what,
         )
 
-    def wait_for(
-        self,
-        kind: Kind,
-        timeout: float | None = None,
-        check: Callable[[], None] | None = None,
-    ) -> None:
-        """Wait for the next message of ``kind`` (a reply to the request just sent)."""
-        self.ensure_ready(check)  # a process taken up now counts its replies from zero
-        seen = self.replies[kind]
-        self.wait(lambda: self.replies[kind] > seen, repr(kind.value), timeout, check)
-
     def request(
         self,
         msg: Message,

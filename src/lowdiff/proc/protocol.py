@@ -14,8 +14,9 @@ baselines' processes); the messages every process shares are here:
 
 Messages travel pickled through a ``multiprocessing`` pipe (shared-memory tensors by
 handle, as ``torch.multiprocessing`` sends them), except the one sent at every training
-step: a :class:`SlotMessage` (a slot is filled) travels in a fixed binary form of its own,
-which costs the trainer a few µs where pickling cost tens (:func:`encode`, :func:`decode`).
+step: a :class:`SlotMessage` (a slot is filled) travels in a fixed binary form of its own
+(:func:`encode`, :func:`decode`): inside a training step, where it runs from cold caches,
+about 40 µs of the trainer's time against 60 to 75 µs for a pickle.
 A receiver dispatches on the message's class (``match msg: case Record(...)``) or on
 ``msg.kind``; an unknown message is an error, never ignored.
 """
