@@ -1,25 +1,35 @@
 """The README's GPU table in one command: lowdiff against the same training without it.
 
     python benchmarks/gpu_reference.py                 # the README's model on cuda:0
+    python benchmarks/gpu_reference.py --model gpt2-1b --arms plain,topk,lowdiff,lowdiff+
     python benchmarks/gpu_reference.py --tiny --device cpu --repeats 1   # a smoke run
 
-Model: a causal transformer LM built from a ``transformers`` GPT-2 config (8 layers,
-width 1024, 16 heads, vocabulary 16,384, 256 positions: 117.8M parameters), bf16
-autocast, AdamW, gradient clipping, batches of 16 sequences of 255 tokens drawn from a
-seeded generator (nothing is downloaded). Arms, each on its own copy of the model:
+Models: causal transformer LMs built from a ``transformers`` GPT-2 config (vocabulary
+16,384, 256 positions, 16 heads): ``gpt2-117m`` (8 layers, width 1024: 117.8M
+parameters, the default) and ``gpt2-1b`` (20 layers, width 2048: 1.04B parameters),
+built on the device from one seed. bf16 autocast, AdamW (``fused=True`` on CUDA, the
+fast mode GPU users pick; the LowDiff+ replica then runs its CPU twin), gradient
+clipping, steps of ``--accum`` micro-batches (gradient accumulation) of ``--batch``
+sequences of 255 tokens drawn from a seeded generator (nothing is downloaded). Arms, each on its own copy of the model (``--arms``):
 
 - ``plain``: no compression, no checkpointing;
 - ``topk``: ``TopK(0.01)`` compression, no checkpointing (strategy ``"none"``);
 - ``lowdiff``: the same compression, LowDiff at every step (``--full-every``,
   ``--batch-size``);
-- ``lowdiff+``: no compression, LowDiff+ (skipped with ``--no-plus``).
+- ``lowdiff+``: no compression, LowDiff+ (``--replica-threads``; left out with
+  ``--no-plus``);
+- ``dcp``: no compression, ``torch.distributed.checkpoint.async_save`` of the whole
+  state at every step (strategy ``"dcp-async"``, ``full_every=1``): DCP's thread saver
+  with pinned-memory staging on CUDA, at most one save in flight, the mode its users
+  run to checkpoint often.
 
 Every repeat runs every arm once, in an order that rotates between repeats, after one
 untimed warm-up block per arm. A block is ``--steps`` steps and ends with ``ck.flush()``:
 its time counts everything until the block's checkpoints are durable. Reported: the
 median time per step of each arm over the repeats, each repeat's figure, and the ratios
-of ``lowdiff`` to ``topk`` and of ``lowdiff+`` to ``plain`` (compare ratios, measured
-side by side, not absolute times across machines).
+of ``lowdiff`` to ``topk`` and of ``lowdiff+`` and ``dcp`` to ``plain`` (compare ratios,
+measured side by side, not absolute times across machines), with the GPU memory the run
+held at its peak.
 """
 
 from __future__ import annotations
@@ -37,19 +47,29 @@ from typing import Any
 import torch
 
 import lowdiff
+from lowdiff.state.capture import state_tensors
+
+MODELS = {
+    "gpt2-117m": {"n_layer": 8, "n_embd": 1024},
+    "gpt2-1b": {"n_layer": 20, "n_embd": 2048},
+}
+ARMS = ("plain", "topk", "lowdiff", "lowdiff+", "dcp")
 
 
-def build_model(tiny: bool, device: torch.device, seed: int = 0) -> torch.nn.Module:
+def build_model(
+    tiny: bool, device: torch.device, seed: int = 0, model: str = "gpt2-117m"
+) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if tiny:
         cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=32)
     else:
-        cfg = GPT2Config(n_layer=8, n_embd=1024, n_head=16, vocab_size=16384, n_positions=256)
+        cfg = GPT2Config(n_head=16, vocab_size=16384, n_positions=256, **MODELS[model])
     cfg.bos_token_id = cfg.eos_token_id = 0  # inside the vocabulary
     cfg.attn_implementation = "eager" if device.type == "cpu" else "sdpa"
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(cfg).to(device)
+    with device:  # initialised where it trains: the same weights for every arm
+        return GPT2LMHeadModel(cfg)
 
 
 class Arm:
@@ -58,10 +78,14 @@ class Arm:
     def __init__(self, name: str, args: argparse.Namespace, workdir: Path) -> None:
         self.name = name
         self.device = torch.device(args.device)
-        self.model = build_model(args.tiny, self.device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.01)
+        self.model = build_model(args.tiny, self.device, model=args.model)
+        fused = self.device.type == "cuda"
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused
+        )
         seq = 31 if args.tiny else 255
-        self.batch = (2 if args.tiny else 16, seq)
+        self.batch = (2 if args.tiny else args.batch, seq)
+        self.accum = args.accum
         self.vocab = self.model.config.vocab_size
         self.gen = torch.Generator(device="cpu").manual_seed(1234)
         self.amp = torch.bfloat16
@@ -78,16 +102,24 @@ class Arm:
                 "full_every": args.full_every,
                 "batch_size": args.batch_size,
             }
+        elif name == "lowdiff+":
+            kw = {
+                "strategy": "lowdiff+",
+                "compressor": None,
+                "replica_threads": args.replica_threads,
+            }
         else:
-            kw = {"strategy": "lowdiff+", "compressor": None}
-        self.ck = lowdiff.Checkpointer(self.model, self.opt, workdir / name, **kw)
+            kw = {"strategy": "dcp-async", "compressor": None, "full_every": 1}
+        self.dir = workdir / name
+        self.ck = lowdiff.Checkpointer(self.model, self.opt, self.dir, **kw)
         self.ck.resume()
 
     def step(self) -> None:
-        ids = torch.randint(0, self.vocab, self.batch, generator=self.gen).to(self.device)
-        with torch.autocast(self.device.type, dtype=self.amp):
-            loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for _ in range(self.accum):  # micro-batches of one step (gradient accumulation)
+            ids = torch.randint(0, self.vocab, self.batch, generator=self.gen).to(self.device)
+            with torch.autocast(self.device.type, dtype=self.amp):
+                loss = self.model(input_ids=ids, labels=ids).loss
+            (loss / self.accum).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.ck.step()
         self.opt.zero_grad(set_to_none=True)
@@ -101,6 +133,45 @@ class Arm:
         self.ck.flush()
         sync(self.device)
         return (time.perf_counter() - t0) / steps
+
+    def check_restore(self, args: argparse.Namespace) -> dict[str, Any]:
+        """Restore the arm's directory into a fresh copy and compare it with the live state.
+
+        LowDiff replays the records through the same CUDA optimizer: every tensor must be
+        equal. LowDiff+'s replica steps on the CPU, whose kernels round differently from
+        CUDA's: integers must be equal, floats are reported by their largest relative
+        difference."""
+        self.ck.flush()
+        model = build_model(args.tiny, self.device, seed=1, model=args.model)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, weight_decay=0.01, fused=self.device.type == "cuda"
+        )
+        step = lowdiff.restore(self.dir, model, opt)
+        live, got = state_tensors(self.model, self.opt), state_tensors(model, opt)
+        unequal = [k for k in live if k not in got or not torch.equal(live[k], got[k])]
+        ints = [k for k in unequal if not live[k].is_floating_point()]
+        rel = max(
+            (
+                (
+                    (live[k].double() - got[k].double()).norm()
+                    / live[k].double().norm().clamp_min(1e-30)
+                ).item()
+                for k in unequal
+                if k not in ints and k in got
+            ),
+            default=0.0,
+        )
+        res = {
+            "step": step,
+            "live_step": self.ck.step_count,
+            "tensors": len(live),
+            "unequal": len(unequal),
+            "unequal_integers": len(ints),
+            "max_relative_difference": rel,
+        }
+        print(f"restore check {self.name}: {res}", flush=True)
+        del model, opt
+        return res
 
 
 def sync(device: torch.device) -> None:
@@ -123,7 +194,7 @@ def git_revision() -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    names = ["plain", "topk", "lowdiff"] + ([] if args.no_plus else ["lowdiff+"])
+    names = [n for n in args.arms if not (args.no_plus and n == "lowdiff+")]
     with tempfile.TemporaryDirectory(prefix="lowdiff-gpu-ref-", dir=args.workdir) as d:
         arms = [Arm(n, args, Path(d)) for n in names]
         try:
@@ -138,33 +209,75 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         f"repeat {r + 1}: {arm.name:9s} {times[arm.name][-1] * 1e3:.2f} ms/step",
                         flush=True,
                     )
-            record = arms[names.index("lowdiff")].ck.stats
+            record = arms[names.index("lowdiff")].ck.stats if "lowdiff" in names else None
+            checks = {
+                a.name: a.check_restore(args) for a in arms if a.name in ("lowdiff", "lowdiff+")
+            }
         finally:
             for arm in arms:
                 arm.ck.close()
     med = {n: statistics.median(v) for n, v in times.items()}
     params = sum(p.numel() for p in arms[0].model.parameters())
+    cuda = args.device.startswith("cuda")
     out: dict[str, Any] = {
         "machine": platform.node(),
-        "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
         "git": git_revision(),
         "parameters": params,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "ms_per_step": {n: v * 1e3 for n, v in med.items()},
         "per_repeat_ms": {n: [x * 1e3 for x in v] for n, v in times.items()},
-        "lowdiff_vs_topk": med["lowdiff"] / med["topk"] - 1,
-        "record_bytes_per_step": record["record_row_bytes"],
+        "restore_check": checks,
+        "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+        "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0,
     }
-    if "lowdiff+" in med:
-        out["lowdiff_plus_vs_plain"] = med["lowdiff+"] / med["plain"] - 1
+    for key, arm, base in RATIOS:
+        if arm in med and base in med:
+            out[key] = med[arm] / med[base] - 1
+    if record is not None:
+        out["record_bytes_per_step"] = record["record_row_bytes"]
     return out
+
+
+RATIOS = (
+    ("lowdiff_vs_topk", "lowdiff", "topk"),
+    ("lowdiff_plus_vs_plain", "lowdiff+", "plain"),
+    ("dcp_vs_plain", "dcp", "plain"),
+)
+RATIO_LINES = {
+    "lowdiff_vs_topk": "LowDiff against the same compressed training",
+    "lowdiff_plus_vs_plain": "LowDiff+ against the same uncompressed training",
+    "dcp_vs_plain": "DCP async_save every step against the same uncompressed training",
+}
+
+
+def arm_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ARMS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown arm(s) {', '.join(bad) or '(none)'}; choose from {', '.join(ARMS)}"
+        )
+    return list(dict.fromkeys(names))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small model (a smoke run)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2-117m")
+    ap.add_argument("--batch", type=int, default=16, help="sequences of 255 tokens per step")
+    ap.add_argument(
+        "--accum", type=int, default=1, help="micro-batches per step (gradient accumulation)"
+    )
+    ap.add_argument(
+        "--arms",
+        type=arm_list,
+        default=list(ARMS[:4]),
+        help=f"comma-separated, from {','.join(ARMS)} (default: the first four)",
+    )
+    ap.add_argument("--replica-threads", type=int, default=1, help="LowDiff+ replica_threads")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=8, help="untimed steps per arm first")
     ap.add_argument("--repeats", type=int, default=3)
@@ -177,17 +290,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     res = run(args)
     print(
-        f"\n{res['device']}, torch {res['torch']}, git {res['git']}, {res['parameters'] / 1e6:.1f}M parameters"
+        f"\n{res['device']}, torch {res['torch']}, git {res['git']}, "
+        f"{res['parameters'] / 1e6:.1f}M parameters, batch {2 if args.tiny else args.batch}"
+        f" x {args.accum} micro-batches"
     )
     for n, v in res["ms_per_step"].items():
         reps = ", ".join(f"{x:.2f}" for x in res["per_repeat_ms"][n])
         print(f"{n:9s} {v:8.2f} ms per step (median; per repeat {reps})")
-    print(f"LowDiff against the same compressed training: {res['lowdiff_vs_topk']:+.1%}")
-    if "lowdiff_plus_vs_plain" in res:
+    for key, text in RATIO_LINES.items():
+        if key in res:
+            print(f"{text}: {res[key]:+.1%}")
+    if "record_bytes_per_step" in res:
+        print(f"record: {res['record_bytes_per_step'] / 1e6:.2f} MB per step")
+    for name, chk in res["restore_check"].items():
         print(
-            f"LowDiff+ against the same uncompressed training: {res['lowdiff_plus_vs_plain']:+.1%}"
+            f"restore of {name} at step {chk['step']} (live {chk['live_step']}): "
+            f"{chk['unequal']} of {chk['tensors']} tensors differ "
+            f"({chk['unequal_integers']} integer; largest relative difference "
+            f"{chk['max_relative_difference']:.1e})"
         )
-    print(f"record: {res['record_bytes_per_step'] / 1e6:.2f} MB per step")
+    if res["gpu_total_bytes"]:
+        print(
+            f"GPU memory at its peak: {res['gpu_peak_bytes'] / 2**30:.1f} of "
+            f"{res['gpu_total_bytes'] / 2**30:.1f} GiB"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=2))
     return res

@@ -183,6 +183,53 @@ def test_cuda_sigkill_then_resume_is_bit_identical(tmp_path):
     assert _equal_states(tmp_path / "resumed.safetensors", tmp_path / "ref.safetensors") == []
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_lowdiff_plus_sigkill_then_resume_from_memory(tmp_path):
+    """LowDiff+ on CUDA: a SIGKILLed trainer resumes from the surviving replica, bit for
+    bit what the replica holds (the same state a restart from its persisted checkpoint
+    loads), and loses no step it reported. The replica's optimizer step runs on the CPU,
+    so against uninterrupted CUDA training the floats agree to rounding (see Limits in
+    the README) and every integer (step counters, BatchNorm's count) exactly."""
+    steps = 24
+    base = {
+        "dir": str(tmp_path / "ck"),
+        "steps": steps,
+        "strategy": "lowdiff+",
+        "device": "cuda",
+        "idle_timeout": 120,
+    }
+    _, reported = _run(base, kill_after=13)
+    lines, _ = _run(dict(base, steps=0, dump_at_resume=str(tmp_path / "memory.safetensors")))
+    start = int(lines[0].split()[1])
+    assert next(ln for ln in lines if ln.startswith("recovery ")).split()[1] == "memory"
+    assert reported - 1 <= start <= reported + 1
+    # close() above persisted the replica and stopped it: this restart reads the disk
+    lines, _ = _run(dict(base, steps=0, dump_at_resume=str(tmp_path / "disk.safetensors")))
+    assert int(lines[0].split()[1]) == start
+    assert next(ln for ln in lines if ln.startswith("recovery ")).split()[1] == "disk"
+    assert _equal_states(tmp_path / "memory.safetensors", tmp_path / "disk.safetensors") == []
+    ref = dict(
+        base,
+        dir=str(tmp_path / "u"),
+        strategy="none",
+        uncompressed=True,
+        dump_at={start: str(tmp_path / "ref.safetensors")},
+    )
+    _run(ref)
+    got = safetensors.torch.load_file(str(tmp_path / "memory.safetensors"))
+    want = safetensors.torch.load_file(str(tmp_path / "ref.safetensors"))
+    assert got.keys() == want.keys()
+    exact = [k for k in want if not want[k].is_floating_point()]
+    assert [k for k in exact if not torch.equal(got[k], want[k])] == []
+    far = [
+        k
+        for k in want
+        if k not in exact and not torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6)
+    ]
+    assert far == []
+
+
 @pytest.mark.parametrize("kill_after", [13, 16])
 def test_sigkill_of_an_attached_loop_then_resume_is_bit_identical(tmp_path, kill_after):
     """lowdiff.attach: the loop calls opt.step() and sched.step() itself. A step is handed
