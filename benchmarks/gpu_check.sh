@@ -33,24 +33,24 @@ for phase in "$@"; do
         git rev-parse --short HEAD 2>/dev/null
         ;;
     tests)
-        timeout 200 $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 150 -rA \
+        timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 150 -rA \
             tests/process/test_cuda_handoff.py tests/process/test_sigkill_recovery.py \
             tests/workloads/test_zoo.py tests/baselines/test_checkfreq.py \
             2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|skipped|Error" | tail -40
         ;;
     ref117m)
-        timeout 200 $PY benchmarks/gpu_reference.py --arms plain,topk,lowdiff,lowdiff+,dcp \
-            --steps 20 --warmup 4 --repeats 3 --replica-threads "$threads" \
+        timeout 170 $PY benchmarks/gpu_reference.py --arms plain,topk,lowdiff,lowdiff+,dcp \
+            --steps 12 --warmup 3 --repeats 3 --replica-threads "$threads" \
             --workdir "$WORK" --json "$OUT/ref117m.json" 2>&1 | tee "$OUT/ref117m.log" | tail -20
         ;;
     ref1b)
-        timeout 260 $PY benchmarks/gpu_reference.py --model gpt2-1b --batch 16 --accum 4 \
-            --arms plain,topk,lowdiff,lowdiff+ --steps 6 --warmup 2 --repeats 2 \
+        timeout 180 $PY benchmarks/gpu_reference.py --model gpt2-1b --batch 16 --accum 4 \
+            --arms plain,topk,lowdiff,lowdiff+ --steps 5 --warmup 1 --repeats 2 \
             --replica-threads "$threads" --workdir "$WORK" --json "$OUT/ref1b.json" \
             2>&1 | tee "$OUT/ref1b.log" | tail -20
         ;;
     recovery)
-        timeout 200 $PY -m lowdiff bench recovery --quick --workload gpt2-s --device cuda \
+        timeout 170 $PY -m lowdiff bench recovery --quick --workload gpt2-s --device cuda \
             --amp bf16 --methods lowdiff,lowdiff+,torch-save,gemini --repeats 1 \
             --workdir "$WORK" --out "$WORK/recovery" --quiet 2>&1 | tail -30
         cp "$WORK/recovery/report.md" "$OUT/recovery-report.md" 2>/dev/null

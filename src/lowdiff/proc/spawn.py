@@ -39,6 +39,7 @@ from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as tmp
 
 from lowdiff.errors import LowDiffError
@@ -253,6 +254,25 @@ def release_trainer_stdio(log: Path) -> None:
         tracker._fd = tracker._pid = None  # started again if this process needs one
 
 
+def _no_cuda() -> bool:
+    return False
+
+
+def without_gpu() -> None:
+    """Tell torch in this process that it has no GPU (``torch.cuda.is_available()`` is
+    False from now on).
+
+    A checkpointing process works on host memory only, and one forked from a trainer
+    that had initialised CUDA cannot use the GPU at all: every CUDA call fails with
+    "CUDA error: initialization error". Yet ``torch.optim``'s ``step()`` asks the
+    current CUDA stream whether a graph capture is under way whenever CUDA is
+    available, even for an optimizer over CPU tensors, so without this the LowDiff+
+    replica's first step would fail in the fork of a GPU trainer. Called by
+    :func:`detach_from_trainer_group`, first thing in every checkpointing process.
+    """
+    torch.cuda.is_available = _no_cuda  # type: ignore[assignment]
+
+
 def detach_from_trainer_group() -> None:
     """Leave the trainer's process group.
 
@@ -260,7 +280,9 @@ def detach_from_trainer_group() -> None:
     checkpointing process must outlive its trainer to write what it was handed (and, for
     LowDiff+, to keep the replica for a restarted trainer), so it takes a group of its
     own. It still ends by itself: on its trainer's death it flushes and exits (LowDiff),
-    or waits ``idle_timeout`` for a new trainer (LowDiff+).
+    or waits ``idle_timeout`` for a new trainer (LowDiff+). It also never touches the
+    GPU (:func:`without_gpu`).
     """
+    without_gpu()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
