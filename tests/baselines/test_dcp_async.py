@@ -297,3 +297,31 @@ def test_retention_keeps_newest(tmp_path: Path) -> None:
         "dcp-000000000008",
         "dcp-000000000008.commit",
     ]
+
+
+def test_a_stager_closed_by_async_save_still_serves_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's ``async_save`` closes the stager it is given after every save (later
+    versions close only their own). Such an ``async_save`` is imitated here: every save
+    after the first still stages, and the resume is exact."""
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.async_save
+    closes = []
+
+    def closing_async_save(*args, **kwargs):
+        fut = real(*args, **kwargs)
+        kwargs["async_stager"].close()
+        closes.append(1)
+        return fut
+
+    monkeypatch.setattr(dcp, "async_save", closing_async_save)
+    d = tmp_path / "ckpt"
+    ck, _, _ = harness.run(d, 0, 5, strategy="dcp-async", full_every=1, async_mode="thread")
+    assert len(closes) == 6  # step 0 and every step after it: five saves on a closed stager
+    assert ck.durable_step == 5
+    monkeypatch.setattr(dcp, "async_save", real)
+    ck, objects, resumed = harness.run(d, 5, 5, strategy="dcp-async", full_every=1)
+    assert resumed == 5
+    harness.assert_exact(harness.reference(5), objects)

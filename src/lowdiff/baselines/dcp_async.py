@@ -142,6 +142,28 @@ def _release_writer_lock(path: str) -> None:
             os.close(fd)
 
 
+def kept_stager(options: Any) -> Any:
+    """DCP's ``DefaultStager`` with ``options``, kept for every save of the strategy and
+    closed only by its ``release()``.
+
+    Its staging buffers are cached from one save to the next, and DCP's documentation
+    asks the owner of a stager it is given to close it after the last save. Some torch
+    versions (2.11) close it at the end of every ``async_save`` all the same, and the
+    next save then fails inside the closed stager (``KeyError: <class 'type'>``); so
+    ``close()`` does nothing here.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    class KeptStager(DefaultStager):
+        def close(self) -> None:
+            """Closed by :meth:`release` only (see :func:`kept_stager`)."""
+
+        def release(self) -> None:
+            DefaultStager.close(self)
+
+    return KeptStager(options)
+
+
 class CommittingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` that holds the writer lock and publishes a commit file.
 
@@ -252,9 +274,9 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
         return super().resume()
 
     def _after_resume(self) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import StagingOptions
 
-        self._stager = DefaultStager(
+        self._stager = kept_stager(
             StagingOptions(
                 use_pinned_memory=self.staging["use_pinned_memory"],
                 use_shared_memory=self.staging["use_shared_memory"],
@@ -384,7 +406,7 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
             self._pending = None
         if self._stager is not None:
             with contextlib.suppress(Exception):
-                self._stager.close()
+                self._stager.release()
             self._stager = None
         if self._saver_held:
             self._saver_held = False
