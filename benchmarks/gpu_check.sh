@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks, phase by phase, on a machine with CUDA and PyTorch already installed:
 #
-#     bash benchmarks/gpu_check.sh env tests ref117m      # then, in a second command:
-#     bash benchmarks/gpu_check.sh recovery ref1b
+#     bash benchmarks/gpu_check.sh env tests ref117m      # about 3 minutes on an H200
+#     bash benchmarks/gpu_check.sh ref1b                  # about 3 minutes
+#     bash benchmarks/gpu_check.sh recovery               # more than 3 minutes
 #
 # Phases (each bounded by its own timeout, each independent of the others):
 #   env       the GPU, the CPU, torch, memory and disk
@@ -39,18 +40,18 @@ for phase in "$@"; do
             2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|skipped|Error" | tail -40
         ;;
     ref117m)
-        timeout 170 $PY benchmarks/gpu_reference.py --arms plain,topk,lowdiff,lowdiff+,dcp \
+        timeout 200 $PY benchmarks/gpu_reference.py --arms plain,topk,lowdiff,lowdiff+,dcp \
             --steps 12 --warmup 3 --repeats 3 --replica-threads "$threads" \
             --workdir "$WORK" --json "$OUT/ref117m.json" 2>&1 | tee "$OUT/ref117m.log" | tail -20
         ;;
     ref1b)
-        timeout 180 $PY benchmarks/gpu_reference.py --model gpt2-1b --batch 16 --accum 4 \
+        timeout 240 $PY benchmarks/gpu_reference.py --model gpt2-1b --batch 16 --accum 4 \
             --arms plain,topk,lowdiff,lowdiff+ --steps 5 --warmup 1 --repeats 2 \
             --replica-threads "$threads" --workdir "$WORK" --json "$OUT/ref1b.json" \
             2>&1 | tee "$OUT/ref1b.log" | tail -20
         ;;
     recovery)
-        timeout 170 $PY -m lowdiff bench recovery --quick --workload gpt2-s --device cuda \
+        timeout 330 $PY -m lowdiff bench recovery --quick --workload gpt2-s --device cuda \
             --amp bf16 --methods lowdiff,lowdiff+,torch-save,gemini --repeats 1 \
             --workdir "$WORK" --out "$WORK/recovery" --quiet 2>&1 | tail -30
         cp "$WORK/recovery/report.md" "$OUT/recovery-report.md" 2>/dev/null

@@ -110,6 +110,8 @@ class Arm:
             }
         else:
             kw = {"strategy": "dcp-async", "compressor": None, "full_every": 1}
+        self.parts: dict[str, float] = {}
+        self.timed_steps = 0
         self.dir = workdir / name
         self.ck = lowdiff.Checkpointer(self.model, self.opt, self.dir, **kw)
         self.ck.resume()
@@ -124,15 +126,30 @@ class Arm:
         self.ck.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def block(self, steps: int) -> float:
-        """Seconds per step of ``steps`` steps, until their checkpoints are durable."""
+    def block(self, steps: int, timed: bool = True) -> float:
+        """Seconds per step of ``steps`` steps, until their checkpoints are durable.
+
+        A timed block also adds the Checkpointer's own timers (seconds spent in each part
+        of ``ck.step()``, in the checkpointing process's merges, ...) to :attr:`parts`."""
+        before = dict(self.ck.stats)
         sync(self.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
         self.ck.flush()
         sync(self.device)
-        return (time.perf_counter() - t0) / steps
+        elapsed = time.perf_counter() - t0
+        if timed:
+            self.timed_steps += steps
+            for key, value in self.ck.stats.items():
+                if key.endswith("_s") and isinstance(value, float):
+                    self.parts[key] = self.parts.get(key, 0.0) + value - before.get(key, 0.0)
+        return elapsed / steps
+
+    def parts_ms_per_step(self) -> dict[str, float]:
+        """The timed blocks' :attr:`parts` in milliseconds per step (the non-zero ones)."""
+        n = max(self.timed_steps, 1)
+        return {k: v * 1e3 / n for k, v in sorted(self.parts.items()) if v > 0}
 
     def check_restore(self, args: argparse.Namespace) -> dict[str, Any]:
         """Restore the arm's directory into a fresh copy and compare it with the live state.
@@ -199,7 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         arms = [Arm(n, args, Path(d)) for n in names]
         try:
             for arm in arms:
-                arm.block(args.warmup)
+                arm.block(args.warmup, timed=False)
             times: dict[str, list[float]] = {n: [] for n in names}
             for r in range(args.repeats):
                 order = arms[r % len(arms) :] + arms[: r % len(arms)]
@@ -229,6 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ms_per_step": {n: v * 1e3 for n, v in med.items()},
         "per_repeat_ms": {n: [x * 1e3 for x in v] for n, v in times.items()},
         "restore_check": checks,
+        "parts_ms_per_step": {a.name: a.parts_ms_per_step() for a in arms if a.name != "plain"},
         "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
         "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0,
     }
@@ -302,6 +320,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{text}: {res[key]:+.1%}")
     if "record_bytes_per_step" in res:
         print(f"record: {res['record_bytes_per_step'] / 1e6:.2f} MB per step")
+    for name, parts in res["parts_ms_per_step"].items():
+        if parts:
+            print(
+                f"{name} timers, ms per step: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+            )
     for name, chk in res["restore_check"].items():
         print(
             f"restore of {name} at step {chk['step']} (live {chk['live_step']}): "
