@@ -10,8 +10,10 @@
 #   tests     every CUDA test (pytest -m gpu): the CUDA record and snapshot paths, the
 #             SIGKILL of a CUDA trainer and its resume, for LowDiff and LowDiff+
 #   ref117m   benchmarks/gpu_reference.py on the 117.8M-parameter GPT-2: plain, TopK,
-#             LowDiff, LowDiff+ and DCP async_save every step, interleaved
-#   ref1b     the same on the 1.04B-parameter GPT-2 (no DCP arm: a 12.5 GB save per step)
+#             LowDiff and LowDiff+ interleaved, then plain and DCP async_save every step
+#   ref1b     plain, TopK and LowDiff on the 1.04B-parameter GPT-2 (LowDiff+ there is
+#             held to its CPU replica, 3.3 s a step on an H200 host; DCP would save
+#             12.5 GB a step)
 #   recovery  lowdiff bench recovery (Exp. 5) on gpt2-s: LowDiff, LowDiff+ (S),
 #             torch.save and Gemini (S)
 # Logs and JSON go to $OUT (default /tmp/gpu-check); checkpoints to .gpu-work/.
@@ -40,15 +42,18 @@ for phase in "$@"; do
             2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|skipped|Error" | tail -40
         ;;
     ref117m)
-        timeout 200 $PY benchmarks/gpu_reference.py --arms plain,topk,lowdiff,lowdiff+,dcp \
-            --steps 12 --warmup 3 --repeats 3 --replica-threads "$threads" \
+        timeout 200 $PY benchmarks/gpu_reference.py --arms plain,topk,lowdiff,lowdiff+ \
+            --steps 40 --warmup 5 --repeats 3 --replica-threads "$threads" \
             --workdir "$WORK" --json "$OUT/ref117m.json" 2>&1 | tee "$OUT/ref117m.log" | tail -20
+        # DCP saves the whole state every step (1.4 GB): shorter blocks
+        timeout 200 $PY benchmarks/gpu_reference.py --arms plain,dcp \
+            --steps 12 --warmup 3 --repeats 3 \
+            --workdir "$WORK" --json "$OUT/ref117m-dcp.json" 2>&1 | tee "$OUT/ref117m-dcp.log" | tail -8
         ;;
     ref1b)
         timeout 240 $PY benchmarks/gpu_reference.py --model gpt2-1b --batch 16 --accum 4 \
-            --arms plain,topk,lowdiff,lowdiff+ --steps 5 --warmup 1 --repeats 2 \
-            --replica-threads "$threads" --workdir "$WORK" --json "$OUT/ref1b.json" \
-            2>&1 | tee "$OUT/ref1b.log" | tail -20
+            --arms plain,topk,lowdiff --steps 20 --warmup 2 --repeats 2 \
+            --workdir "$WORK" --json "$OUT/ref1b.json" 2>&1 | tee "$OUT/ref1b.log" | tail -20
         ;;
     recovery)
         timeout 330 $PY -m lowdiff bench recovery --quick --workload gpt2-s --device cuda \
