@@ -227,9 +227,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         flush=True,
                     )
             record = arms[names.index("lowdiff")].ck.stats if "lowdiff" in names else None
-            checks = {
-                a.name: a.check_restore(args) for a in arms if a.name in ("lowdiff", "lowdiff+")
-            }
+            ours = [a for a in arms if a.name in ("lowdiff", "lowdiff+")]
+            pinned = {a.name: a.ck.stats["slots_pinned"] for a in ours}
+            checks = {a.name: a.check_restore(args) for a in ours}
         finally:
             for arm in arms:
                 arm.ck.close()
@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ms_per_step": {n: v * 1e3 for n, v in med.items()},
         "per_repeat_ms": {n: [x * 1e3 for x in v] for n, v in times.items()},
         "restore_check": checks,
+        "slots_pinned": pinned,
         "parts_ms_per_step": {a.name: a.parts_ms_per_step() for a in arms if a.name != "plain"},
         "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
         "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0,
@@ -326,6 +327,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{name} timers, ms per step: "
                 + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
             )
+    for name, flag in res["slots_pinned"].items():
+        print(f"{name}: slots page-locked: {'yes' if flag else 'no'}")
     for name, chk in res["restore_check"].items():
         print(
             f"restore of {name} at step {chk['step']} (live {chk['live_step']}): "

@@ -332,7 +332,10 @@ class Checkpointer:
         LowDiff+: ``replica_merges``, ``replica_merge_s``. With ``remote=``:
         ``remote_durable_step``, ``remote_files``, ``remote_bytes``, ``remote_upload_s``,
         ``remote_errors`` (failed upload attempts, each retried). And ``durable_step``,
-        ``record_row_bytes``, ``full_every``, ``batch_size``. The baselines report
+        ``record_row_bytes``, ``full_every``, ``batch_size``, and ``slots_pinned`` (1.0
+        when the slots a GPU copies records or snapshots into are page-locked: copies run
+        asynchronously; 0.0 on CPU training, or where pinning failed, with a warning
+        saying why). The baselines report
         ``steps``, ``checkpoints``, ``stall_s`` (time ``step()`` was blocked),
         ``bytes_written``, ``write_s`` and their own counters.
         """

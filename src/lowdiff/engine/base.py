@@ -226,6 +226,13 @@ class EngineStrategy(Strategy):
         return self.core.remote_durable_step()
 
     @property
+    def slots_pinned(self) -> bool:
+        """Whether the record (LowDiff) or snapshot (LowDiff+) slots are page-locked, so
+        that a GPU copies into them asynchronously (False on CPU training)."""
+        slots = None if self.session is None else self.session.slots
+        return bool(slots is not None and slots.pinned)
+
+    @property
     def stats(self) -> dict[str, float]:
         """Counters and timings of this session (see :attr:`lowdiff.Checkpointer.stats`)."""
         self._poll()
@@ -236,6 +243,7 @@ class EngineStrategy(Strategy):
             record_row_bytes=0 if core.layout is None else core.layout.row_bytes,
             full_every=core.full_every,
             batch_size=core.batch_size,
+            slots_pinned=float(self.slots_pinned),
         )
         if (
             self.options.remote is not None

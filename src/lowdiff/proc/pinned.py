@@ -18,17 +18,22 @@ def pin(t: torch.Tensor) -> bool:
     :func:`unpin` before its memory is unmapped, or a later mapping at the same address
     cannot be registered.
     """
+    size = t.numel() * t.element_size()
     try:
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    except Exception:
-        return False
-    if int(err) == 0:
-        return True
-    with contextlib.suppress(Exception):
-        cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it
+        err = int(cudart.cudaHostRegister(t.data_ptr(), size, 0))
+    except Exception as e:  # noqa: BLE001 -- no CUDA runtime binding: said, not raised
+        why = f"{type(e).__name__}: {e}"
+    else:
+        if err == 0:
+            return True
+        with contextlib.suppress(Exception):
+            cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it
+        why = f"cudaHostRegister returned error {err}"
     warnings.warn(
-        "lowdiff: could not pin the snapshot buffers; copies will be synchronous",
+        f"lowdiff: could not page-lock {size / 2**20:.1f} MiB of shared host memory "
+        f"({why}); copies from the GPU into it will be synchronous and slower "
+        "(stats['slots_pinned'] is 0)",
         stacklevel=3,
     )
     return False
