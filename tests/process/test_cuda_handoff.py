@@ -39,6 +39,7 @@ def test_cuda_records_replay_exactly(tmp_path):
             ck.step()
             o.zero_grad()
             snaps[i + 1] = {k: v.clone() for k, v in state_tensors(m, o).items()}
+        assert ck.stats["slots_pinned"] == 1.0  # the side stream's copies are asynchronous
     for s in (10, 12):
         m2, o2 = _build()
         assert lowdiff.restore(tmp_path / "ck", m2, o2, step=s) == s
@@ -67,6 +68,7 @@ def test_cuda_lowdiff_plus_replica_matches_trainer(tmp_path):
             ck.step()
             o.zero_grad()
             snaps[i + 1] = {k: v.detach().cpu().clone() for k, v in state_tensors(m, o).items()}
+        assert ck.stats["slots_pinned"] == 1.0
     for s in (4, 8):
         m2, o2 = _build()
         assert lowdiff.restore(tmp_path / "ck", m2, o2, step=s) == s
