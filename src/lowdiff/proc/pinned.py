@@ -32,8 +32,7 @@ def pin(t: torch.Tensor) -> bool:
         why = f"cudaHostRegister returned error {err}"
     warnings.warn(
         f"lowdiff: could not page-lock {size / 2**20:.1f} MiB of shared host memory "
-        f"({why}); copies from the GPU into it will be synchronous and slower "
-        "(stats['slots_pinned'] is 0)",
+        f"({why}); copies from the GPU into it will be synchronous and slower",
         stacklevel=3,
     )
     return False
