@@ -6,7 +6,9 @@
 #     bash benchmarks/gpu_check.sh recovery               # more than 3 minutes
 #
 # Phases (each bounded by its own timeout, each independent of the others):
-#   env       the GPU, the CPU, torch, memory and disk
+#   env       the GPU, the CPU, torch, memory and disk; whether shared memory can be
+#             page-locked here, and device-to-host copy bandwidth into each kind of
+#             host memory (benchmarks/gpu_copy_check.py)
 #   tests     every CUDA test (pytest -m gpu): the CUDA record and snapshot paths, the
 #             SIGKILL of a CUDA trainer and its resume, for LowDiff and LowDiff+
 #   ref117m   benchmarks/gpu_reference.py on the 117.8M-parameter GPT-2: plain, TopK,
@@ -34,6 +36,7 @@ for phase in "$@"; do
         $PY -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
         echo "cpus $(nproc)"; free -g | head -2; df -h "$WORK" | tail -1
         git rev-parse --short HEAD 2>/dev/null
+        timeout 60 $PY benchmarks/gpu_copy_check.py 2>&1 | tee "$OUT/copy.log"
         ;;
     tests)
         timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu --timeout 150 -rA \
