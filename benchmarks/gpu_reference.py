@@ -130,17 +130,21 @@ class Arm:
         """Seconds per step of ``steps`` steps, until their checkpoints are durable.
 
         A timed block also adds the Checkpointer's own timers (seconds spent in each part
-        of ``ck.step()``, in the checkpointing process's merges, ...) to :attr:`parts`."""
+        of ``ck.step()``, in the checkpointing process's merges, ...) to :attr:`parts`,
+        and ``block_flush_s``: the block's closing ``ck.flush()``."""
         before = dict(self.ck.stats)
         sync(self.device)
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
+        t1 = time.perf_counter()
         self.ck.flush()
+        t2 = time.perf_counter()
         sync(self.device)
         elapsed = time.perf_counter() - t0
         if timed:
             self.timed_steps += steps
+            self.parts["block_flush_s"] = self.parts.get("block_flush_s", 0.0) + t2 - t1
             for key, value in self.ck.stats.items():
                 if key.endswith("_s") and isinstance(value, float):
                     self.parts[key] = self.parts.get(key, 0.0) + value - before.get(key, 0.0)
