@@ -46,6 +46,7 @@ import signal
 import socket
 import sys
 import threading
+import warnings
 from multiprocessing import connection, forkserver, resource_tracker, util
 from typing import Any
 
@@ -106,6 +107,25 @@ def ensure_running() -> None:
         _fork_server(fs)
 
 
+def fork_of_a_threaded_process() -> int:
+    """``os.fork()``, without Python's warning that the process has several threads.
+
+    From Python 3.12 every fork of a process with more than one thread warns
+    (``DeprecationWarning``: "use of fork() may lead to deadlocks in the child"); a GPU
+    trainer always has threads (CUDA's, data loaders'). The server is built for that
+    (module docstring: it touches nothing another thread could hold), and a user whose
+    warnings are errors (``-W error``, pytest's ``filterwarnings = error``) would
+    otherwise see training stop at the first checkpoint.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore",
+            message=r"This process \(pid=\d+\) is multi-threaded",
+            category=DeprecationWarning,
+        )
+        return os.fork()
+
+
 def _fork_server(fs: Any) -> None:
     address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
     with socket.socket(socket.AF_UNIX) as listener:
@@ -118,7 +138,7 @@ def _fork_server(fs: Any) -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         try:
-            pid = os.fork()
+            pid = fork_of_a_threaded_process()
         except BaseException:
             os.close(alive_r)
             os.close(alive_w)
