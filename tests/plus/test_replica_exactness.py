@@ -10,6 +10,7 @@ state at that step.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,7 +271,13 @@ def test_persist_auto_max_lag_1_and_flush(tmp_path):
 def test_persist_auto_follows_the_mtbf(tmp_path):
     """``persist_every="auto"`` persists at the Young–Daly interval of the MTBF: failures a
     microsecond apart persist the replica as often as the disk keeps up, failures 30
-    years apart only at the start and the end; every persisted step restores exactly."""
+    years apart only at the start and the end; every persisted step restores exactly.
+
+    The policy never writes more than half of the time, so a persist is due again only
+    twice its own duration after it started: the steps of the 1 µs run last 50 ms each,
+    longer than a persist of this model takes even on a loaded machine, so that the
+    disk keeps up within the run (eight steps of a few milliseconds could all fall
+    inside the first persist's wait)."""
     case = CASES[0]
     persisted = {}
     for mtbf in (1e-6, 1e9):
@@ -289,6 +296,8 @@ def test_persist_auto_follows_the_mtbf(tmp_path):
                 _train_step(case, ck, model, opt, step)
                 snaps[step + 1] = _snap(model, opt, sched)
                 ck.flush() if step == N_STEPS - 1 else None
+                if mtbf < 1:
+                    time.sleep(0.05)
         finally:
             ck.close()
         persisted[mtbf] = _persisted_steps(d)
