@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--mib", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_copy_check.py needs a CUDA device; none is available here")
     n = args.mib * 2**20
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     shared = torch.zeros(n, dtype=torch.uint8).share_memory_()
