@@ -97,9 +97,11 @@ class SnapshotStats:
     compared: int = 0
     """DDP: gradients the version counters could not settle, compared by value at step()."""
     deferred: int = 0
-    """CPU: steps whose gradients were all copied at step() instead of during backward,
+    """Steps whose gradients were all copied at step() instead of during backward,
     because every one of them had changed after its hook the step before (gradient
-    clipping scales them all): copying them during backward too would be wasted."""
+    clipping, or a ``GradScaler``'s unscaling, changes them all): copying them during
+    backward too would be wasted (on CUDA: a second transfer of every gradient to host
+    memory)."""
     copy_s: float = 0.0
     """CPU: time spent in the block copies made during backward (inline: on the thread
     running backward; ``"thread"``: the copy thread's busy time in its tasks)."""
@@ -258,7 +260,7 @@ class GradSnapshotter:
             )
         )
         self.lock = threading.Lock()
-        self.can_defer = not self.cuda and autograd_hooks
+        self.can_defer = autograd_hooks
         self.deferred = False
         """This step's copies wait for finish() (see SnapshotStats.deferred)."""
         self._reset()
