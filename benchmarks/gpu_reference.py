@@ -72,6 +72,13 @@ def build_model(
         return GPT2LMHeadModel(cfg)
 
 
+def build_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, fused on CUDA (the fast mode GPU users pick)."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=1e-4, weight_decay=0.01, fused=device.type == "cuda"
+    )
+
+
 class Arm:
     """One configuration under test: its own model, optimizer and Checkpointer."""
 
@@ -79,10 +86,7 @@ class Arm:
         self.name = name
         self.device = torch.device(args.device)
         self.model = build_model(args.tiny, self.device, model=args.model)
-        fused = self.device.type == "cuda"
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused
-        )
+        self.opt = build_optimizer(self.model, self.device)
         seq = 31 if args.tiny else 255
         self.batch = (2 if args.tiny else args.batch, seq)
         self.accum = args.accum
@@ -164,9 +168,7 @@ class Arm:
         difference."""
         self.ck.flush()
         model = build_model(args.tiny, self.device, seed=1, model=args.model)
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=1e-4, weight_decay=0.01, fused=self.device.type == "cuda"
-        )
+        opt = build_optimizer(model, self.device)
         step = lowdiff.restore(self.dir, model, opt)
         live, got = state_tensors(self.model, self.opt), state_tensors(model, opt)
         unequal = [k for k in live if k not in got or not torch.equal(live[k], got[k])]

@@ -8,6 +8,8 @@ import torch
 import lowdiff
 from lowdiff.state.capture import state_tensors
 
+from .test_sigkill_recovery import cpu_replica_diffs
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.multiprocess,
@@ -76,13 +78,8 @@ def test_cuda_lowdiff_plus_replica_matches_trainer(tmp_path):
         m2, o2 = _build()
         assert lowdiff.restore(tmp_path / "ck", m2, o2, step=s) == s
         got = {k: v.detach().cpu() for k, v in state_tensors(m2, o2).items()}
-        exact = [k for k in snaps[s] if not snaps[s][k].is_floating_point()]
-        assert [k for k in exact if not torch.equal(snaps[s][k], got[k])] == []
-        far = [
-            k
-            for k in snaps[s]
-            if k not in exact and not torch.allclose(snaps[s][k], got[k], rtol=1e-4, atol=1e-6)
-        ]
+        unequal_integers, far = cpu_replica_diffs(snaps[s], got)
+        assert unequal_integers == []
         assert far == []
 
 
