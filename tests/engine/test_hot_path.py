@@ -65,34 +65,88 @@ def _views(layout: st.RngLayout) -> dict[str, torch.Tensor]:
     return {k: torch.zeros(s, dtype=d) for k, d, s in layout.specs()}
 
 
-def test_rng_capture_writes_what_capture_rng_returns():
+_DRAWS = [
+    ("nothing", lambda: None),
+    ("random.random", random.random),
+    ("random.gauss (a Gaussian cached)", lambda: random.gauss(0.0, 1.0)),
+    ("random.gauss (the cache taken)", lambda: random.gauss(0.0, 1.0)),
+    ("random's words turn over", lambda: random.getrandbits(32 * 700)),
+    ("random.seed", lambda: random.seed(7)),
+    ("np.random.rand", np.random.rand),
+    ("np.random.standard_normal (a Gaussian cached)", np.random.standard_normal),
+    ("np.random.standard_normal (the cache taken)", np.random.standard_normal),
+    ("np.random's key turns over", lambda: np.random.randint(0, 9, size=700)),
+    ("np.random.seed", lambda: np.random.seed(8)),
+    (
+        "np.random.set_state with a cached Gaussian",
+        lambda: np.random.set_state(("MT19937", np.arange(624, dtype=np.uint32), 5, 1, 0.25)),
+    ),
+    ("torch.rand", lambda: torch.rand(2)),
+    ("every generator", lambda: (random.random(), np.random.rand(), torch.rand(1))),
+]
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "public-api"])
+def test_rng_capture_writes_what_capture_rng_returns(in_place):
     layout = st.RngLayout()
-    cap = st.RngCapture(layout)
+    cap = st.RngCapture(layout, in_place=in_place)
+    # CPython and NumPy's MT19937: the in-place reads are located (or the test is moot)
+    assert (cap.python is not None, cap.numpy is not None) == (in_place, in_place)
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
-    for draw in range(4):
+    for what, draw in _DRAWS * 2:  # twice: every change seen from every earlier state
+        draw()
+        views = _views(layout)
+        extra = cap.into(views)
+        tensors, ref_extra = st.capture_rng(layout)
+        assert extra == ref_extra, what
+        assert tensors.keys() == views.keys()
+        for k, v in tensors.items():
+            assert v.dtype == views[k].dtype and v.shape == views[k].shape, k
+            assert torch.equal(v.view(torch.uint8), views[k].view(torch.uint8)), (k, what)
+    # the restored state draws what the captured one would, a cached Gaussian included
+    np.random.standard_normal()
+    random.gauss(0.0, 1.0)
+    views = _views(layout)
+    extra = cap.into(views)
+    want = (random.gauss(0.0, 1.0), float(np.random.standard_normal()), torch.rand(1))
+    random.random(), np.random.rand(), torch.rand(3)
+    st.restore_rng(views, extra)
+    assert (random.gauss(0.0, 1.0), float(np.random.standard_normal())) == want[:2]
+    assert torch.equal(torch.rand(1), want[2])
+
+
+def test_locating_the_rng_states_leaves_them_as_they_were():
+    random.gauss(0.0, 1.0)
+    np.random.standard_normal()  # both with a cached Gaussian
+    before = (random.getstate(), np.random.get_state())
+    cap = st.RngCapture(st.RngLayout())
+    assert cap.python is not None and cap.numpy is not None
+    after = (random.getstate(), np.random.get_state())
+    assert after[0] == before[0]
+    assert after[1][0] == before[1][0] and after[1][2:] == before[1][2:]
+    assert np.array_equal(after[1][1], before[1][1])
+
+
+def test_rng_capture_follows_a_replaced_numpy_bit_generator():
+    layout = st.RngLayout()
+    cap = st.RngCapture(layout)
+    assert cap.numpy is not None and cap.numpy.usable()
+    rs = np.random.get_state.__self__
+    old = rs._bit_generator
+    try:
+        np.random.set_bit_generator(np.random.MT19937(5))
+        assert not cap.numpy.usable()  # the located generator no longer the one drawn from
         views = _views(layout)
         extra = cap.into(views)
         tensors, ref_extra = st.capture_rng(layout)
         assert extra == ref_extra
-        assert tensors.keys() == views.keys()
-        for k, v in tensors.items():
-            assert v.dtype == views[k].dtype and v.shape == views[k].shape, k
-            assert torch.equal(v.view(torch.uint8), views[k].view(torch.uint8)), (k, draw)
-        # draw from some generators only: the unchanged ones must still be right
-        if draw % 2 == 0:
-            random.random()
-        torch.rand(2)
-        if draw == 1:
-            np.random.rand()
-    # the restored state draws what the captured one would
-    views = _views(layout)
-    extra = cap.into(views)
-    want = (random.random(), float(np.random.rand()), torch.rand(1))
-    st.restore_rng(views, extra)
-    assert (random.random(), float(np.random.rand())) == want[:2]
-    assert torch.equal(torch.rand(1), want[2])
+        assert torch.equal(
+            tensors["rng.numpy"].view(torch.int32), views["rng.numpy"].view(torch.int32)
+        )
+    finally:
+        np.random.set_bit_generator(old)
 
 
 class _Net(torch.nn.Module):

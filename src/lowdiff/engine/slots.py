@@ -60,6 +60,8 @@ class RecordSlots:
         self.filled = 0
         """Slots handed to the checkpointing process (compared with its SLOTS_DONE)."""
         self._side_stream: Any = None
+        self._sched_text = codec.DumpsMemo()
+        self._rng_text = codec.DumpsMemo()
 
     def __len__(self) -> int:
         return len(self.views)
@@ -163,10 +165,10 @@ class RecordSlots:
         "rng", "sched", "step"}``, keys sorted); the hyperparameters after the update and
         the scheduler's state are taken now (after the scheduler stepped)."""
         core = self.core
-        sched = "null" if core.scheduler is None else codec.dumps(core.scheduler.state_dict())
+        sched = "null" if core.scheduler is None else self._sched_text(core.scheduler.state_dict())
         doc = (
             f'{{"hp":{hp},"hp_after":{core.hp_text(core.optimizer)},"nograd":{dumps(nograd)},'
-            f'"rng":{codec.dumps(rng_extra)},"sched":{sched},"step":{int(t)}}}'
+            f'"rng":{self._rng_text(rng_extra)},"sched":{sched},"step":{int(t)}}}'
         )
         # the extra-state tree (already encoded) goes last, before the closing brace
         return doc if extra is None else f'{doc[:-1]},"extra":{dumps(extra)}}}'

@@ -21,7 +21,9 @@ from __future__ import annotations
 import base64
 import json
 import math
+import operator
 from collections.abc import Callable, Mapping
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 import torch
@@ -178,3 +180,115 @@ def loads(text: str, source: TensorSource | None = None) -> Any:
     except RecursionError:
         raise ValueError("malformed lowdiff metadata (nested too deeply)") from None
     return decode(tree, source)
+
+
+_LEAVES = (float, int, bool, str, type(None))
+_UNSET: Any = object()
+
+
+def _is_leaf(value: Any) -> bool:
+    """A value that cannot change in place: a number, string, None or tuple of these."""
+    t = type(value)
+    if t is tuple:
+        return all(_is_leaf(v) for v in value)
+    return t in _LEAVES
+
+
+def _leaf_text(value: Any, t: type) -> str:
+    """``dumps(value)``, directly for a number, string, bool or None (the text
+    ``json.dumps`` writes for them)."""
+    if t is float:
+        return float.__repr__(value) if math.isfinite(value) else dumps(value)
+    if t is int:
+        return int.__repr__(value)
+    if t is str:
+        return _json_str(value)
+    if t is bool:
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return dumps(value)
+
+
+class DumpsMemo:
+    """:func:`dumps` of a value that changes a little from call to call (a scheduler's
+    ``state_dict()``, an optimizer's hyperparameters: once per training step), encoding
+    again only the parts that changed. ``memo(value) == dumps(value)`` at every call.
+
+    A part is reused by identity: a number, string, ``None`` or tuple of these that is
+    the very same object as at the previous call has the same text (the memo keeps the
+    objects alive, so no other value can take their identity). Dicts with string keys
+    and lists are walked, so a list or dict changed in place is seen; anything else (a
+    tensor, a dict with other keys) is encoded at every call.
+    """
+
+    __slots__ = ("_children", "_keys", "_keytexts", "_kind", "_obj", "_order", "_text", "_vals")
+
+    def __init__(self) -> None:
+        self._kind: type | None = None
+        self._obj: Any = _UNSET
+        self._text = ""
+        self._keys: tuple[str, ...] | None = None
+        self._vals: tuple[Any, ...] | None = None
+        self._order: list[int] = []
+        self._keytexts: list[str] = []
+        self._children: list[DumpsMemo] = []
+
+    def __call__(self, value: Any) -> str:
+        try:
+            return self._encode(value)
+        except TypeError:
+            return dumps(value)  # raises again, naming where in the tree
+
+    def _encode(self, value: Any) -> str:
+        if value is self._obj:
+            return self._text
+        t = type(value)
+        if t is dict:
+            return self._dict(value)
+        if t is list:
+            return self._list(value)
+        self._kind = None
+        text = _leaf_text(value, t)
+        if _is_leaf(value):
+            self._obj, self._text = value, text
+        else:
+            self._obj = _UNSET
+        return text
+
+    def _dict(self, d: dict[Any, Any]) -> str:
+        self._obj = _UNSET  # a container: its parent walks it again at every call
+        keys = tuple(d)
+        vals = tuple(d.values())
+        if self._kind is not dict or keys != self._keys:
+            if not all(type(k) is str for k in keys) or not _TAGS.isdisjoint(keys):
+                self._kind = None
+                return dumps(d)
+            self._kind, self._keys, self._vals = dict, keys, None
+            self._order = sorted(range(len(keys)), key=keys.__getitem__)
+            self._keytexts = [json.dumps(keys[i]) + ":" for i in self._order]
+            self._children = [DumpsMemo() for _ in keys]
+        elif self._vals is not None and all(map(operator.is_, vals, self._vals)):
+            return self._text  # every value the same immutable object as before
+        ch = self._children
+        text = (
+            "{"
+            + ",".join(
+                [
+                    kt + ch[i]._encode(vals[i])
+                    for kt, i in zip(self._keytexts, self._order, strict=True)
+                ]
+            )
+            + "}"
+        )
+        leaves = all(c._obj is not _UNSET for c in ch)
+        self._vals, self._text = (vals, text) if leaves else (None, "")
+        return text
+
+    def _list(self, lst: list[Any]) -> str:
+        self._obj = _UNSET
+        ch = self._children
+        if self._kind is not list or len(ch) != len(lst):
+            self._kind, self._keys = list, None
+            ch = self._children = [DumpsMemo() for _ in lst]
+        return "[" + ",".join([c._encode(x) for c, x in zip(ch, lst, strict=True)]) + "]"

@@ -15,9 +15,6 @@ Python's ``random`` and NumPy's global generator).
 
 from __future__ import annotations
 
-import array
-import operator
-import random
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +24,9 @@ import torch
 
 from lowdiff.errors import CheckpointMismatchError
 from lowdiff.format import codec
+from lowdiff.state.rng import RngCapture as RngCapture  # re-exported: the state API
+from lowdiff.state.rng import RngLayout, capture_rng
+from lowdiff.state.rng import restore_rng as restore_rng
 from lowdiff.state.sharded import local
 
 # --------------------------------------------------------------------------- arguments
@@ -230,53 +230,22 @@ def capture_hparams(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return out
 
 
-_IMMUTABLE = (float, int, bool, str, type(None))
-
-
-def _immutable(v: Any) -> bool:
-    if isinstance(v, tuple):
-        return all(_immutable(x) for x in v)
-    return type(v) in _IMMUTABLE
-
-
 class HparamsText:
     """The JSON text of the per-group hyperparameters (``codec.dumps`` of
-    :func:`capture_hparams`), re-encoding only the groups that changed.
-
-    A group is taken as unchanged when it has the same keys bound to the very same value
-    objects as when it was last encoded and all of them are immutable (numbers, strings,
-    ``None``, tuples of these): the encoder keeps those objects alive, so an identical
-    identity means an identical value. A group holding a tensor or a list (mutable in
-    place) is encoded every time. What a scheduler or a user assigns (``g["lr"] = x``)
-    is a new object, so it is seen at the next call.
+    :func:`capture_hparams`), encoding again only what changed since the previous call
+    (:class:`lowdiff.format.codec.DumpsMemo`): a scheduler's new ``lr`` is encoded, the
+    rest of the group's text is reused. What a scheduler or a user assigns
+    (``g["lr"] = x``) is a new object, so it is seen at the next call; a tensor or a list
+    is looked at every time.
     """
 
     def __init__(self) -> None:
-        self._memo: list[tuple[tuple[Any, ...], tuple[Any, ...], str] | None] = []
+        self._memo = codec.DumpsMemo()
 
     def __call__(self, optimizer: torch.optim.Optimizer) -> str:
-        groups = optimizer.param_groups
-        memo = self._memo
-        if len(memo) != len(groups):
-            memo[:] = [None] * len(groups)
-        parts = []
-        for i, g in enumerate(groups):
-            keys, vals = tuple(g), tuple(g.values())
-            m = memo[i]
-            if (
-                m is not None
-                and m[0] == keys
-                and len(vals) == len(m[1])
-                and all(map(operator.is_, vals, m[1]))
-            ):
-                parts.append(m[2])
-                continue
-            hp = {k: v for k, v in zip(keys, vals, strict=True) if k != "params"}
-            text = codec.dumps(hp)
-            cacheable = all(_immutable(v) for v in hp.values())
-            memo[i] = (keys, vals, text) if cacheable else None
-            parts.append(text)
-        return "[" + ",".join(parts) + "]"
+        return self._memo(
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        )
 
 
 def apply_hparams(optimizer: torch.optim.Optimizer, hparams: list[dict[str, Any]]) -> None:
@@ -290,111 +259,6 @@ def apply_hparams(optimizer: torch.optim.Optimizer, hparams: list[dict[str, Any]
                 g[k].copy_(v)  # keep tensor identity (capturable / compiled optimizers hold it)
             else:
                 g[k] = v
-
-
-# --------------------------------------------------------------------------- RNG
-
-
-class RngLayout:
-    """Which RNG states this process has, and how big each is (fixed for a session)."""
-
-    def __init__(self) -> None:
-        # Only the current device: touching every device would create a CUDA context on
-        # each of them in every rank of a multi-GPU job.
-        self.cuda = bool(torch.cuda.is_available())
-        self.numpy = "numpy" in sys.modules
-
-    def specs(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-            ("rng.torch", torch.uint8, tuple(torch.get_rng_state().shape)),
-            ("rng.python", torch.uint32, (625,)),
-        ]
-        if self.cuda:
-            specs.append(("rng.cuda", torch.uint8, tuple(torch.cuda.get_rng_state().shape)))
-        if self.numpy:
-            specs.append(("rng.numpy", torch.uint32, (624,)))
-        return specs
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"cuda": self.cuda, "numpy": self.numpy}
-
-
-def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """RNG states as fixed-size tensors plus a few small JSON-able values."""
-    tensors: dict[str, torch.Tensor] = {"rng.torch": torch.get_rng_state()}
-    version, internal, gauss = random.getstate()
-    tensors["rng.python"] = torch.tensor(internal, dtype=torch.int64).to(torch.uint32)
-    extra: dict[str, Any] = {"python": [version, gauss]}
-    if layout.cuda:
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    if layout.numpy:
-        import numpy as np
-
-        name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-        tensors["rng.numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32))
-        extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
-    return tensors, extra
-
-
-class RngCapture:
-    """Writes the RNG states of :class:`RngLayout` into a record row each step.
-
-    Python's ``random`` state (625 words) is converted to a tensor only when it changed
-    since the previous step; most training loops never draw from it.
-    """
-
-    def __init__(self, layout: RngLayout) -> None:
-        self.layout = layout
-        self._py_state: tuple[int, ...] | None = None
-        self._py_tensor: torch.Tensor | None = None
-
-    def into(self, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """Copy the states into ``views`` (a row's ``rng.*`` tensors); the JSON-able rest."""
-        views["rng.torch"].copy_(torch.get_rng_state())
-        version, internal, gauss = random.getstate()
-        if internal != self._py_state or self._py_tensor is None:
-            words = array.array("I", internal) if array.array("I").itemsize == 4 else None
-            if words is not None:
-                self._py_tensor = torch.frombuffer(words, dtype=torch.int32).clone()
-            else:
-                self._py_tensor = torch.tensor(internal, dtype=torch.int64).to(torch.int32)
-            self._py_state = internal
-        views["rng.python"].view(torch.int32).copy_(self._py_tensor)
-        extra: dict[str, Any] = {"python": [version, gauss]}
-        if self.layout.cuda:
-            views["rng.cuda"].copy_(torch.cuda.get_rng_state())
-        if self.layout.numpy:
-            import numpy as np
-
-            name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
-            views["rng.numpy"].view(torch.int32).copy_(
-                torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.int32))
-            )
-            extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
-        return extra
-
-
-def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
-    torch.set_rng_state(tensors["rng.torch"].clone())
-    version, gauss = extra["python"]
-    random.setstate(
-        (int(version), tuple(int(x) for x in tensors["rng.python"].to(torch.int64).tolist()), gauss)
-    )
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"].cpu().clone())
-    if "rng.numpy" in tensors and "numpy" in extra:
-        import numpy as np
-
-        name, pos, has_gauss, cached = extra["numpy"]
-        np.random.set_state(
-            (
-                name,
-                tensors["rng.numpy"].to(torch.int64).numpy().astype(np.uint32),
-                pos,
-                has_gauss,
-                cached,
-            )
-        )
 
 
 # --------------------------------------------------------------------------- full state
