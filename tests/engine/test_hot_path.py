@@ -13,6 +13,7 @@ import torch
 import lowdiff
 from lowdiff.format import codec
 from lowdiff.state import capture as st
+from lowdiff.state import rng
 from lowdiff.strategy import PIPELINE_STAGES, trainer_overhead_s
 
 
@@ -117,7 +118,8 @@ def test_rng_capture_writes_what_capture_rng_returns(in_place):
     assert torch.equal(torch.rand(1), want[2])
 
 
-def test_locating_the_rng_states_leaves_them_as_they_were():
+def test_locating_the_rng_states_leaves_them_as_they_were(monkeypatch):
+    monkeypatch.setattr(rng, "_LOCATED", {})  # located afresh, not taken from an earlier test
     random.gauss(0.0, 1.0)
     np.random.standard_normal()  # both with a cached Gaussian
     before = (random.getstate(), np.random.get_state())
@@ -127,6 +129,24 @@ def test_locating_the_rng_states_leaves_them_as_they_were():
     assert after[0] == before[0]
     assert after[1][0] == before[1][0] and after[1][2:] == before[1][2:]
     assert np.array_equal(after[1][1], before[1][1])
+
+
+def test_rng_states_that_cannot_be_located_are_read_through_the_public_api(monkeypatch):
+    def nowhere(obj, words, what):
+        raise LookupError(f"the state words of {what} were not found in place")
+
+    monkeypatch.setattr(rng, "_LOCATED", {})
+    monkeypatch.setattr(rng, "_located", nowhere)
+    layout = st.RngLayout()
+    cap = st.RngCapture(layout)
+    assert cap.python is None and cap.numpy is None
+    random.gauss(0.0, 1.0)
+    np.random.standard_normal()
+    views = _views(layout)
+    tensors, want = st.capture_rng(layout)
+    assert cap.into(views) == want
+    for k, v in tensors.items():
+        assert torch.equal(v.view(torch.uint8), views[k].view(torch.uint8)), k
 
 
 def test_rng_capture_follows_a_replaced_numpy_bit_generator():

@@ -251,3 +251,18 @@ def test_a_request_with_a_deadline_does_not_wait_longer_for_a_start(monkeypatch)
     finally:
         hold.set()
         link.close_pipes()
+
+
+def test_lowdiff_plus_counts_every_merge_in_its_stats(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 5)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ck = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy="lowdiff+", full_every=100)
+    ck.resume()
+    _train(model, opt, ck, 6)
+    ck.flush()  # every step merged into the replica before it is made durable
+    st = ck.stats
+    assert st["replica_merges"] == 6 and st["replica_merge_s"] > 0
+    _train(model, opt, ck, 3)
+    ck.close()
+    assert ck.stats["replica_merges"] == 9

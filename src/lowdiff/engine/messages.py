@@ -102,12 +102,11 @@ class RemoteError(Message):
 
 @dataclass(frozen=True)
 class Merged(Message):
-    """LowDiff+: the replica is at ``step``; ``seconds`` of CPU time the merge took
-    (None for the initial state)."""
+    """LowDiff+: the replica holds the initial state, at ``step`` (the merges of the
+    steps after it are counted in the shared counters, ``REPLICA_MERGES``)."""
 
     kind: ClassVar[Kind] = Kind.MERGED
     step: int
-    seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,14 @@ from lowdiff.plan import young_daly_s
 from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
-from lowdiff.proc.channel import BEAT, SLOTS_DONE, STAGING_DONE, Counters
+from lowdiff.proc.channel import (
+    BEAT,
+    REPLICA_MERGE_NS,
+    REPLICA_MERGES,
+    SLOTS_DONE,
+    STAGING_DONE,
+    Counters,
+)
 from lowdiff.proc.child_end import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import (
     Close,
@@ -166,11 +173,12 @@ class ReplicaProcess:
         assert rep is not None and persister is not None
         match msg:
             case Step(slot=slot, step=step, meta=meta):
-                t0 = time.perf_counter()
+                t0 = time.perf_counter_ns()
                 rep.merge(self.slots[slot], step, codec.loads(meta))
+                self.ctr.add(REPLICA_MERGE_NS, time.perf_counter_ns() - t0)
+                self.ctr.add(REPLICA_MERGES)
                 self.ctr.add(SLOTS_DONE)
                 self.ctr.add(BEAT)
-                self.end.send(Merged(rep.step, time.perf_counter() - t0))
                 self.maybe_persist()
             case Stage(buffer=buffer):
                 self.staging = buffer

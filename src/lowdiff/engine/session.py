@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lowdiff.engine.core import EngineCore
-from lowdiff.engine.messages import Durable, FullDone, Merged, RemoteError
+from lowdiff.engine.messages import Durable, FullDone, RemoteError
 from lowdiff.engine.slots import RecordSlots
 from lowdiff.errors import RemoteStorageError
 from lowdiff.proc import adopt, channel
@@ -152,6 +152,7 @@ class ProcessSession:
         self.segments: tuple[Any, ...] = ()
         """The named shared memory of a process this trainer took over (slots, counters)."""
         self._records_seen = (0, 0, 0, 0)
+        self._merges_seen = (0, 0)
 
     # ------------------------------------------------------------------ start
     def launch(self, target: Callable[..., None], cfg: Any, n_slots: int) -> None:
@@ -166,6 +167,7 @@ class ProcessSession:
         ctr = channel.new_counters()
         self.counters = channel.view(ctr)
         self._records_seen = (0, 0, 0, 0)
+        self._merges_seen = (0, 0)
         self.link.start(
             target,
             (cfg, self.slots.tensor, ctr),
@@ -203,6 +205,7 @@ class ProcessSession:
         self.segments = answer.segments
         self.counters = channel.view(ctr)
         self._records_seen = (0, 0, 0, 0)
+        self._merges_seen = (0, 0)
         self.link.attach(answer.reply.pid, answer.conn, info, counters=ctr)
         return ""
 
@@ -237,10 +240,6 @@ class ProcessSession:
                 core.durable = max(core.durable, int(step))
             case RemoteError(text=text):
                 core.remote_error = text
-            case Merged(seconds=seconds):
-                if seconds is not None:  # a step merged into the replica, and its CPU time
-                    stats["replica_merges"] += 1
-                    stats["replica_merge_s"] += seconds
             case FullDone(nbytes=nbytes, seconds=seconds):
                 stats["fulls_written"] += 1
                 stats["full_bytes"] += nbytes
@@ -258,6 +257,12 @@ class ProcessSession:
         remote = int(c[channel.REMOTE_DURABLE]) - 1
         if remote > core.remote_durable:
             core.remote_durable = remote
+        merges = int(c[channel.REPLICA_MERGES])
+        if merges != self._merges_seen[0]:  # LowDiff+: steps merged, and their time
+            ns = int(c[channel.REPLICA_MERGE_NS])
+            core.stats["replica_merges"] += merges - self._merges_seen[0]
+            core.stats["replica_merge_s"] += (ns - self._merges_seen[1]) / 1e9
+            self._merges_seen = (merges, ns)
         files = int(c[channel.RECORD_FILES])
         seen = self._records_seen
         if files == seen[0]:

@@ -28,6 +28,8 @@ Counters (indices into the shared tensor):
   :data:`REMOTE_FILES`, :data:`REMOTE_BYTES`, :data:`REMOTE_NS` (files committed, their
   bytes, nanoseconds spent uploading) and :data:`REMOTE_ERRORS` (failed attempts). Only
   the process's upload thread writes them.
+- LowDiff+: :data:`REPLICA_MERGES` and :data:`REPLICA_MERGE_NS`, the steps merged into
+  the replica and the nanoseconds the merges took (``ck.stats``; no message per step).
 
 Every wait of the trainer (:func:`wait_until`) also watches the process's liveness through
 its sentinel and the results pipe: a dead process is an error at once, a live one is
@@ -55,7 +57,8 @@ REMOTE_DURABLE, REMOTE_BEAT, REMOTE_FILES, REMOTE_BYTES, REMOTE_NS, REMOTE_ERROR
     12,
     13,
 )
-N_COUNTERS = 14
+REPLICA_MERGES, REPLICA_MERGE_NS = 14, 15
+N_COUNTERS = 16
 
 
 def new_counters() -> torch.Tensor:

@@ -110,8 +110,20 @@ def _words_at(address: int, n: int) -> tuple[Any, torch.Tensor]:
 
 def _find(raw: bytes, needle: bytes, align: int) -> int:
     """The one offset of ``needle`` in ``raw`` aligned to ``align``, or -1 (none or several)."""
-    found = [i for i in range(0, len(raw) - len(needle) + 1, align) if raw.startswith(needle, i)]
+    found, at = [], raw.find(needle)
+    while at >= 0:
+        if at % align == 0:
+            found.append(at)
+        at = raw.find(needle, at + 1)
     return found[0] if len(found) == 1 else -1
+
+
+def _located(obj: Any, words: bytes, what: str) -> int:
+    """The address of ``words`` (a generator's state, 4-byte aligned) inside ``obj``."""
+    at = _find(ctypes.string_at(id(obj), type(obj).__basicsize__), words, 4)
+    if at < 4:
+        raise LookupError(f"the state words of {what} were not found in place")
+    return id(obj) + at
 
 
 class _PythonWords:
@@ -129,13 +141,10 @@ class _PythonWords:
         saved = rng.getstate()
         self.version = saved[0]
         try:
-            raw = ctypes.string_at(id(rng), type(rng).__basicsize__)
             words = struct.pack(f"={_MT_WORDS}I", *saved[1][:_MT_WORDS])
-            at = _find(raw, words, 4)
-            if at < 4:
-                raise LookupError("the state words of random were not found in place")
-            self._index_buf, self.index = _words_at(id(rng) + at - 4, 1)
-            self._words_buf, self.words = _words_at(id(rng) + at, _MT_WORDS)
+            address = _located(rng, words, "random")
+            self._index_buf, self.index = _words_at(address - 4, 1)
+            self._words_buf, self.words = _words_at(address, _MT_WORDS)
             self._check(rng.random)  # the position moves
             self._check(lambda: rng.getrandbits(32 * (_MT_WORDS + 1)))  # the words turn over
             self._check(rng.gauss)  # a cached Gaussian
@@ -153,6 +162,10 @@ class _PythonWords:
             raise LookupError("random's state read in place differs from random.getstate()")
         if gauss != self.rng.getstate()[2]:
             raise LookupError("random's cached Gaussian differs from random.getstate()")
+
+    def current(self) -> bool:
+        """Whether ``random``'s module functions still draw from the generator located."""
+        return random.getstate.__self__ is self.rng
 
     def into(self, dst: torch.Tensor) -> Any:
         """Write ``getstate()[1]`` into ``dst`` (625 int32); returns ``getstate()[2]``."""
@@ -184,7 +197,10 @@ class _NumpyWords:
         saved = rs.get_state()
         name, keys = saved[0], saved[1]
         try:
-            address = int(self.bitgen.ctypes.state_address)
+            # the key sits in the bit generator's own memory (its C struct, key then position)
+            address = _located(
+                self.bitgen, np.asarray(keys, dtype=np.uint32).tobytes(), "np.random"
+            )
             self._key_buf, self.key = _words_at(address, _MT_WORDS)
             self._pos = ctypes.c_int.from_address(address + 4 * _MT_WORDS)
             size = type(rs).__basicsize__
@@ -227,17 +243,33 @@ class _NumpyWords:
         ``set_bit_generator`` can replace it)."""
         return self.rs._bit_generator is self.bitgen
 
+    def current(self) -> bool:
+        import numpy as np
+
+        return np.random.get_state.__self__ is self.rs and self.usable()
+
     def into(self, dst: torch.Tensor) -> list[Any]:
         """Write the key into ``dst`` (624 int32); returns ``[name, pos, has_gauss, gauss]``."""
         dst.copy_(self.key)
         return ["MT19937", self._pos.value, self._has_gauss.value, self._gauss.value]
 
 
-def _in_place(kind: type[Any]) -> Any:
+_LOCATED: dict[type[Any], Any] = {}
+"""Per kind, what was located in this process (None: it could not be): located once, as
+long as it still reads the generator the module functions draw from."""
+
+
+def _in_place(kind: type[_PythonWords] | type[_NumpyWords]) -> Any:
     """``kind()``, or None where its state cannot be read in place."""
+    if kind in _LOCATED:
+        found = _LOCATED[kind]
+        if found is None or found.current():
+            return found
+    found = None
     with contextlib.suppress(Exception):
-        return kind()
-    return None
+        found = kind()
+    _LOCATED[kind] = found
+    return found
 
 
 class RngCapture:
