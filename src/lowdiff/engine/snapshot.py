@@ -350,6 +350,11 @@ class GradSnapshotter:
             return
         if grad.is_sparse:
             raise ValueError(sparse_gradient_error(self.params[k][0].name))
+        if self.deferred:
+            # finish() copies every gradient (and takes the slot); what it needs of the
+            # hook is the gradient and its version, to see whether it still changes
+            self.seen[k] = (grad, grad._version)
+            return
         slot = self._take_slot()
         first_time = self.seen[k] is None
         self.seen[k] = (grad, grad._version)
@@ -361,8 +366,6 @@ class GradSnapshotter:
                 return
         elif b.ready < len(b.members):
             return  # accumulation over micro-batches: the block is copied once complete
-        if self.deferred:
-            return  # finish() copies every gradient
         self._copy_block(bi, b, slot)
 
     def _grad(self, k: int) -> torch.Tensor | None:

@@ -80,6 +80,8 @@ def is_dtensor(t: Any) -> bool:
     Looked up in ``sys.modules``, never imported: no DTensor exists before its package is
     imported, and the check runs for every gradient at every step.
     """
+    if type(t) is torch.Tensor:
+        return False  # a plain tensor (every gradient outside fully_shard)
     for where in _DTENSOR_MODULES:
         cls = getattr(sys.modules.get(where), "DTensor", None)
         if cls is not None:
