@@ -101,6 +101,11 @@ def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -
 # --------------------------------------------------------------------------- in place
 
 
+def _bound_to(method: Any) -> Any:
+    """The generator a module-level function (``random.getstate``) draws from."""
+    return method.__self__
+
+
 def _words_at(address: int, n: int) -> tuple[Any, torch.Tensor]:
     """``n`` int32 words at ``address`` as a tensor over that memory (and the ctypes
     array it is made from; whoever keeps the tensor keeps the memory's owner alive)."""
@@ -136,7 +141,7 @@ class _PythonWords:
     """
 
     def __init__(self) -> None:
-        rng = random.getstate.__self__  # the instance the module functions draw from
+        rng = _bound_to(random.getstate)  # the instance the module functions draw from
         self.rng = rng
         saved = rng.getstate()
         self.version = saved[0]
@@ -163,7 +168,7 @@ class _PythonWords:
 
     def current(self) -> bool:
         """Whether ``random``'s module functions still draw from the generator located."""
-        return random.getstate.__self__ is self.rng
+        return _bound_to(random.getstate) is self.rng
 
     def into(self, dst: torch.Tensor) -> Any:
         """Write ``getstate()[1]`` into ``dst`` (625 int32); returns ``getstate()[2]``."""
@@ -187,7 +192,7 @@ class _NumpyWords:
     def __init__(self) -> None:
         import numpy as np
 
-        rs = np.random.get_state.__self__
+        rs = _bound_to(np.random.get_state)
         self.rs = rs
         self.bitgen = rs._bit_generator
         if type(self.bitgen).__name__ != "MT19937":
@@ -241,7 +246,7 @@ class _NumpyWords:
     def current(self) -> bool:
         import numpy as np
 
-        return np.random.get_state.__self__ is self.rs and self.usable()
+        return _bound_to(np.random.get_state) is self.rs and self.usable()
 
     def into(self, dst: torch.Tensor) -> list[Any]:
         """Write the key into ``dst`` (624 int32); returns ``[name, pos, has_gauss, gauss]``."""
