@@ -20,6 +20,7 @@ from lowdiff.compressors import (
     index_dtype_for,
 )
 from lowdiff.compressors.base import derive_seed
+from lowdiff.compressors.merged import MergedSparse
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 7, 65536, 65537, 100000]
@@ -151,6 +152,46 @@ def test_decompress_into_equals_decompress_bit_for_bit(name: str, dtype: torch.d
     junk = torch.full((numel,), 7.0, dtype=dtype)  # whatever was there before is replaced
     c.decompress_into(payload, junk)
     assert torch.equal(junk, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", [*FACTORIES, "merged"])
+def test_decompress_many_equals_decompress_of_each_bit_for_bit(
+    name: str, dtype: torch.dtype
+) -> None:
+    # sizes across both index dtypes (uint16 up to 65,536 elements, int32 beyond), a
+    # one-element gradient, and payloads that are views into one row, as in a record
+    numels = [1, 70001, 300, 65536, 65537, 9]
+    c = MergedSparse(TopK(0.01), world_size=2) if name == "merged" else FACTORIES[name]()
+    grads = [_randn(n, dtype, seed=i) for i, n in enumerate(numels)]
+    if name == "merged":  # what it carries: the sum of the ranks' sparse gradients
+        top = TopK(0.01, error_feedback=False)
+        grads = [top.decompress(top.compress(g, key=0, step=0), g.numel(), dtype) for g in grads]
+    payloads = [c.compress(g, key=i, step=4) for i, g in enumerate(grads)]
+    row = torch.zeros(
+        sum(t.numel() * 8 + 8 for p in payloads for t in p.values()), dtype=torch.uint8
+    )
+    views, off = [], 0
+    for p in payloads:
+        v = {}
+        for k, t in p.items():
+            nbytes = t.numel() * t.element_size()
+            v[k] = row[off : off + nbytes].view(t.dtype)
+            v[k].copy_(t.reshape(-1))
+            off += -(-nbytes // 8) * 8  # aligned, as a record layout keeps them
+        views.append(v)
+    got = c.decompress_many(views, numels, dtype)
+    want = torch.cat([c.decompress(p, n, dtype) for p, n in zip(payloads, numels, strict=True)])
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+    assert c.decompress_many([], [], dtype).numel() == 0
+
+
+def test_decompress_many_refuses_a_payload_that_does_not_fit() -> None:
+    c = TopK(0.01)
+    good = c.compress(_randn(1000), key=0, step=0)
+    with pytest.raises(ValueError, match="TopK"):
+        c.decompress_many([good, good], [1000, 5000], torch.float32)
 
 
 @pytest.mark.parametrize("name", ["topk", "approx", "randomk"])

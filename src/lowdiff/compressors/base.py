@@ -27,7 +27,7 @@ object.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -160,6 +160,25 @@ class Compressor(ABC):
         """Write the dense gradient into ``out`` (1-D, contiguous), bit for bit what
         :meth:`decompress` returns; compressors override it to skip the dense temporary."""
         out.copy_(self.decompress(payload, out.numel(), out.dtype))
+
+    def decompress_many(
+        self,
+        payloads: Sequence[Mapping[str, torch.Tensor]],
+        numels: Sequence[int],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The dense gradients of several payloads of one ``dtype`` end to end in one 1-D
+        tensor (gradient ``i`` from ``sum(numels[:i])``), bit for bit what
+        :meth:`decompress` returns for each. Recovery decodes a record this way;
+        compressors override it to do so in a few operations instead of a few per
+        gradient."""
+        device = next((t.device for p in payloads for t in p.values()), torch.device("cpu"))
+        out = torch.empty(sum(numels), dtype=dtype, device=device)
+        off = 0
+        for payload, n in zip(payloads, numels, strict=True):
+            self.decompress_into(payload, out[off : off + n])
+            off += n
+        return out
 
     def reset_state(self) -> None:  # noqa: B027 - optional hook; stateless compressors keep it
         """Drop all error-feedback residuals (called at recovery)."""

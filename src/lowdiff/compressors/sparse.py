@@ -13,10 +13,11 @@ step allocates nothing dense beyond what the selection itself needs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -154,6 +155,38 @@ class _Sparsifier(Compressor):
         check_payload(type(self).__name__, payload, self.fields(out.numel(), out.dtype))
         out.zero_()
         out.index_put_((payload["indices"].long(),), payload["values"])
+
+    def decompress_many(
+        self,
+        payloads: Sequence[Mapping[str, torch.Tensor]],
+        numels: Sequence[int],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """All the gradients in one scatter: every payload's indices moved by its
+        gradient's offset, one ``index_put_`` into one zeroed tensor (the indices are
+        unique, so the result is what a scatter per gradient gives)."""
+        if not payloads:
+            return torch.zeros(0, dtype=dtype)
+        for payload, n in zip(payloads, numels, strict=True):
+            k, v, i = self.k_for(n), payload.get("values"), payload.get("indices")
+            if (
+                v is None
+                or i is None
+                or v.dtype != dtype
+                or i.dtype != index_dtype_for(n)
+                or v.shape != (k,)
+                or i.shape != (k,)
+            ):
+                # the full check names what is wrong
+                check_payload(type(self).__name__, payload, self.fields(n, dtype))
+        values = torch.cat([p["values"] for p in payloads])
+        indices = torch.cat([p["indices"].long() for p in payloads])
+        offsets = torch.tensor(list(itertools.accumulate(numels[:-1], initial=0)))
+        ks = torch.tensor([p["indices"].numel() for p in payloads])
+        indices += torch.repeat_interleave(offsets, ks).to(indices.device)
+        out = torch.zeros(sum(numels), dtype=dtype, device=values.device)
+        out.index_put_((indices,), values)
+        return out
 
     def reset_state(self) -> None:
         self._residuals.clear()

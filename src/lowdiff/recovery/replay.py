@@ -264,17 +264,29 @@ def decompress_grads(
     nograd: set[int],
     devices: dict[int, torch.device],
 ) -> dict[int, torch.Tensor | None]:
-    """The dense gradients of one record, by parameter index, on their parameters' devices."""
+    """The dense gradients of one record, by parameter index, on their parameters' devices:
+    those of one dtype decoded together (:meth:`Compressor.decompress_many`) and moved to
+    their device in one copy when they share it."""
     out: dict[int, torch.Tensor | None] = {}
+    by_dtype: dict[torch.dtype, list[int]] = {}
     for k, p in enumerate(rl.params):
         if p.index in nograd:
             out[p.index] = None
-            continue
-        numel = 1
-        for s in p.shape:
-            numel *= s
-        g = comp.decompress(rl.payload(views, k), numel, p.dtype).view(p.shape)
-        out[p.index] = g.to(devices[p.index], non_blocking=True)
+        else:
+            by_dtype.setdefault(p.dtype, []).append(k)
+    for dtype, ks in by_dtype.items():
+        params = [rl.params[k] for k in ks]
+        numels = [math.prod(p.shape) for p in params]
+        flat = comp.decompress_many([rl.payload(views, k) for k in ks], numels, dtype)
+        targets = {devices[p.index] for p in params}
+        one = targets.pop() if len(targets) == 1 else None
+        if one is not None:
+            flat = flat.to(one, non_blocking=True)
+        off = 0
+        for p, n in zip(params, numels, strict=True):
+            g = flat[off : off + n].view(p.shape)
+            out[p.index] = g if one is not None else g.to(devices[p.index], non_blocking=True)
+            off += n
     return out
 
 
