@@ -4,6 +4,7 @@ every change; the pipeline's stage timings add up."""
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any
 
 import numpy as np
@@ -352,3 +353,20 @@ def test_payload_runs_write_what_a_copy_per_field_writes(compressor):
     bad[params[0][0].index][name] = torch.cat([bad[params[0][0].index][name]] * 2)
     with pytest.raises(RuntimeError):
         by_runs(0, bad)
+
+
+def test_numpy_state_is_read_under_its_generators_lock():
+    layout = st.RngLayout()
+    cap = st.RngCapture(layout)
+    assert cap.numpy is not None
+    lock = rng._bound_to(np.random.get_state)._bit_generator.lock
+    views = _views(layout)
+    done = threading.Event()
+    reader = threading.Thread(target=lambda: (cap.into(views), done.set()))
+    with lock:  # as a NumPy draw on another thread holds it, without the GIL
+        reader.start()
+        assert not done.wait(0.2)  # the capture waits for the draw to end
+    assert done.wait(10)
+    reader.join()
+    tensors, want = st.capture_rng(layout)
+    assert cap.into(views) == want

@@ -6,14 +6,15 @@ baseline). :class:`RngCapture` writes them into a record row at every step, wher
 ``random.getstate()`` and ``np.random.get_state()`` are the costliest part of a record's
 bookkeeping (they build a 625-element tuple and a 624-word array each time: about 30 and
 75 µs inside a training step on a small CPU machine). Both Mersenne Twisters keep their
-state words in place inside the object that owns them, so on CPython the capture reads
-them through tensors over that memory instead (:class:`_PythonWords`,
-:class:`_NumpyWords`): one copy each, a few µs. Where those tensors are found is not
-assumed: each is located by matching what the public API returns, and checked against
+state words in place inside the object that owns them, so on CPython the capture copies
+that memory instead (:class:`_PythonWords`, :class:`_NumpyWords`): one copy each, a few
+µs. Where those words are is not assumed: each is located by matching what the public API returns, and checked against
 it through draws that change every part of the state (the words, the position, the
 cached Gaussian) before it is used; if anything differs (another interpreter, another
 NumPy) the capture keeps the public API. Either way the row holds exactly what the
-public API would return (``tests/engine/test_hot_path.py`` compares the two).
+public API would return (``tests/engine/test_hot_path.py`` compares the two). Each read
+is one copy that keeps the GIL (NumPy's under its generator's lock, which its draws hold
+without the GIL), so a draw on another thread falls before or after it, never inside.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 _MT_WORDS = 624
@@ -66,8 +68,6 @@ def capture_rng(layout: RngLayout) -> tuple[dict[str, torch.Tensor], dict[str, A
     if layout.cuda:
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     if layout.numpy:
-        import numpy as np
-
         name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
         tensors["rng.numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.uint32))
         extra["numpy"] = [name, int(pos), int(has_gauss), float(cached)]
@@ -84,8 +84,6 @@ def restore_rng(tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -
     if "rng.cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng.cuda"].cpu().clone())
     if "rng.numpy" in tensors and "numpy" in extra:
-        import numpy as np
-
         name, pos, has_gauss, cached = extra["numpy"]
         np.random.set_state(
             (
@@ -106,11 +104,11 @@ def _bound_to(method: Any) -> Any:
     return method.__self__
 
 
-def _words_at(address: int, n: int) -> tuple[Any, torch.Tensor]:
-    """``n`` int32 words at ``address`` as a tensor over that memory (and the ctypes
-    array it is made from; whoever keeps the tensor keeps the memory's owner alive)."""
-    buf = (ctypes.c_int32 * n).from_address(address)
-    return buf, torch.frombuffer(buf, dtype=torch.int32)
+def _snapshot(address: int, n: int) -> np.ndarray:
+    """A copy of the ``n`` int32 words at ``address`` (a read-only array), taken in one
+    call that keeps the GIL (``ctypes.string_at``), so that no draw of another Python
+    thread falls inside it (a tensor copy would let one in)."""
+    return np.frombuffer(ctypes.string_at(address, 4 * n), dtype=np.int32)
 
 
 def _find(raw: bytes, needle: bytes, align: int) -> int:
@@ -148,8 +146,7 @@ class _PythonWords:
         try:
             words = struct.pack(f"={_MT_WORDS}I", *saved[1][:_MT_WORDS])
             address = _located(rng, words, "random")
-            self._index_buf, self.index = _words_at(address - 4, 1)
-            self._words_buf, self.words = _words_at(address, _MT_WORDS)
+            self._address = address - 4  # the position, then the words
             # the words turn over and the position moves; a Gaussian is cached (read from
             # the attribute getstate() itself reads)
             self._check(lambda: (rng.getrandbits(32 * (_MT_WORDS + 1)), rng.gauss()))
@@ -172,8 +169,9 @@ class _PythonWords:
 
     def into(self, dst: torch.Tensor) -> Any:
         """Write ``getstate()[1]`` into ``dst`` (625 int32); returns ``getstate()[2]``."""
-        dst[:_MT_WORDS].copy_(self.words)
-        dst[_MT_WORDS:].copy_(self.index)
+        now, out = _snapshot(self._address, _MT_WORDS + 1), dst.numpy()
+        out[:_MT_WORDS] = now[1:]
+        out[_MT_WORDS] = now[0]
         return self.rng.gauss_next
 
 
@@ -190,8 +188,6 @@ class _NumpyWords:
     """Cached Gaussians set while locating the cache: values no draw leaves there."""
 
     def __init__(self) -> None:
-        import numpy as np
-
         rs = _bound_to(np.random.get_state)
         self.rs = rs
         self.bitgen = rs._bit_generator
@@ -204,8 +200,7 @@ class _NumpyWords:
             address = _located(
                 self.bitgen, np.asarray(keys, dtype=np.uint32).tobytes(), "np.random"
             )
-            self._key_buf, self.key = _words_at(address, _MT_WORDS)
-            self._pos = ctypes.c_int.from_address(address + 4 * _MT_WORDS)
+            self._address = address  # the key, then the position
             size = type(rs).__basicsize__
             at = []
             for probe in self._PROBES:
@@ -225,8 +220,6 @@ class _NumpyWords:
         self._check(lambda: None)
 
     def _check(self, draw: Any) -> None:
-        import numpy as np
-
         draw()
         v = torch.empty(_MT_WORDS, dtype=torch.int32)
         extra = self.into(v)
@@ -244,14 +237,15 @@ class _NumpyWords:
         return self.rs._bit_generator is self.bitgen
 
     def current(self) -> bool:
-        import numpy as np
-
         return _bound_to(np.random.get_state) is self.rs and self.usable()
 
     def into(self, dst: torch.Tensor) -> list[Any]:
         """Write the key into ``dst`` (624 int32); returns ``[name, pos, has_gauss, gauss]``."""
-        dst.copy_(self.key)
-        return ["MT19937", self._pos.value, self._has_gauss.value, self._gauss.value]
+        with self.bitgen.lock:  # NumPy draws hold it, without the GIL, while they change the state
+            now = _snapshot(self._address, _MT_WORDS + 1)
+            cached = [self._has_gauss.value, self._gauss.value]
+        dst.numpy()[:] = now[:_MT_WORDS]
+        return ["MT19937", int(now[_MT_WORDS]), *cached]
 
 
 _LOCATED: dict[type[Any], Any] = {}
@@ -324,8 +318,6 @@ class RngCapture:
 
     @staticmethod
     def _numpy_slow(dst: torch.Tensor) -> list[Any]:
-        import numpy as np
-
         name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
         dst.copy_(torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.int32)))
         return [name, int(pos), int(has_gauss), float(cached)]
