@@ -67,24 +67,58 @@ def _views(layout: st.RngLayout) -> dict[str, torch.Tensor]:
     return {k: torch.zeros(s, dtype=d) for k, d, s in layout.specs()}
 
 
+def _rngs() -> tuple[Any, Any]:
+    return random.getstate(), np.random.get_state()
+
+
+def _py_cache(before, after):
+    return before[0][2] is None and after[0][2] is not None
+
+
+def _py_taken(before, after):
+    return before[0][2] is not None and after[0][2] is None
+
+
+def _np_cache(before, after):
+    return before[1][3] == 0 and after[1][3] == 1
+
+
+def _np_taken(before, after):
+    return before[1][3] == 1 and after[1][3] == 0
+
+
+def _any(before, after):
+    return True
+
+
+# (what, the draw, whether what it names happened: judged on the states before and after)
 _DRAWS = [
-    ("nothing", lambda: None),
-    ("random.random", random.random),
-    ("random.gauss (a Gaussian cached)", lambda: random.gauss(0.0, 1.0)),
-    ("random.gauss (the cache taken)", lambda: random.gauss(0.0, 1.0)),
-    ("random's words turn over", lambda: random.getrandbits(32 * 700)),
-    ("random.seed", lambda: random.seed(7)),
-    ("np.random.rand", np.random.rand),
-    ("np.random.standard_normal (a Gaussian cached)", np.random.standard_normal),
-    ("np.random.standard_normal (the cache taken)", np.random.standard_normal),
-    ("np.random's key turns over", lambda: np.random.randint(0, 9, size=700)),
-    ("np.random.seed", lambda: np.random.seed(8)),
+    ("nothing", lambda: None, _any),
+    ("random.random", random.random, lambda b, a: a[0][1][-1] != b[0][1][-1]),
+    ("random.gauss (a Gaussian cached)", lambda: random.gauss(0.0, 1.0), _py_cache),
+    ("random.gauss (the cache taken)", lambda: random.gauss(0.0, 1.0), _py_taken),
+    (
+        "random's words turn over",
+        lambda: random.getrandbits(32 * 700),
+        lambda b, a: a[0][1][:624] != b[0][1][:624],
+    ),
+    ("random.seed", lambda: random.seed(7), _any),
+    ("np.random.rand", np.random.rand, lambda b, a: a[1][2] != b[1][2]),
+    ("np.random.standard_normal (a Gaussian cached)", np.random.standard_normal, _np_cache),
+    ("np.random.standard_normal (the cache taken)", np.random.standard_normal, _np_taken),
+    (
+        "np.random's key turns over",
+        lambda: np.random.randint(0, 9, size=700),
+        lambda b, a: not np.array_equal(a[1][1], b[1][1]),
+    ),
     (
         "np.random.set_state with a cached Gaussian",
         lambda: np.random.set_state(("MT19937", np.arange(624, dtype=np.uint32), 5, 1, 0.25)),
+        lambda b, a: a[1][2:] == (5, 1, 0.25),
     ),
-    ("torch.rand", lambda: torch.rand(2)),
-    ("every generator", lambda: (random.random(), np.random.rand(), torch.rand(1))),
+    ("np.random.seed", lambda: np.random.seed(8), lambda b, a: a[1][3] == 0),
+    ("torch.rand", lambda: torch.rand(2), _any),
+    ("every generator", lambda: (random.random(), np.random.rand(), torch.rand(1)), _any),
 ]
 
 
@@ -97,8 +131,10 @@ def test_rng_capture_writes_what_capture_rng_returns(in_place):
     random.seed(1)
     np.random.seed(2)
     torch.manual_seed(3)
-    for what, draw in _DRAWS * 2:  # twice: every change seen from every earlier state
+    for what, draw, happened in _DRAWS * 2:  # twice: every change seen from every state
+        before = _rngs()
         draw()
+        assert happened(before, _rngs()), what  # the draw did change what it names
         views = _views(layout)
         extra = cap.into(views)
         tensors, ref_extra = st.capture_rng(layout)
@@ -110,6 +146,7 @@ def test_rng_capture_writes_what_capture_rng_returns(in_place):
     # the restored state draws what the captured one would, a cached Gaussian included
     np.random.standard_normal()
     random.gauss(0.0, 1.0)
+    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
     views = _views(layout)
     extra = cap.into(views)
     want = (random.gauss(0.0, 1.0), float(np.random.standard_normal()), torch.rand(1))
@@ -121,8 +158,11 @@ def test_rng_capture_writes_what_capture_rng_returns(in_place):
 
 def test_locating_the_rng_states_leaves_them_as_they_were(monkeypatch):
     monkeypatch.setattr(rng, "_LOCATED", {})  # located afresh, not taken from an earlier test
+    random.seed(3)
+    np.random.seed(3)
     random.gauss(0.0, 1.0)
     np.random.standard_normal()  # both with a cached Gaussian
+    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
     before = (random.getstate(), np.random.get_state())
     cap = st.RngCapture(st.RngLayout())
     assert cap.python is not None and cap.numpy is not None

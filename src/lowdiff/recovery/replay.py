@@ -265,28 +265,22 @@ def decompress_grads(
     devices: dict[int, torch.device],
 ) -> dict[int, torch.Tensor | None]:
     """The dense gradients of one record, by parameter index, on their parameters' devices:
-    those of one dtype decoded together (:meth:`Compressor.decompress_many`) and moved to
-    their device in one copy when they share it."""
+    those of one dtype and device decoded together (:meth:`Compressor.decompress_many`)
+    and moved to their device in one copy."""
     out: dict[int, torch.Tensor | None] = {}
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for k, p in enumerate(rl.params):
         if p.index in nograd:
             out[p.index] = None
         else:
-            by_dtype.setdefault(p.dtype, []).append(k)
-    for dtype, ks in by_dtype.items():
+            groups.setdefault((p.dtype, devices[p.index]), []).append(k)
+    for (dtype, device), ks in groups.items():
         params = [rl.params[k] for k in ks]
         numels = [math.prod(p.shape) for p in params]
         flat = comp.decompress_many([rl.payload(views, k) for k in ks], numels, dtype)
-        targets = {devices[p.index] for p in params}
-        one = targets.pop() if len(targets) == 1 else None
-        if one is not None:
-            flat = flat.to(one, non_blocking=True)
-        off = 0
-        for p, n in zip(params, numels, strict=True):
-            g = flat[off : off + n].view(p.shape)
-            out[p.index] = g if one is not None else g.to(devices[p.index], non_blocking=True)
-            off += n
+        flat = flat.to(device, non_blocking=True)
+        for p, g in zip(params, flat.split(numels), strict=True):
+            out[p.index] = g.view(p.shape)
     return out
 
 
