@@ -92,7 +92,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(start, args.steps):
         if first_attempt and rank == args.kill_rank and step == args.kill_at:
-            print(f"[rank {rank}] SIGKILL at step {step}", flush=True)
+            # one write ("\n" in the line, end=""): rank 0 may be printing to the same pipe
+            print(f"[rank {rank}] SIGKILL at step {step}\n", end="", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch_for(rank, step, device)
         loss = nn.functional.mse_loss(model(x), y)
@@ -102,7 +103,8 @@ def main() -> None:
         optimizer.zero_grad()
         if rank == 0 and (step + 1) % 50 == 0:
             print(
-                f"[rank 0] step {step + 1}  loss {loss.item():.4f}  durable {ck.durable_step}",
+                f"[rank 0] step {step + 1}  loss {loss.item():.4f}  durable {ck.durable_step}\n",
+                end="",
                 flush=True,
             )
     train_s = time.perf_counter() - t0

@@ -96,9 +96,12 @@ class Progress(pl.Callback):
         x, _ = batch
         loss = outputs["loss"].item()
         if trainer.global_rank == 0:
+            # a line in one write ("\n" in it, end=""): the ranks share stdout, and print()
+            # writes a line's text and its end apart when the stream is unbuffered
             print(
                 f"step {trainer.global_step} {loss.hex()} {x.sum().item().hex()} "
-                f"{trainer.current_epoch}",
+                f"{trainer.current_epoch}\n",
+                end="",
                 flush=True,
             )
         if self.sleep:
@@ -114,7 +117,7 @@ class Progress(pl.Callback):
         if first_attempt and self.kill == (trainer.global_rank, trainer.global_step):
             # torchrun sees the rank fail, stops the other one and restarts the job
             print(f"kill rank {trainer.global_rank} after step {trainer.global_step} "
-                  f"durable {ck.durable_step}", flush=True)  # fmt: skip
+                  f"durable {ck.durable_step}\n", end="", flush=True)  # fmt: skip
             os.kill(os.getpid(), signal.SIGKILL)
 
 
