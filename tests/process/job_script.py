@@ -123,6 +123,7 @@ def main(cfg: dict) -> None:
     if cfg.get("dump_at_resume"):
         dump(cfg["dump_at_resume"], model, opt, sched)
     dumps = {int(k): v for k, v in cfg.get("dump_at", {}).items()}
+    staging_told = not cfg.get("report_staging")
     for step in range(start, cfg["steps"]):
         if step in dumps:
             dump(dumps[step], model, opt, sched)
@@ -136,6 +137,14 @@ def main(cfg: dict) -> None:
         else:
             ck.step()
         opt.zero_grad()
+        impl = ck.strategy_impl
+        if not staging_told and impl.stager.staged:
+            # the first full checkpoint since resume(): whose staging buffer it went into
+            given = impl.session.staging
+            buffer = impl.stager.buffer
+            same = given is not None and buffer.data_ptr() == given.data_ptr()
+            print(f"staged {step + 1} into {'the process' if same else 'own'} buffer", flush=True)
+            staging_told = True
         durable = f" {ck.durable_step}" if cfg.get("print_durable") else ""
         print(f"step {step + 1} {loss.item().hex()}{durable}", flush=True)
         if cfg.get("sleep"):

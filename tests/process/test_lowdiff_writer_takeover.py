@@ -83,6 +83,46 @@ def test_next_trainer_takes_the_surviving_writer_over(tmp_path):
     assert not _segments(survivor.run_id)
 
 
+def test_the_next_trainer_stages_its_full_checkpoints_in_the_buffer_the_writer_made(
+    tmp_path,
+):
+    """Waiting, the writer makes the next trainer's staging buffer (as large as the dead
+    trainer's, its pages allocated): after the takeover, the trainer's full checkpoints
+    are copied into it instead of into a buffer of its own, and a full checkpoint
+    written from it restores bit-identical to the state it was taken from."""
+    ckdir = tmp_path / "ck"
+    base = dict(BASE, dir=str(ckdir), steps=40, sleep=0.02)
+    first, _ = _run(base, kill_after=7)  # past the full checkpoint at 5
+    started, _ = _process_line(first)
+    d = rp.read_descriptor(ckdir)
+    assert d is not None and d.pid == started
+    assert _wait_for(lambda: any(n.endswith("-t1-stage") for n in _segments(d.run_id)))
+    stage = next(n for n in _segments(d.run_id) if n.endswith("-t1-stage"))
+    assert os.path.getsize(f"/dev/shm/{stage}") > 0
+
+    second, _ = _run(
+        dict(base, report_staging=True, dump_at={10: str(tmp_path / "at10.safetensors")}),
+        kill_after=12,
+    )
+    assert _process_line(second) == (started, started)
+    assert "staged 10 into the process buffer" in second, second
+
+    rp.wait_until_written(ckdir, 60)
+    from .job_script import build
+
+    model, opt, sched = build()
+    assert lowdiff.restore(ckdir, model, opt, sched, step=10) == 10
+    assert 10 in [f.first_step for f in lowdiff.inspect_dir(ckdir).full_checkpoints]
+    restored = tmp_path / "restored.safetensors"
+    from .job_script import dump
+
+    dump(str(restored), model, opt, sched)
+    assert _equal_states(restored, tmp_path / "at10.safetensors") == []
+    os.kill(started, signal.SIGTERM)
+    assert _wait_gone(started, 60)
+    assert not _segments(d.run_id)
+
+
 def test_a_trainer_of_another_job_is_refused_and_starts_its_own_writer(tmp_path):
     """A writer that does not match the new trainer (another ``keep_full``) is not taken
     over: it exits, and the trainer starts a writer of its own."""

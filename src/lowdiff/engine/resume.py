@@ -258,7 +258,7 @@ class CheckpointingStrategy(EngineStrategy):
         core, session = self.core, self.session
         assert session is not None
         core.durable = int((session.link.info or {}).get("durable", -1))
-        self.stager.reset()
+        self.stager.reset(session.staging)
         core.started = True
         self._started_process()
 

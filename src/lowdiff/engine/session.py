@@ -44,11 +44,12 @@ def remote_stalled(url: str, timeout: float, core: EngineCore) -> str:
 @dataclasses.dataclass
 class Accepted:
     """A surviving process's yes to a trainer's request to take it over: the connection,
-    its ``Ready``, and the record slots and counters it made, attached here."""
+    its ``Ready``, and the record slots and counters it made (and the staging buffer,
+    when it made one), attached here."""
 
     conn: Connection
     reply: Ready
-    segments: tuple[Any, Any]
+    segments: tuple[Any, ...]
 
     def give_up(self) -> None:
         """Not used after all: close the connection (the process, let go by a live
@@ -81,16 +82,25 @@ def ask_to_take_over(published: dict[str, Any], request: Message, timeout: float
             raise EOFError(f"it refused: {reply.reason}")
         if not isinstance(reply, Ready) or not reply.info:
             raise EOFError(f"it answered {type(reply).__name__}")
-        slots_shm = rp.attach_segment(str(reply.info["slots"]))
+        names = [str(reply.info["slots"]), str(reply.info["counters"])]
+        if "staging" in reply.info:
+            names.append(str(reply.info["staging"]))
+        segments: list[Any] = []
         try:
-            ctr_shm = rp.attach_segment(str(reply.info["counters"]))
+            for name in names:
+                segments.append(rp.attach_segment(name))
+            if len(segments) > 2:
+                # the staging buffer, mapped now (on the thread of an early request,
+                # while the trainer recovers) rather than page by page by its first copy
+                rp.populate(segments[2])
         except BaseException:
-            slots_shm.close()
+            for shm in segments:
+                shm.close()
             raise
     except (EOFError, OSError, KeyError, ValueError) as e:
         adopt.close_quietly(conn)  # a process that said yes is orphaned again
         return str(e)
-    return Accepted(conn, reply, (slots_shm, ctr_shm))
+    return Accepted(conn, reply, tuple(segments))
 
 
 class EarlyAnswer:
@@ -150,7 +160,11 @@ class ProcessSession:
         self.slots: RecordSlots | None = None
         self.counters: Any = None
         self.segments: tuple[Any, ...] = ()
-        """The named shared memory of a process this trainer took over (slots, counters)."""
+        """The named shared memory of a process this trainer took over (slots, counters,
+        staging buffer)."""
+        self.staging: torch.Tensor | None = None
+        """The staging buffer that a process this trainer took over made (and uses for
+        its full checkpoints until it is sent another), or None."""
         self._records_seen = (0, 0, 0, 0)
         self._merges_seen = (0, 0)
 
@@ -199,8 +213,9 @@ class ProcessSession:
         if self.slots is not None:
             self.slots.release()
         self._drop_segments()
-        slots_shm, ctr_shm = answer.segments
+        slots_shm, ctr_shm, *stage = answer.segments
         self.slots = RecordSlots(self.core, n, rp.segment_tensor(slots_shm, n * row).view(n, row))
+        self.staging = rp.segment_tensor(stage[0], int(info["staging_bytes"])) if stage else None
         ctr = torch.frombuffer(ctr_shm.buf, dtype=torch.int64, count=channel.N_COUNTERS)
         self.segments = answer.segments
         self.counters = channel.view(ctr)
@@ -342,6 +357,7 @@ class ProcessSession:
         self._drop_segments()
 
     def _drop_segments(self) -> None:
+        self.staging = None
         for shm in self.segments:
             with contextlib.suppress(Exception):
                 shm.close()  # the process unlinks them; a view still held keeps its mapping

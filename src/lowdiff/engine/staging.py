@@ -56,9 +56,10 @@ class FullStager:
         """A full checkpoint staged and deferred (driven by the optimizer's hooks), not
         sent yet: it holds the staging buffer until it is."""
 
-    def reset(self) -> None:
-        """A new checkpointing process: it needs the staging buffer sent again."""
-        self.buffer = None
+    def reset(self, buffer: torch.Tensor | None = None) -> None:
+        """A new checkpointing process: it needs the staging buffer sent again, unless
+        it made ``buffer`` itself (a process taken over), which is then staged into."""
+        self.buffer = buffer
         self.staged = 0
 
     def released(self, session: ProcessSession) -> bool:

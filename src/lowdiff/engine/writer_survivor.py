@@ -14,8 +14,10 @@ exiting, it offers itself to the next trainer on the same directory for up to
    it published ORPHANED), then sends :class:`~lowdiff.engine.messages.Adopt` with its
    ``WorkerConfig`` and the recovered step.
 3) (writer) checks run, layout, record row, directory, retention, remote tier and step;
-   makes new record slots and counters in named shared memory, takes the new ``b``, and
-   answers ``Ready``: it serves the new trainer from here on, watching it by its pid. A
+   makes new record slots, counters and a staging buffer as large as the dead trainer's
+   in named shared memory (made while it waits, so the new trainer's first full
+   checkpoint does not allocate the size of the state), takes the new ``b``, and answers
+   ``Ready``: it serves the new trainer from here on, watching it by its pid. A
    trainer that does not match gets ``Refused`` and why; it then releases the writer
    (SIGTERM: it exits) and starts one of its own.
 
@@ -64,8 +66,12 @@ class WriterSurvivor:
         self.segments: adopt.TrainerSegments | None = None
         self.stdio_released = False
         self.spare: adopt.TrainerSegments | None = None
-        """Slots and counters made while waiting, for a trainer that asks for as many
-        slots as the last one had (the usual case): the takeover need not make them."""
+        """Slots, counters and staging buffer made while waiting, for a trainer that asks
+        for as many slots as the last one had (the usual case): the takeover need not
+        make them."""
+        self.staging_bytes = 0
+        """The size of the staging buffer of the trainer that died (what the next one
+        stages into: the same layout)."""
 
     def on_sigterm(self, *_: Any) -> None:
         self.released = True
@@ -112,6 +118,11 @@ class WriterSurvivor:
         if self.listener is None:
             self.listener = adopt.AdoptionListener(f"lowdiff-{w.cfg.run_id[:16]}-{os.getpid()}")
         self.ctl.write(rp.STATE_ORPHANED, w.durable_now(), self._doc())
+        if w.staging is not None:
+            # the dead trainer's (its full checkpoint in flight is written): its memory
+            # goes, and the spare's staging buffer of the same size takes its place
+            self.staging_bytes = int(w.staging.numel())
+            w.staging = None
         if self.spare is None:  # after ORPHANED: a next trainer recovering waits for that
             with contextlib.suppress(Exception):  # else made at the takeover
                 self.spare = self._make_segments(int(w.slots.shape[0]))
@@ -162,7 +173,7 @@ class WriterSurvivor:
             trainer_pid=msg.pid,
         )
         w.set_batch_size(msg.cfg.batch_size)
-        w.staging = None  # the dead trainer's: the new one sends its own
+        w.staging = made.staging  # the new trainer stages into it (or sends its own)
         w.slots, w.counters = made.slots, made.counters
         durable = w.durable_now()
         w.counters.raise_to(DURABLE, durable + 1)
@@ -180,7 +191,7 @@ class WriterSurvivor:
     def _make_segments(self, n: int) -> TrainerSegments:
         cfg = self.w.cfg
         name = f"lowdiff-{cfg.run_id[:16]}-t{self.adoptions + 1}"
-        return adopt.TrainerSegments.make(name, n, cfg.row_bytes)
+        return adopt.TrainerSegments.make(name, n, cfg.row_bytes, self.staging_bytes)
 
     def teardown(self) -> None:
         if self.listener is not None:

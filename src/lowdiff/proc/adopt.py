@@ -166,30 +166,55 @@ def refuse(conn: Connection, why: str) -> None:
 @dataclass
 class TrainerSegments:
     """The record or snapshot slots and the progress counters made in named shared memory
-    for a trainer that takes a process over (the first trainer's died with it)."""
+    for a trainer that takes a process over (the first trainer's died with it), and
+    optionally a staging buffer for its full checkpoints."""
 
     segments: list[Any]
     slots: torch.Tensor
     counters: Counters
     info: dict[str, Any]
     """What the trainer attaches them by (for ``Ready``)."""
+    staging: torch.Tensor | None = None
+    """The staging buffer (``staging_bytes`` of :meth:`make`), or None."""
 
     @classmethod
-    def make(cls, prefix: str, n: int, row_bytes: int) -> TrainerSegments:
-        slots = rp.create_segment(f"{prefix}-slots", n * row_bytes)
+    def make(cls, prefix: str, n: int, row_bytes: int, staging_bytes: int = 0) -> TrainerSegments:
+        """``n`` slots of ``row_bytes``, the counters and, with ``staging_bytes``, a
+        staging buffer of that size whose pages are allocated here (a new trainer's
+        first full checkpoint then only maps them, instead of allocating and zeroing
+        the size of the whole state on its critical path)."""
+        made: list[Any] = []
         try:
+            slots = rp.create_segment(f"{prefix}-slots", n * row_bytes)
+            made.append(slots)
             ctr = rp.create_segment(f"{prefix}-ctr", channel.N_COUNTERS * 8)
+            made.append(ctr)
+            staging = None
+            if staging_bytes > 0:
+                stage = rp.create_segment(f"{prefix}-stage", staging_bytes)
+                made.append(stage)
+                staging = rp.segment_tensor(stage, staging_bytes)
+                staging.zero_()  # allocates the pages now
         except BaseException:
-            rp.unlink_and_close(slots)
+            for shm in made:
+                rp.unlink_and_close(shm)
             raise
         counters = torch.frombuffer(ctr.buf, dtype=torch.int64, count=channel.N_COUNTERS)
         counters.zero_()
-        info = {"slots": slots.name, "counters": ctr.name, "n_slots": n, "row_bytes": row_bytes}
+        info: dict[str, Any] = {
+            "slots": slots.name,
+            "counters": ctr.name,
+            "n_slots": n,
+            "row_bytes": row_bytes,
+        }
+        if staging is not None:
+            info["staging"], info["staging_bytes"] = made[2].name, staging_bytes
         return cls(
-            [slots, ctr],
+            made,
             rp.segment_tensor(slots, n * row_bytes).view(n, row_bytes),
             Counters(counters),
             info,
+            staging,
         )
 
     @property

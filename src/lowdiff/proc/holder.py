@@ -20,6 +20,7 @@ step match, and copies the state from memory without reading any checkpoint file
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -114,6 +115,32 @@ def segment_tensor(shm: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor
         return torch.empty(0, dtype=torch.uint8)
     assert shm.buf is not None
     return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+
+
+_MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault a mapping's pages in, writable, with one call."""
+
+_libc: Any = None
+
+
+def populate(shm: shared_memory.SharedMemory) -> bool:
+    """Map every page of ``shm`` into this process now (best effort), so that the first
+    writes to it take no page fault each: one ``madvise(MADV_POPULATE_WRITE)`` call,
+    made through ctypes, which lets go of the GIL meanwhile (a thread can do it while
+    the trainer works). False where the kernel or platform cannot."""
+    global _libc
+    if not shm.size or not hasattr(os, "sched_getaffinity"):  # Linux only
+        return False
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc.madvise.restype = ctypes.c_int
+        assert shm.buf is not None
+        address = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
+    except (OSError, AttributeError, TypeError, ValueError):
+        return False
+    return bool(_libc.madvise(address, shm.size, _MADV_POPULATE_WRITE) == 0)
 
 
 def entries_to_json(entries: list[TensorEntry]) -> list[list[Any]]:

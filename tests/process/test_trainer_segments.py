@@ -1,0 +1,71 @@
+"""The named shared memory a surviving process makes for the trainer that takes it over:
+slots, counters and (LowDiff's writer) a staging buffer whose pages are allocated ahead."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from lowdiff.errors import LowDiffError
+from lowdiff.proc import holder as rp
+from lowdiff.proc.adopt import TrainerSegments
+
+
+def _names(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+@pytest.fixture
+def prefix():
+    p = f"lowdiff-test{uuid.uuid4().hex[:10]}"
+    yield p
+    for name in _names(p):
+        rp.unlink_segment(name)
+
+
+def test_staging_buffer_is_made_with_its_pages_allocated(prefix):
+    size = 4 << 20
+    made = TrainerSegments.make(prefix, 3, 256, staging_bytes=size)
+    try:
+        assert made.info["staging"] == f"{prefix}-stage"
+        assert made.info["staging_bytes"] == size
+        assert made.staging is not None and made.staging.numel() == size
+        assert _names(prefix) == sorted(f"{prefix}-{s}" for s in ("ctr", "slots", "stage"))
+        # allocated now, not at the first write of the trainer that maps it
+        assert os.stat(f"/dev/shm/{prefix}-stage").st_blocks * 512 >= size
+        assert os.stat(f"/dev/shm/{prefix}-slots").st_blocks == 0
+
+        # the trainer's side: another mapping of the same memory, mapped in one call
+        shm = rp.attach_segment(f"{prefix}-stage")
+        try:
+            assert rp.populate(shm)
+            theirs = rp.segment_tensor(shm, size)
+            theirs[:8] = torch.arange(8, dtype=torch.uint8)
+            assert torch.equal(made.staging[:8], torch.arange(8, dtype=torch.uint8))
+            del theirs
+        finally:
+            shm.close()
+    finally:
+        made.unlink()
+    assert _names(prefix) == []
+
+
+def test_without_staging_bytes_no_staging_buffer(prefix):
+    made = TrainerSegments.make(prefix, 2, 64)
+    try:
+        assert made.staging is None and "staging" not in made.info
+        assert _names(prefix) == sorted(f"{prefix}-{s}" for s in ("ctr", "slots"))
+    finally:
+        made.unlink()
+    assert _names(prefix) == []
+
+
+def test_a_staging_buffer_that_cannot_be_made_leaves_nothing(prefix):
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    with pytest.raises(LowDiffError, match="not enough shared memory"):
+        TrainerSegments.make(prefix, 2, 64, staging_bytes=too_big)
+    assert _names(prefix) == []  # the slots and counters made before it are gone
