@@ -56,7 +56,7 @@ from lowdiff.format import codec, layout
 from lowdiff.plan import young_daly_s
 from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
-from lowdiff.proc.adopt import AdoptionListener
+from lowdiff.proc.adopt import AdoptionListener, TrainerSegments
 from lowdiff.proc.channel import (
     BEAT,
     REPLICA_MERGE_NS,
@@ -107,6 +107,9 @@ class ReplicaProcess:
         self.adoptions = 0
         self.segments: adopt.TrainerSegments | None = None
         """The slots and counters made for the trainer that took the process over."""
+        self.spare: adopt.TrainerSegments | None = None
+        """Slots and counters made while waiting, for a trainer that asks for as many
+        slots as the last one had (the usual case): the takeover need not make them."""
 
     def on_sigterm(self, *_: Any) -> None:
         self.released = True
@@ -230,6 +233,9 @@ class ReplicaProcess:
         rep.publish(rp.STATE_ORPHANED)
         if persister.persisted < rep.step:
             persister.snapshot(rep)
+        if self.spare is None:  # before the listener answers: a next trainer waits for it
+            with contextlib.suppress(Exception):  # else made at the takeover
+                self.spare = self._make_segments(int(self.slots.shape[0]))
         adopted = adopt.wait_for_trainer(
             self.listener, self.cfg.idle_timeout, lambda: self.released, self.adopt
         )
@@ -289,9 +295,11 @@ class ReplicaProcess:
         """Snapshot slots and counters for a new trainer, in named shared memory."""
         rep = self.rep
         assert rep is not None
-        made = adopt.TrainerSegments.make(
-            f"lowdiff-{self.cfg.run_id[:16]}-t{self.adoptions + 1}", n, rep.rl.row_bytes
-        )
+        made, self.spare = self.spare, None
+        if made is None or made.n_slots != n:
+            if made is not None:
+                made.unlink()
+            made = self._make_segments(n)
         old, self.segments = self.segments, made
         rep.forget_slots()
         self.slots, self.ctr = made.slots, made.counters
@@ -299,6 +307,12 @@ class ReplicaProcess:
         if old is not None:
             old.unlink()
         return made.info
+
+    def _make_segments(self, n: int) -> TrainerSegments:
+        rep = self.rep
+        assert rep is not None
+        prefix = f"lowdiff-{self.cfg.run_id[:16]}-t{self.adoptions + 1}"
+        return adopt.TrainerSegments.make(prefix, n, rep.rl.row_bytes)
 
     def teardown(self) -> None:
         if self.listener is not None:
@@ -309,8 +323,9 @@ class ReplicaProcess:
             self.rep.close()
         if self.ctl_shm is not None:
             rp.unlink_and_close(self.ctl_shm)
-        if self.segments is not None:
-            self.segments.unlink()
+        for segments in (self.segments, self.spare):
+            if segments is not None:
+                segments.unlink()
         rp.remove_descriptor(self.root, self.cfg.run_id)
 
 

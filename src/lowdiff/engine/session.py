@@ -89,10 +89,6 @@ def ask_to_take_over(published: dict[str, Any], request: Message, timeout: float
         try:
             for name in names:
                 segments.append(rp.attach_segment(name))
-            if len(segments) > 2:
-                # the staging buffer, mapped now (on the thread of an early request,
-                # while the trainer recovers) rather than page by page by its first copy
-                rp.populate(segments[2])
         except BaseException:
             for shm in segments:
                 shm.close()
@@ -100,6 +96,12 @@ def ask_to_take_over(published: dict[str, Any], request: Message, timeout: float
     except (EOFError, OSError, KeyError, ValueError) as e:
         adopt.close_quietly(conn)  # a process that said yes is orphaned again
         return str(e)
+    if len(segments) > 2:
+        # the staging buffer (its pages allocated by the process), mapped here on the
+        # thread of an early request while the trainer recovers from disk, rather than
+        # page by page by the first full checkpoint's copy. (The slots are not: the
+        # first steps map them faster than a populate racing the trainer's resume.)
+        rp.populate(segments[2])
     return Accepted(conn, reply, tuple(segments))
 
 

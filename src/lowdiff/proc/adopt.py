@@ -180,9 +180,11 @@ class TrainerSegments:
     @classmethod
     def make(cls, prefix: str, n: int, row_bytes: int, staging_bytes: int = 0) -> TrainerSegments:
         """``n`` slots of ``row_bytes``, the counters and, with ``staging_bytes``, a
-        staging buffer of that size whose pages are allocated here (a new trainer's
-        first full checkpoint then only maps them, instead of allocating and zeroing
-        the size of the whole state on its critical path)."""
+        staging buffer of that size. Their pages are allocated from here on, on a thread
+        (:func:`lowdiff.proc.holder.populate_soon`; the contents stay as they are, so a
+        trainer may already write them): the trainer's first snapshot, record and full
+        checkpoint then find them allocated instead of allocating and zeroing them page
+        by page on its critical path."""
         made: list[Any] = []
         try:
             slots = rp.create_segment(f"{prefix}-slots", n * row_bytes)
@@ -194,13 +196,13 @@ class TrainerSegments:
                 stage = rp.create_segment(f"{prefix}-stage", staging_bytes)
                 made.append(stage)
                 staging = rp.segment_tensor(stage, staging_bytes)
-                staging.zero_()  # allocates the pages now
         except BaseException:
             for shm in made:
                 rp.unlink_and_close(shm)
             raise
         counters = torch.frombuffer(ctr.buf, dtype=torch.int64, count=channel.N_COUNTERS)
         counters.zero_()
+        rp.populate_soon([made[0], *made[2:]])
         info: dict[str, Any] = {
             "slots": slots.name,
             "counters": ctr.name,

@@ -120,14 +120,17 @@ def segment_tensor(shm: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor
 _MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault a mapping's pages in, writable, with one call."""
 
+_POPULATE_CHUNK = 2 << 20
+
 _libc: Any = None
 
 
 def populate(shm: shared_memory.SharedMemory) -> bool:
-    """Map every page of ``shm`` into this process now (best effort), so that the first
-    writes to it take no page fault each: one ``madvise(MADV_POPULATE_WRITE)`` call,
-    made through ctypes, which lets go of the GIL meanwhile (a thread can do it while
-    the trainer works). False where the kernel or platform cannot."""
+    """Allocate every page of ``shm`` that is not yet and map them all into this process
+    (best effort; the contents do not change), so that the first writes to it take no
+    page fault each: one ``madvise(MADV_POPULATE_WRITE)`` call, made through ctypes,
+    which lets go of the GIL meanwhile (a thread can do it while the trainer works).
+    False where the kernel or platform cannot."""
     global _libc
     if not shm.size or not hasattr(os, "sched_getaffinity"):  # Linux only
         return False
@@ -137,10 +140,31 @@ def populate(shm: shared_memory.SharedMemory) -> bool:
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
             _libc.madvise.restype = ctypes.c_int
         assert shm.buf is not None
-        address = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
-    except (OSError, AttributeError, TypeError, ValueError):
+        # held during the call: the mapping cannot be closed under it (close() refuses
+        # while this export lives)
+        first = ctypes.c_char.from_buffer(shm.buf)
+    except (OSError, AttributeError, TypeError, ValueError, BufferError):
         return False
-    return bool(_libc.madvise(address, shm.size, _MADV_POPULATE_WRITE) == 0)
+    start, size = ctypes.addressof(first), shm.size
+    for at in range(0, size, _POPULATE_CHUNK):
+        # a call per chunk: each holds the address space's lock (a read lock, which an
+        # allocation of the trainer's waits for) a short while only
+        if _libc.madvise(start + at, min(_POPULATE_CHUNK, size - at), _MADV_POPULATE_WRITE):
+            return False
+    return True
+
+
+def populate_soon(segments: list[shared_memory.SharedMemory]) -> None:
+    """:func:`populate` each of ``segments`` on a thread of its own, in order, so that
+    the caller goes on at once (a write that comes first faults its page in as usual)."""
+    import threading
+
+    def run() -> None:
+        for shm in segments:
+            with contextlib.suppress(Exception):
+                populate(shm)
+
+    threading.Thread(target=run, daemon=True, name="lowdiff-populate").start()
 
 
 def entries_to_json(entries: list[TensorEntry]) -> list[list[Any]]:
