@@ -78,3 +78,32 @@ def test_a_staging_buffer_that_cannot_be_made_leaves_nothing(prefix):
     with pytest.raises(LowDiffError, match="not enough shared memory"):
         TrainerSegments.make(prefix, 2, 64, staging_bytes=too_big)
     assert _names(prefix) == []  # the slots and counters made before it are gone
+
+
+def test_a_writer_without_room_for_the_staging_buffer_still_makes_the_slots(prefix, tmp_path):
+    """The writer's staging buffer for the next trainer is a convenience: when /dev/shm
+    cannot hold it, the slots and counters are made without it (the trainer then makes
+    its own at its first full checkpoint) instead of the takeover being refused."""
+    from types import SimpleNamespace
+
+    from lowdiff.engine.writer_survivor import WriterSurvivor
+
+    run_id = prefix[len("lowdiff-") :] + "0" * 16
+    w = SimpleNamespace(cfg=SimpleNamespace(root=str(tmp_path), run_id=run_id, row_bytes=64))
+    survivor = WriterSurvivor(w)
+    st = os.statvfs("/dev/shm")
+    survivor.staging_bytes = st.f_bavail * st.f_frsize + (1 << 30)
+    made = survivor._make_segments(2)
+    try:
+        assert made.staging is None and "staging" not in made.info
+        assert made.n_slots == 2 and tuple(made.slots.shape) == (2, 64)
+    finally:
+        made.unlink()
+    assert _names(prefix) == []
+
+    survivor.staging_bytes = 1 << 20  # room for it: made
+    made = survivor._make_segments(2)
+    try:
+        assert made.staging is not None and made.info["staging_bytes"] == 1 << 20
+    finally:
+        made.unlink()

@@ -37,6 +37,7 @@ from typing import Any
 
 from lowdiff.engine.messages import Adopt
 from lowdiff.engine.remote_tier import announce
+from lowdiff.errors import LowDiffError
 from lowdiff.format import layout
 from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
@@ -191,7 +192,12 @@ class WriterSurvivor:
     def _make_segments(self, n: int) -> TrainerSegments:
         cfg = self.w.cfg
         name = f"lowdiff-{cfg.run_id[:16]}-t{self.adoptions + 1}"
-        return adopt.TrainerSegments.make(name, n, cfg.row_bytes, self.staging_bytes)
+        if self.staging_bytes:
+            try:
+                return adopt.TrainerSegments.make(name, n, cfg.row_bytes, self.staging_bytes)
+            except LowDiffError:
+                pass  # no room in /dev/shm for it: the new trainer makes its own, as before
+        return adopt.TrainerSegments.make(name, n, cfg.row_bytes)
 
     def teardown(self) -> None:
         if self.listener is not None:
