@@ -27,6 +27,16 @@ def prefix():
         rp.unlink_segment(name)
 
 
+def _kernel_populates() -> bool:
+    """Whether this kernel has ``MADV_POPULATE_WRITE`` (Linux 5.14+)."""
+    shm = rp.create_segment(f"lowdiff-test{uuid.uuid4().hex[:10]}-probe", 4096)
+    try:
+        return rp.populate(shm)
+    finally:
+        rp.unlink_and_close(shm)
+
+
+@pytest.mark.skipif(not _kernel_populates(), reason="no MADV_POPULATE_WRITE (Linux < 5.14)")
 def test_slots_and_staging_buffer_are_made_with_their_pages_allocated(prefix):
     size = 4 << 20
     made = TrainerSegments.make(prefix, 3, 256, staging_bytes=size)

@@ -17,9 +17,9 @@ exiting, it offers itself to the next trainer on the same directory for up to
    makes new record slots, counters and a staging buffer as large as the dead trainer's
    in named shared memory (made while it waits, their pages allocated on a thread, so
    the new trainer's first full checkpoint does not allocate the size of the state),
-   takes the new ``b``, and answers ``Ready``: it serves the new trainer from here on, watching it by its pid. A
-   trainer that does not match gets ``Refused`` and why; it then releases the writer
-   (SIGTERM: it exits) and starts one of its own.
+   takes the new ``b``, and answers ``Ready``: it serves the new trainer from here on,
+   watching it by its pid. A trainer that does not match gets ``Refused`` and why; it
+   then releases the writer (SIGTERM: it exits) and starts one of its own.
 
 SIGTERM, or ``idle_timeout`` with no trainer, ends it: uploads are drained, its segments
 unlinked, its descriptor removed.

@@ -27,6 +27,7 @@ import re
 import signal
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -118,7 +119,7 @@ def segment_tensor(shm: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor
 
 
 _MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault a mapping's pages in, writable, with one call."""
+"""Linux 5.14+: fault a range of a mapping in, writable, with one call."""
 
 _POPULATE_CHUNK = 2 << 20
 
@@ -128,9 +129,9 @@ _libc: Any = None
 def populate(shm: shared_memory.SharedMemory) -> bool:
     """Allocate every page of ``shm`` that is not yet and map them all into this process
     (best effort; the contents do not change), so that the first writes to it take no
-    page fault each: one ``madvise(MADV_POPULATE_WRITE)`` call, made through ctypes,
-    which lets go of the GIL meanwhile (a thread can do it while the trainer works).
-    False where the kernel or platform cannot."""
+    page fault each: ``madvise(MADV_POPULATE_WRITE)`` over 2 MiB at a time, called
+    through ctypes, which lets go of the GIL meanwhile (a thread can do it while the
+    process works). False where the kernel or platform cannot."""
     global _libc
     if not shm.size or not hasattr(os, "sched_getaffinity"):  # Linux only
         return False
@@ -157,7 +158,6 @@ def populate(shm: shared_memory.SharedMemory) -> bool:
 def populate_soon(segments: list[shared_memory.SharedMemory]) -> None:
     """:func:`populate` each of ``segments`` on a thread of its own, in order, so that
     the caller goes on at once (a write that comes first faults its page in as usual)."""
-    import threading
 
     def run() -> None:
         for shm in segments:
