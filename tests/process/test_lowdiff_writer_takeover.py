@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -244,3 +245,49 @@ def test_idle_timeout_zero_keeps_no_writer(tmp_path):
     lines, _ = _run(dict(BASE, dir=str(ckdir), steps=16))
     assert reported <= int(lines[0].split()[1])
     assert _process_line(lines)[1] == -1
+
+
+def test_no_record_file_lands_before_the_first_full_checkpoint(tmp_path):
+    """The writer is killed while its first full checkpoint (step 0) is still being
+    written (stalled before its rename) and records of later steps have reached it: no
+    record file is on disk, since records chain from that checkpoint. The next trainer
+    finds nothing durable and starts afresh instead of refusing the directory."""
+    from lowdiff.format import atomic
+
+    ckdir = tmp_path / "ck"
+    mark = tmp_path / "full-stalled"
+    env = dict(
+        _env(),
+        **{
+            atomic.FAULT_ENV: "before_rename:full:1:slow",
+            atomic.SLOW_ENV: "20",
+            atomic.MARK_ENV: str(mark),
+        },
+    )
+    cfg = dict(BASE, dir=str(ckdir), steps=30, batch_size=1, full_every=100, idle_timeout=0)
+    proc = launch.popen(
+        [sys.executable, str(SCRIPT), json.dumps(cfg)],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.strip())
+            if line.startswith("step 3"):
+                break
+        writer, _ = _process_line(lines)
+        assert _wait_for(mark.exists)  # the full checkpoint of step 0 is stalled
+        time.sleep(1.0)  # the records of steps 1 to 3 have reached the writer
+        assert not [p for p in (ckdir / "records").iterdir() if not p.name.startswith(".")]
+        os.kill(writer, signal.SIGKILL)
+        assert _wait_gone(writer)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert not list((ckdir / "full").glob("full-*"))  # the stalled checkpoint never landed
+    assert not [p for p in (ckdir / "records").iterdir() if not p.name.startswith(".")]
+
+    again, _ = _run(dict(cfg, steps=6))
+    assert again[0] == "resumed 0" and _recovery_line(again) == ("none", 0)
+    assert again[-1] == "done"

@@ -410,6 +410,13 @@ class _Writer:
     def write_batch(self) -> None:
         if not self.steps:
             return
+        if not self.resumed and self.full.persisted < 0:
+            # these records chain from this session's first full checkpoint, still being
+            # written: no record file goes on disk before it does (a writer killed in
+            # between would leave records that nothing can be recovered from, and the
+            # directory could not be resumed; with no file but the manifest, resume()
+            # starts afresh, as nothing was ever durable)
+            self.wait_full()
         n, first, last = len(self.steps), self.steps[0], self.steps[-1]
         entry = sfile.TensorEntry(
             "records", torch.uint8, (n, self.cfg.row_bytes), 0, n * self.cfg.row_bytes
