@@ -77,8 +77,11 @@ def test_next_trainer_takes_the_surviving_writer_over(tmp_path):
     assert reported2 <= int(last[0].split()[1]) <= reported2 + 1
     assert _process_line(last) == (started, started)
     assert _losses(last) == {s: v for s, v in _losses(ref).items() if s in _losses(last)}
-    # closed: the writer wrote the last step and exited, leaving nothing behind
+    # closed: the writer wrote the last step and exited, leaving nothing behind (its
+    # descriptor, and the slots, counters and staging buffers it made for each trainer)
     assert _wait_gone(started)
+    assert not _segments(survivor.run_id)
+    assert rp.read_descriptor(ckdir) is None
     assert lowdiff.inspect_dir(ckdir).recoverable[1] == steps
     assert rp.read_descriptor(ckdir) is None
     assert not _segments(survivor.run_id)
