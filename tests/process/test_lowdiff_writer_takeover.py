@@ -281,7 +281,9 @@ def test_no_record_file_lands_before_the_first_full_checkpoint(tmp_path):
                 break
         writer, _ = _process_line(lines)
         assert _wait_for(mark.exists)  # the full checkpoint of step 0 is stalled
-        time.sleep(1.0)  # the records of steps 1 to 3 have reached the writer
+        # the trainer reported step 3: the records of steps 1 to 3 were handed over; the
+        # writer gets a second to act on them (without the fix they land as files in it)
+        time.sleep(1.0)
         assert not [p for p in (ckdir / "records").iterdir() if not p.name.startswith(".")]
         os.kill(writer, signal.SIGKILL)
         assert _wait_gone(writer)

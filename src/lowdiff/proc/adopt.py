@@ -210,7 +210,7 @@ class TrainerSegments:
             "row_bytes": row_bytes,
         }
         if staging is not None:
-            info["staging"], info["staging_bytes"] = made[2].name, staging_bytes
+            info["staging"], info["staging_bytes"] = stage.name, staging_bytes
         return cls(
             made,
             rp.segment_tensor(slots, n * row_bytes).view(n, row_bytes),

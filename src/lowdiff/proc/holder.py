@@ -27,6 +27,7 @@ import re
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def populate(shm: shared_memory.SharedMemory) -> bool:
     through ctypes, which lets go of the GIL meanwhile (a thread can do it while the
     process works). False where the kernel or platform cannot."""
     global _libc
-    if not shm.size or not hasattr(os, "sched_getaffinity"):  # Linux only
+    if not shm.size or not sys.platform.startswith("linux"):
         return False
     try:
         if _libc is None:
