@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from lowdiff.baselines import BASELINES
+from lowdiff.proc import forkmem
 from lowdiff.proc.spawn import refuse_in_bootstrap
 from lowdiff.state import capture as st
 from lowdiff.strategy import Strategy
@@ -227,6 +228,7 @@ class Checkpointer:
                 )
             options.pop("extra_state", None)
         _check_options(strategy, cls, options)
+        forkmem.keep_out(model, optimizer)  # before a process server is forked from here
         self._impl: Strategy = cls(model, optimizer, directory, **options)
 
     @property

@@ -41,6 +41,7 @@ from lowdiff.errors import DirectoryLockedError, LowDiffError
 from lowdiff.format.atomic import write_bytes_atomic
 from lowdiff.format.dtypes import dtype_from_name, dtype_name
 from lowdiff.format.sfile import TensorEntry, view_tensors
+from lowdiff.proc import forkmem
 from lowdiff.proc.child_end import pid_alive
 from lowdiff.proc.locks import wait_for_writer
 
@@ -124,8 +125,6 @@ _MADV_POPULATE_WRITE = 23
 
 _POPULATE_CHUNK = 2 << 20
 
-_libc: Any = None
-
 
 def populate(shm: shared_memory.SharedMemory) -> bool:
     """Allocate every page of ``shm`` that is not yet and map them all into this process
@@ -133,14 +132,10 @@ def populate(shm: shared_memory.SharedMemory) -> bool:
     page fault each: ``madvise(MADV_POPULATE_WRITE)`` over 2 MiB at a time, called
     through ctypes, which lets go of the GIL meanwhile (a thread can do it while the
     process works). False where the kernel or platform cannot."""
-    global _libc
     if not shm.size or not sys.platform.startswith("linux"):
         return False
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            _libc.madvise.restype = ctypes.c_int
+        lib = forkmem.libc()
         assert shm.buf is not None
         # held during the call: the mapping cannot be closed under it (close() refuses
         # while this export lives)
@@ -151,7 +146,7 @@ def populate(shm: shared_memory.SharedMemory) -> bool:
     for at in range(0, size, _POPULATE_CHUNK):
         # a call per chunk: each holds the address space's lock (a read lock, which an
         # allocation of the trainer's waits for) a short while only
-        if _libc.madvise(start + at, min(_POPULATE_CHUNK, size - at), _MADV_POPULATE_WRITE):
+        if lib.madvise(start + at, min(_POPULATE_CHUNK, size - at), _MADV_POPULATE_WRITE):
             return False
     return True
 

@@ -21,10 +21,11 @@ What the fork could carry over from the trainer is let go before the server serv
 - the objects inherited from the trainer are frozen (``gc.freeze``): no finalizer of the
   trainer's runs in the server or in a process it forks.
 
-The server shares the trainer's memory as it was at the fork (copy on write): a page the
-trainer changes later is copied once, and the server keeps the original, so it can come
-to hold up to the trainer's private memory of that moment (the model, for training on
-the CPU; little for GPU training). Threads other than the forking one are not copied, as
+The server shares the trainer's memory as it was at the fork (copy on write), except the
+training state: the pages of the CPU tensors of every Checkpointer's model and optimizer
+are left out of the fork (:mod:`lowdiff.proc.forkmem`), so that the trainer's writes to
+them take no copy and the server holds no copy of them. A page of anything else the
+trainer changes later is copied once, and the server keeps the original. Threads other than the forking one are not copied, as
 with any fork: the server and its processes touch nothing a trainer thread could hold
 (no CUDA, no process group). This is the same footing as a ``DataLoader`` worker, which
 PyTorch forks from the trainer on Linux by default.
@@ -50,6 +51,8 @@ import warnings
 from multiprocessing import connection, forkserver, resource_tracker, util
 from typing import Any
 
+from lowdiff.proc import env_choice, forkmem
+
 ENV = "LOWDIFF_PROCESS_START"
 """Environment variable that chooses how the fork server starts: ``fork`` (the default)
 or ``interpreter``."""
@@ -68,9 +71,7 @@ def start_method() -> str:
     Raises:
         ValueError: If ``LOWDIFF_PROCESS_START`` holds anything else.
     """
-    choice = os.environ.get(ENV, "fork").strip().lower() or "fork"
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={os.environ[ENV]!r}: expected one of {', '.join(CHOICES)}")
+    choice = env_choice(ENV, CHOICES)
     if choice == "fork" and not _fork_supported():
         return "interpreter"
     return choice
@@ -137,15 +138,18 @@ def _fork_server(fs: Any) -> None:
         for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
             with contextlib.suppress(Exception):
                 stream.flush()
+        left_out = forkmem.leave_out()  # the training state stays the trainer's alone
         try:
             pid = fork_of_a_threaded_process()
         except BaseException:
+            forkmem.give_back(left_out)
             os.close(alive_r)
             os.close(alive_w)
             raise
         if pid == 0:
             code = 1
             try:
+                forkmem.fill(left_out)
                 _serve(listener.fileno(), alive_r)
                 code = 0
             except BaseException:
@@ -154,6 +158,7 @@ def _fork_server(fs: Any) -> None:
                     sys.stderr.flush()
             finally:
                 os._exit(code)
+        forkmem.give_back(left_out)
         os.close(alive_r)
     fs._forkserver_address = address
     fs._forkserver_alive_fd = alive_w
