@@ -30,17 +30,16 @@ from lowdiff.compressors.base import Compressor
 from lowdiff.ddp.context import DistContext
 from lowdiff.ddp.context import detect as detect_dist
 from lowdiff.ddp.hooks import LowDiffHookState
+from lowdiff.engine import remote_wait
 from lowdiff.engine.autotune import AutoPlan
 from lowdiff.engine.core import EngineCore
 from lowdiff.engine.gradients import CompressedGradients
 from lowdiff.engine.handover import Handover, OptimizerHooks
 from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.remote_tier import RemoteSettings
-from lowdiff.engine.session import ProcessSession, remote_stalled
+from lowdiff.engine.session import ProcessSession
 from lowdiff.engine.storage_policy import CheckpointingSuspended, StoragePolicy
-from lowdiff.errors import RemoteStorageError, UnsupportedSetupError
 from lowdiff.plan import START_B, START_F
-from lowdiff.proc import channel
 from lowdiff.proc.protocol import Close, Flush, Kind
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.state import capture as st
@@ -245,19 +244,8 @@ class EngineStrategy(Strategy):
             batch_size=core.batch_size,
             slots_pinned=float(self.slots_pinned),
         )
-        if (
-            self.options.remote is not None
-            and self.session is not None
-            and self.session.counters is not None
-        ):
-            c = self.session.counter
-            out.update(
-                remote_durable_step=core.remote_durable_step(),
-                remote_files=c(channel.REMOTE_FILES),
-                remote_bytes=c(channel.REMOTE_BYTES),
-                remote_upload_s=c(channel.REMOTE_NS) / 1e9,
-                remote_errors=c(channel.REMOTE_ERRORS),
-            )
+        if self.options.remote is not None:
+            out.update(remote_wait.stats(self))
         hook = self.ddp_hook_state
         if hook is not None:  # DDP: bytes of lowdiff's gradient exchange
             out.update(hook.wire.as_dict())
@@ -294,22 +282,9 @@ class EngineStrategy(Strategy):
             self.autoplan.begin_step(t)
         return t
 
-    def groups_changed(self) -> bool:
-        """Whether the optimizer gained a parameter group since construction."""
-        return len(self.core.optimizer.param_groups) != self.core.n_groups
-
     def check_groups(self) -> None:
         """Refuse an optimizer that gained a parameter group since construction."""
-        core = self.core
-        if self.groups_changed():
-            groups = len(core.optimizer.param_groups)
-            raise UnsupportedSetupError(
-                f"the optimizer has {groups} parameter groups, {core.n_groups} when the "
-                "Checkpointer was built (optimizer.add_param_group()): lowdiff's records and "
-                "full checkpoints hold the parameters it was built with, so nothing from here "
-                "on could be restored. Add every group before building the Checkpointer (a "
-                "group may start frozen or with lr 0), or close it and start a new directory"
-            )
+        self.core.check_groups()
 
     def hparams(self) -> str:
         """The update's hyperparameters as the JSON text a record holds (groups that did
@@ -358,44 +333,9 @@ class EngineStrategy(Strategy):
         return core.durable
 
     def flush_remote(self) -> int:
-        """:meth:`flush`, then wait until the remote tier can recover the durable step.
-
-        Waits as long as uploads make progress within ``remote_timeout`` seconds; then
-        raises :class:`lowdiff.RemoteStorageError` (the local tier is not affected).
-        Under DDP a collective call: each rank waits for its own shard's uploads, then
-        the ranks exchange their remote durable steps (every rank takes part, even one
-        whose wait failed), and each raises when its own wait failed or when the job's
-        remote durable step is behind the job's durable step (another rank's failed).
-
-        Returns:
-            The newest step the remote tier can recover (under DDP: every shard's).
-        """
-        url = self.options.remote
-        if url is None:
-            raise ValueError("flush(remote=True) needs remote=... (no remote tier is configured)")
-        self.flush()
-        core, session = self.core, self.session
-        if session is None or not core.started or core.closed or self.policy.suspended:
-            return core.remote_durable_step()
-        failed: RemoteStorageError | None = None
-        try:
-            session.wait_remote(core.durable, self.options.remote_timeout, url)
-        except RemoteStorageError as e:
-            if core.job is None:
-                raise
-            failed = e
-        if core.job is None:
-            return core.remote_durable
-        job_durable, job_remote = core.job.now(*core.figures())
-        if failed is not None:
-            raise failed
-        if job_remote < job_durable:
-            raise RemoteStorageError(
-                f"the remote tier {url} can recover step {job_remote} of the job, the local "
-                f"tier step {job_durable}: another rank's uploads made no progress for "
-                f"{self.options.remote_timeout:g} s (its own error names the failure)"
-            )
-        return job_remote
+        """:meth:`flush`, then wait for the remote tier
+        (:func:`lowdiff.engine.remote_wait.flush_remote`)."""
+        return remote_wait.flush_remote(self)
 
     def close(self) -> None:
         """Flush everything, wait until it is durable and stop the checkpointing process.
@@ -418,7 +358,7 @@ class EngineStrategy(Strategy):
         core.closed = self.handover.closed = True
         closed = settled = False
         try:
-            if core.started and self.groups_changed():
+            if core.started and core.groups_changed():
                 # a step handed over late (attach) would be sent with the new group's
                 # hyperparameters and optimizer state: it is not saved
                 self.handover.discard()
@@ -447,21 +387,7 @@ class EngineStrategy(Strategy):
         if self.policy.suspended is not None:
             self.policy.warn_not_durable("close()")
         elif closed and self.options.remote is not None:
-            self._check_remote_closed(settled)
-
-    def _check_remote_closed(self, settled: bool) -> None:
-        """After ``close()``: raise when this rank's remote tier is behind its local one,
-        or (under DDP, once the final exchange ``settled``) the job's is behind the job's."""
-        core, url = self.core, self.options.remote
-        assert url is not None
-        if core.remote_durable < core.durable:
-            raise RemoteStorageError(remote_stalled(url, self.options.remote_timeout, core))
-        if settled and core.job is not None and core.job.values[1] < core.job.values[0]:
-            raise RemoteStorageError(
-                f"the remote tier {url} can recover step {core.job.values[1]} of the job, the "
-                f"local tier step {core.job.values[0]}: another rank's uploads stalled (its "
-                "own close() names the failure)"
-            )
+            remote_wait.check_closed(self, settled)
 
     def _request_close(self) -> None:
         """Tell the checkpointing process to close, and wait for its answer."""

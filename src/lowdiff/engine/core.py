@@ -24,7 +24,7 @@ import torch
 from lowdiff.compressors.base import Compressor
 from lowdiff.ddp.context import DistContext, JobMin, assign_shards
 from lowdiff.ddp.shard import shard_state_dict
-from lowdiff.errors import CheckpointMismatchError
+from lowdiff.errors import CheckpointMismatchError, UnsupportedSetupError
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
@@ -165,6 +165,22 @@ class EngineCore:
         return st.optimizer_state_tensors(
             self.optimizer, shard_state_dict(self.optimizer.state_dict(), self.shard)
         )
+
+    def groups_changed(self) -> bool:
+        """Whether the optimizer gained a parameter group since construction."""
+        return len(self.optimizer.param_groups) != self.n_groups
+
+    def check_groups(self) -> None:
+        """Refuse an optimizer that gained a parameter group since construction."""
+        if self.groups_changed():
+            groups = len(self.optimizer.param_groups)
+            raise UnsupportedSetupError(
+                f"the optimizer has {groups} parameter groups, {self.n_groups} when the "
+                "Checkpointer was built (optimizer.add_param_group()): lowdiff's records and "
+                "full checkpoints hold the parameters it was built with, so nothing from here "
+                "on could be restored. Add every group before building the Checkpointer (a "
+                "group may start frozen or with lr 0), or close it and start a new directory"
+            )
 
     # ------------------------------------------------------------------ the directory
     def open_directory(self, directory: str | os.PathLike[str]) -> None:
