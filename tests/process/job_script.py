@@ -95,8 +95,10 @@ def main(cfg: dict) -> None:
         comp = lowdiff.TopK(
             ratio=cfg.get("ratio", 0.05), error_feedback=cfg.get("error_feedback", False)
         )
-    if cfg["strategy"] == "lowdiff":
+    if cfg["strategy"] in ("lowdiff", "gemini"):
         extra["idle_timeout"] = cfg.get("idle_timeout", 60.0)
+    if cfg["strategy"] in ("lowdiff", "lowdiff+"):
+        extra["batch_size"] = cfg.get("batch_size", 3)
     if "sigterm_timeout" in cfg:
         extra["sigterm_timeout"] = cfg["sigterm_timeout"]
     make = lowdiff.attach if cfg.get("attach") else lowdiff.Checkpointer
@@ -108,7 +110,6 @@ def main(cfg: dict) -> None:
         compressor=comp,
         scheduler=sched,
         full_every=cfg.get("full_every", 10),
-        batch_size=cfg.get("batch_size", 3),
         keep_full=cfg.get("keep_full", 2),
         **extra,
     )

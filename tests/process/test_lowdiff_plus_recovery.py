@@ -217,12 +217,14 @@ def test_orphaned_replica_persists_and_exits_after_idle_timeout(tmp_path):
     assert rp.read_descriptor(ckdir) is None
 
 
-def test_killed_trainer_returns_to_a_launcher_that_captures_its_output(tmp_path):
+@pytest.mark.parametrize("strategy", ["lowdiff+", "gemini"])
+def test_killed_trainer_returns_to_a_launcher_that_captures_its_output(tmp_path, strategy):
     """A launcher that reads the trainer's stdout and stderr to the end (as
     ``subprocess.run(capture_output=True)``, CI runners and schedulers do) sees a SIGKILLed
-    trainer end at once, while its replica lives on for the next trainer."""
+    trainer end at once, while the process holding its state in memory (LowDiff+'s
+    replica, Gemini's holder) lives on for the next trainer."""
     ckdir = tmp_path / "ck"
-    cfg = {"dir": str(ckdir), "steps": 60, "strategy": "lowdiff+", "sleep": 0.02}
+    cfg = {"dir": str(ckdir), "steps": 60, "strategy": strategy, "sleep": 0.02}
     cfg["idle_timeout"] = 120
     # both pipes are read to their end after the kill: no survivor may hold them (else
     # this would wait for the replica's idle_timeout)

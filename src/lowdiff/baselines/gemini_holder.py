@@ -62,6 +62,7 @@ from lowdiff.proc import holder as rp
 from lowdiff.proc.adopt import AdoptionListener
 from lowdiff.proc.child_end import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import Close, Closed, Flush, Flushed, Kind, Message, unexpected
+from lowdiff.proc.spawn import release_trainer_stdio
 
 _POLL_S = 0.2
 """How often an idle holder looks at its trainer, its persist thread and newcomers."""
@@ -343,6 +344,8 @@ class _Holder:
         self.end = None
         end.drain(self.handle, (Kind.GM_DONE, Kind.GM_PEER_DONE))
         end.close()
+        # a launcher capturing the dead trainer's output must see it end now
+        release_trainer_stdio(self.root / layout.REPLICA_LOG)
 
     def wait_for_trainer(self) -> ChildEnd | None:
         """Offer the checkpoint to a new trainer for ``idle_timeout`` seconds (None: none
