@@ -146,7 +146,7 @@ def ranges(tensors: Iterable[torch.Tensor] | None = None) -> list[tuple[int, int
             owners = list(_owners)
         tensors = (t for o in owners for t in _tensors(o))
     # no pinned memory exists before CUDA is initialized, and asking would initialize it
-    pinned_possible = torch.cuda.is_available() and torch.cuda.is_initialized()
+    pinned_possible = torch.cuda.is_initialized()
     spans = sorted({sp for t in tensors if (sp := _span(t, pinned_possible)) is not None})
     merged: list[tuple[int, int]] = []
     for start, end in spans:
