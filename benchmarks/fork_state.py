@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="print the medians as JSON rows")
     a = ap.parse_args()
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     for i in range(a.repeats):
@@ -101,7 +102,15 @@ def main() -> None:
             for mode in ("share", "leave-out") if i % 2 == 0 else ("leave-out", "share"):
                 r = run_once(strategy, mode, a.layers, a.steps)
                 rows.setdefault((strategy, mode), []).append(r)
-                print(f"# {strategy} {mode}: {json.dumps(r)}", flush=True)
+                if not a.json:
+                    print(f"# {strategy} {mode}: {json.dumps(r)}", flush=True)
+    if a.json:
+        print(json.dumps([
+            {"strategy": strategy, "training_state": mode,
+             **{k: statistics.median(r[k] for r in rs) for k in ("trainer_mb", *KEYS)}}
+            for (strategy, mode), rs in rows.items()
+        ]))  # fmt: skip
+        return
     trainer = statistics.median(r["trainer_mb"] for rs in rows.values() for r in rs)
     print(f"\ntrainer RssAnon before the Checkpointer: {trainer:.0f} MB; medians of {a.repeats}")
     print("| strategy | training state | " + " | ".join(KEYS) + " |")

@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--methods", default="lowdiff,lowdiff+,torch-save,gemini")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kill-at", type=int, default=37)
+    ap.add_argument("--json", action="store_true", help="print every job's phases as JSON")
     a = ap.parse_args()
     methods = a.methods.split(",")
     refs = ["none"] + (["none-uncompressed"] if "lowdiff+" in methods else [])
@@ -116,7 +117,11 @@ def main() -> None:
                 r = job(m, d + "/ck")
                 assert r is not None
                 restarted.setdefault(m, []).append(r)
-            print(f"# {m}: fresh {fresh[m][-1]}; restarted {restarted[m][-1]}", flush=True)
+            if not a.json:
+                print(f"# {m}: fresh {fresh[m][-1]}; restarted {restarted[m][-1]}", flush=True)
+    if a.json:
+        print(json.dumps({"fresh": fresh, "restarted": restarted}))
+        return
 
     def med(rows: list[dict[str, float]], k: str) -> str:
         return f"{statistics.median(r[k] for r in rows):.1f}"
