@@ -296,3 +296,31 @@ def test_no_record_file_lands_before_the_first_full_checkpoint(tmp_path):
     again, _ = _run(dict(cfg, steps=6))
     assert again[0] == "resumed 0" and _recovery_line(again) == ("none", 0)
     assert again[-1] == "done"
+
+
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
+def test_the_process_server_outlives_its_trainer_until_the_survivor_exits(tmp_path):
+    """The process server of a SIGKILLed trainer stays while the writer it forked waits for
+    the next trainer (so that the writer is never the last holder of the dead trainer's
+    memory), holding none of the trainer's standard streams; it reaps the writer when the
+    writer exits after the next trainer's close(), and exits too."""
+    ckdir = tmp_path / "ck"
+    base = dict(BASE, dir=str(ckdir), steps=16)
+    first, _ = _run(dict(base, sleep=0.02), kill_after=8, read_to_end=True)
+    writer, _ = _process_line(first)
+    assert rp.pid_alive(writer) and rp.read_descriptor(ckdir) is not None
+    server = _ppid(writer)
+    with open(f"/proc/{server}/comm") as f:
+        assert f.read().strip() == "lowdiff-server"
+    assert rp.pid_alive(server)
+    assert [os.readlink(f"/proc/{server}/fd/{fd}") for fd in (0, 1, 2)] == ["/dev/null"] * 3
+
+    last, _ = _run(dict(base))  # takes the writer over, trains to the end, closes
+    assert _process_line(last) == (writer, writer)
+    assert _wait_gone(writer) and _wait_gone(server)
+    # reaped by its server, not left a zombie for the container's first process
+    assert not os.path.exists(f"/proc/{writer}")
