@@ -30,6 +30,12 @@ with any fork: the server and its processes touch nothing a trainer thread could
 (no CUDA, no process group). This is the same footing as a ``DataLoader`` worker, which
 PyTorch forks from the trainer on Linux by default.
 
+The server serves as long as its trainer lives. When the trainer dies, the server lets
+go of the trainer's standard streams and stays until every process it forked has exited
+(:func:`_outlive_children`): a process that outlives its trainer then never holds the
+dead trainer's memory alone, so its exit, which the next trainer's ``close()`` waits for
+after a takeover, does not free that memory (the server does, once it is the last).
+
 ``LOWDIFF_PROCESS_START=interpreter`` in the trainer's environment restores
 multiprocessing's own start of the server (a new interpreter that imports torch), and so
 the second run of the main script in each new process. The fork is also not used where
