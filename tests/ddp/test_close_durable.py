@@ -101,3 +101,33 @@ def test_close_after_a_peer_died_makes_this_shard_durable(tmp_path: Path) -> Non
     from lowdiff.proc.holder import release_survivor
 
     assert release_survivor(tmp_path / "ck" / "rank-00001", 60.0)  # it was there
+
+
+def test_an_exchange_a_dead_peer_never_joined_keeps_the_values(monkeypatch) -> None:
+    """The background exchange of durable steps started at one step fails at the next
+    (the peer died before taking part): the step goes on, the job-wide values stay as
+    they were (never ahead of any rank), and the next exchange starts."""
+    from lowdiff.ddp.context import JobMin
+
+    class Failed:
+        def wait(self) -> None:
+            raise RuntimeError("Read error: Connection reset by peer")
+
+    class Ctx:
+        group = None
+
+        def _t(self, values):
+            return torch.tensor(list(values), dtype=torch.int64)
+
+    started: list[torch.Tensor] = []
+
+    def all_reduce(t, **kw):
+        started.append(t)
+        return Failed()
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    job = JobMin(Ctx())  # type: ignore[arg-type]
+    job.values = [5]
+    job.refresh(7)  # started
+    job.refresh(8)  # the first one's wait fails: no error here
+    assert job.values == [5] and [t.tolist() for t in started] == [[7], [8]]

@@ -163,11 +163,20 @@ class JobMin:
             self._work = self._t = None
 
     def refresh(self, *local: int) -> None:
-        self._collect()
+        try:
+            self._collect()
+        except RuntimeError:
+            # the previous exchange failed: a peer died before it took part. The values
+            # stay as they were (they never run ahead of any rank), and the trainer learns
+            # of the death from its own next collective (DDP's), not from this bookkeeping
+            self._work = self._t = None
         self._t = self.ctx._t(local)
-        self._work = dist.all_reduce(
-            self._t, op=dist.ReduceOp.MIN, group=self.ctx.group, async_op=True
-        )
+        try:
+            self._work = dist.all_reduce(
+                self._t, op=dist.ReduceOp.MIN, group=self.ctx.group, async_op=True
+            )
+        except RuntimeError:
+            self._work = self._t = None
 
     def now(self, *local: int) -> list[int]:
         self._collect()
