@@ -5,7 +5,7 @@ shares every private page copy on write: the next write of the trainer to each p
 faults, and the kernel copies the page, while the server keeps the original. For the
 tensors the trainer writes at every step on the CPU (parameters, gradients, buffers,
 optimizer state), that made the first step after the fork copy the whole state page by
-page (a 50M-parameter model with AdamW on 2 cores: 0.4 to 0.7 s more than a steady
+page (a 50M-parameter model with AdamW on 2 cores: 0.4 to 1.4 s more than a steady
 step), and left the server, and every process it forks, holding a copy of it. The
 fork itself copied the page tables of all of it.
 
