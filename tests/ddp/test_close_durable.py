@@ -109,8 +109,11 @@ def test_an_exchange_a_dead_peer_never_joined_keeps_the_values(monkeypatch) -> N
     they were (never ahead of any rank), and the next exchange starts."""
     from lowdiff.ddp.context import JobMin
 
+    waited: list[int] = []
+
     class Failed:
         def wait(self) -> None:
+            waited.append(1)
             raise RuntimeError("Read error: Connection reset by peer")
 
     class Ctx:
@@ -130,4 +133,5 @@ def test_an_exchange_a_dead_peer_never_joined_keeps_the_values(monkeypatch) -> N
     job.values = [5]
     job.refresh(7)  # started
     job.refresh(8)  # the first one's wait fails: no error here
+    assert waited == [1]  # the failure did happen, inside refresh(8)
     assert job.values == [5] and [t.tolist() for t in started] == [[7], [8]]

@@ -171,12 +171,9 @@ class JobMin:
             # of the death from its own next collective (DDP's), not from this bookkeeping
             self._work = self._t = None
         self._t = self.ctx._t(local)
-        try:
-            self._work = dist.all_reduce(
-                self._t, op=dist.ReduceOp.MIN, group=self.ctx.group, async_op=True
-            )
-        except RuntimeError:
-            self._work = self._t = None
+        self._work = dist.all_reduce(
+            self._t, op=dist.ReduceOp.MIN, group=self.ctx.group, async_op=True
+        )
 
     def now(self, *local: int) -> list[int]:
         self._collect()

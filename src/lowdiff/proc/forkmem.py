@@ -35,7 +35,6 @@ thread's fork may run while the main thread frees and reuses that memory). Linux
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 import sys
 import threading
@@ -45,7 +44,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.proc import env_choice
+from lowdiff.proc import env_choice, libc
 
 ENV = "LOWDIFF_FORK_STATE"
 """``leave-out`` (the default) or ``share``: whether the training state is left out of the
@@ -67,28 +66,6 @@ the trainer's address space for the time of the fork (``vm.max_map_count``)."""
 
 _owners: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
-_libc: Any = None
-
-
-def libc() -> Any:
-    """This process's C library, with ``madvise`` and ``mmap`` typed (Linux); raises
-    ``OSError`` where it cannot be loaded."""
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.madvise.restype = ctypes.c_int
-        lib.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        lib.mmap.restype = ctypes.c_void_p
-        _libc = lib
-    return _libc
 
 
 def choice() -> str:

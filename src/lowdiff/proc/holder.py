@@ -41,7 +41,7 @@ from lowdiff.errors import DirectoryLockedError, LowDiffError
 from lowdiff.format.atomic import write_bytes_atomic
 from lowdiff.format.dtypes import dtype_from_name, dtype_name
 from lowdiff.format.sfile import TensorEntry, view_tensors
-from lowdiff.proc import forkmem
+from lowdiff.proc import libc
 from lowdiff.proc.child_end import pid_alive
 from lowdiff.proc.locks import wait_for_writer
 
@@ -135,7 +135,7 @@ def populate(shm: shared_memory.SharedMemory) -> bool:
     if not shm.size or not sys.platform.startswith("linux"):
         return False
     try:
-        lib = forkmem.libc()
+        lib = libc()
         assert shm.buf is not None
         # held during the call: the mapping cannot be closed under it (close() refuses
         # while this export lives)
