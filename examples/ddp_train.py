@@ -133,8 +133,9 @@ def main() -> None:
         for r in gathered:
             print(
                 f"[rank {r['rank']}] records {r['record_bytes_per_step'] / 1024:.1f} KiB/step "
-                f"({r['record_write_s_per_step'] * 1e3:.2f} ms/step to write); full checkpoint shard "
-                f"{r['full_bytes'] / 2**20:.2f} MiB in {r['full_write_s'] * 1e3:.1f} ms",
+                f"({r['record_write_s_per_step'] * 1e3:.2f} ms/step to write); full checkpoint shards "
+                f"{r['full_bytes'] / 2**20:.2f} MiB in {r['full_write_s'] * 1e3:.1f} ms on average "
+                "(step 0's holds no optimizer state yet; `lowdiff inspect` gives the later ones)",
                 flush=True,
             )
         if args.report:

@@ -257,7 +257,17 @@ class Checkpointer:
 
         Returns:
             The recovered step (0 for an empty directory).
+
+        Raises:
+            RuntimeError: a second call, a call after the first ``step()``, or after
+                ``close()`` (a closed Checkpointer has let go of its directory: build a
+                new one to go on).
         """
+        if self._impl.is_closed:
+            raise RuntimeError(
+                "resume() after close(): this Checkpointer has let go of its directory; "
+                "build a new Checkpointer to resume from it"
+            )
         return self._impl.resume()
 
     def step(self, metric: float | None = None) -> None:

@@ -240,15 +240,17 @@ def export(
         path: a lowdiff checkpoint directory, or a distributed job's (any world size).
         step: a recoverable step (for a job: one every shard serves); None: the newest.
         out: the file (``safetensors``, ``torch``) or directory (``dcp``, ``hf``) to write;
-            a directory must not exist yet or be empty.
+            a directory must not exist yet or be empty, a file may exist (it is replaced
+            whole), and missing parent directories are created.
         format: one of :data:`FORMATS`; see the module docstring.
 
     Returns:
         The exported step.
 
     Raises:
-        ValueError: an unknown format, no ``out``, or ``out`` inside the checkpoint directory
-            or a non-empty directory.
+        ValueError: an unknown format, no ``out``, or an ``out`` inside the checkpoint
+            directory, a directory for a file format, a non-empty directory, or under a
+            path that is a file.
         CheckpointMismatchError: ``hf`` for a checkpoint without a recorded model config.
         RecoveryError: ``step`` is not recoverable.
 
@@ -267,8 +269,7 @@ def export(
         raise NotACheckpointDirectoryError(f"{root} does not exist or is not a directory")
     if dest.resolve().is_relative_to(root.resolve()):
         raise ValueError(f"out must lie outside the checkpoint directory {root}, got {dest}")
-    if format in ("dcp", "hf") and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise ValueError(f"out {dest} exists and is not an empty directory")
+    _check_out(dest, format)
     if not (is_job_dir(root) and job_sharding(root) == FSDP2):
         _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
     hf_config = _hf_config(root) if format == "hf" else None
@@ -276,6 +277,7 @@ def export(
     model, optimizer, stats = rebuild(root, step, sched if _has_scheduler(root) else None)
     if format == "safetensors":
         sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        dest.parent.mkdir(parents=True, exist_ok=True)
         sfile.write_tensors(dest, sd, {"kind": "export", "step": str(stats.step)})
     elif format == "torch":
         _publish(dest, lambda tmp: _write_torch(tmp, model, optimizer, sched.state, stats.step))
@@ -285,6 +287,24 @@ def export(
         assert hf_config is not None
         _publish(dest, lambda tmp: _write_hf(tmp, model, hf_config))
     return stats.step
+
+
+def _check_out(dest: Path, format: str) -> None:
+    """Refuse an ``out`` the format cannot be written to, before any work: a file format
+    (``safetensors``, ``torch``) never replaces a directory, a directory format (``dcp``,
+    ``hf``) only an empty one; a missing parent is created, a file in its place is not."""
+    if format in ("dcp", "hf"):
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise ValueError(f"out {dest} exists and is not an empty directory")
+    elif dest.is_dir():
+        raise ValueError(
+            f"out {dest} is a directory; format {format!r} writes one file: name the file"
+        )
+    for parent in dest.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"out {dest}: {parent} is not a directory")
+            break
 
 
 def _has_scheduler(root: Path) -> bool:
@@ -394,7 +414,15 @@ def _write_hf(tmp: Path, model: torch.nn.Module, entry: Mapping[str, Any]) -> No
         raise RecoveryError(
             f"the recorded config of {entry['class']} does not fit the checkpoint's state: {e}"
         ) from None
-    hf.save_pretrained(str(tmp))
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # an export prints what it wrote, not a bar per shard
+    try:
+        hf.save_pretrained(str(tmp))
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     _usual_file_modes(tmp)
 
 

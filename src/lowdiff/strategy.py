@@ -185,7 +185,7 @@ class Strategy(abc.ABC):
 
     @property
     def is_closed(self) -> bool:
-        """Whether ``close()`` ran (a strategy driven by the optimizer's hooks says so)."""
+        """Whether ``close()`` ran (a closed strategy neither resumes nor steps again)."""
         return False
 
     model: torch.nn.Module

@@ -207,3 +207,113 @@ def test_inspect_dir_of_a_job_names_inspect_job(tmp_path):
     layout.write_manifest(job, job_manifest(1, "lowdiff"))
     with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="lowdiff.inspect_job"):
         lowdiff.inspect_dir(job)
+
+
+def test_export_out_paths_are_checked_before_any_work(trained, tmp_path, capsys):
+    """A file format never replaces a directory, a path under a file is refused, both as
+    a one-line error; a missing parent directory is created, for every format."""
+    d, snaps = trained
+    (tmp_path / "emptyd").mkdir()
+    (tmp_path / "fulld").mkdir()
+    (tmp_path / "fulld" / "x").write_text("mine")
+    (tmp_path / "afile").write_text("mine")
+    for fmt, out, needle in [
+        ("safetensors", "emptyd", "is a directory; format 'safetensors' writes one file"),
+        ("torch", "emptyd", "is a directory; format 'torch' writes one file"),
+        ("torch", "fulld", "is a directory; format 'torch' writes one file"),
+        ("safetensors", "afile/x.safetensors", "afile is not a directory"),
+        ("dcp", "afile/sub", "afile is not a directory"),
+        ("dcp", "fulld", "exists and is not an empty directory"),
+    ]:
+        code = main(["export", str(d), "--format", fmt, "--out", str(tmp_path / out)])
+        err = capsys.readouterr().err
+        assert code == 2, (fmt, out, err)
+        assert needle in err and "Traceback" not in err, (fmt, out, err)
+    assert (tmp_path / "emptyd").is_dir() and not any((tmp_path / "emptyd").iterdir())
+    assert (tmp_path / "fulld" / "x").read_text() == "mine"
+    assert (tmp_path / "afile").read_text() == "mine"
+    for fmt, out in [("safetensors", "new/a/x.safetensors"), ("torch", "new/b/x.pt")]:
+        assert main(["export", str(d), "--format", fmt, "--out", str(tmp_path / out)]) == 0
+    got = safetensors.torch.load_file(str(tmp_path / "new/a/x.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in snaps[9].items())
+    assert torch.load(tmp_path / "new/b/x.pt")["step"] == 9
+
+
+class _Unreachable:
+    """An fsspec file system whose every read fails as a client's connection error does."""
+
+    protocol = "lowdifftestdown"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return str(path).split("://", 1)[-1]
+
+    @staticmethod
+    def _get_kwargs_from_urls(path):
+        return {}
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise ConnectionRefusedError(f"endpoint down ({name})")
+
+        return fail
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "export"])
+def test_an_unreachable_remote_tier_is_a_one_line_error(tmp_path, capsys, command):
+    fsspec = pytest.importorskip("fsspec")
+    fsspec.register_implementation(_Unreachable.protocol, _Unreachable, clobber=True)
+    extra = ["--out", str(tmp_path / "o.safetensors")] if command == "export" else []
+    code = main([command, f"{_Unreachable.protocol}://bucket/run", *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err  # verify's 1 means "bad files found": not this
+    assert f"lowdiff {command}: error: cannot read the remote tier" in err, err
+    assert "ConnectionRefusedError: endpoint down" in err and "Traceback" not in err, err
+
+
+def test_records_that_is_a_file_is_named(trained, tmp_path, capsys):
+    import shutil
+
+    d, _ = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy, ignore=shutil.ignore_patterns(".lowdiff*"))
+    shutil.rmtree(copy / "records")
+    (copy / "records").write_text("not a directory")
+    assert main(["verify", str(copy)]) == 1
+    assert "records is not a directory" in capsys.readouterr().out
+    assert main(["inspect", str(copy)]) == 0
+    assert "records is not a directory" in capsys.readouterr().out
+
+
+def test_an_unwritable_standard_output_is_a_one_line_error(trained):
+    """``lowdiff inspect DIR > /dev/full``: the write error, named, no traceback."""
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    d, _ = trained
+    with open("/dev/full", "w") as full:
+        r = launch.run(
+            [sys.executable, "-m", "lowdiff", "inspect", str(d), "--all"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "No space left on device" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_demo_storage_figures_leave_out_the_step0_full_checkpoint(trained):
+    """The step-0 full checkpoint holds no optimizer state: 'bytes per full checkpoint'
+    is the size of the later ones, as ``lowdiff inspect`` gives it."""
+    from lowdiff.demo.analysis import storage_stats
+
+    d, _ = trained
+    info = lowdiff.inspect_dir(d)
+    sizes = {f.first_step: f.nbytes for f in info.full_checkpoints}
+    assert 0 in sizes and len(sizes) >= 2 and sizes[0] < min(v for k, v in sizes.items() if k)
+    later = [v for k, v in sizes.items() if k > 0]
+    got = storage_stats(d, n_params=sum(p.numel() for p in _model()[0].parameters()), compressor={})
+    assert got["bytes_per_full"] == sum(later) / len(later) == info.bytes_per_full
+    assert got["full_checkpoints"] == len(sizes)

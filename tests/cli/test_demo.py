@@ -27,6 +27,27 @@ def test_parser_defaults_and_choices() -> None:
         _parse(["--strategy", "checkfreq"])
 
 
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--strategy", "lowdiff+", "--ratio", "0.05"], "--ratio: strategy lowdiff+ trains without"),
+        (
+            ["--strategy", "lowdiff+", "--compressor", "topk", "--ratio", "0.1"],
+            "--compressor and --ratio: strategy lowdiff+ trains without",
+        ),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--steps", "3"], "--steps must be >= 10, got 3"),
+    ],
+)
+def test_bad_options_are_usage_errors(argv: list[str], needle: str, capsys) -> None:
+    """Refused before anything runs, as every other command refuses a bad option: exit
+    code 2 and ``lowdiff demo: error: ...`` (an option LowDiff+ would ignore included)."""
+    assert run_demo(_parse([*argv, "--out-dir", "/nonexistent/never-made"])) == 2
+    err = capsys.readouterr().err
+    assert f"lowdiff demo: error: {needle}" in err, err
+    assert not Path("/nonexistent/never-made").exists()
+
+
 def test_kill_target_is_seeded_and_mid_run() -> None:
     targets = {kill_target(seed, 200) for seed in range(50)}
     assert min(targets) >= 80 and max(targets) <= 160
@@ -51,6 +72,10 @@ def test_quick_demo_recovers_bit_identical_state(tmp_path: Path) -> None:
     assert kill["recovered_step"] >= kill["kill_step"] - report["batch_size"]
     assert report["storage"]["records"] > 0
     assert report["recovery"] is not None
+    # the worst case replays the most records the files allow: at least the restart's
+    worst = report["recovery_worst_case"]
+    assert worst["records_replayed"] >= report["recovery"]["records_replayed"]
+    assert worst["source"] == "disk"
 
 
 @pytest.mark.multiprocess

@@ -113,3 +113,36 @@ def test_rules_of_one_strategy(strategy: str, options: dict, match: str, tmp_pat
     model, opt = _objects()
     with pytest.raises(ValueError, match=match):
         lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy=strategy, **options)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+", "torch-save"])
+@pytest.mark.parametrize("trained", [False, True])
+def test_resume_after_close_is_refused_and_starts_nothing(
+    strategy: str, trained: bool, tmp_path: Path
+) -> None:
+    """A closed Checkpointer has let go of its directory: resume() must not start a
+    session (a checkpointing process nothing would ever close) on it again."""
+    import multiprocessing
+
+    model, opt = _objects()
+    d = tmp_path / "ck"
+    ck = lowdiff.Checkpointer(model, opt, d, strategy=strategy)
+    if trained:
+        ck.resume()
+        model(torch.randn(3, 4)).sum().backward()
+        ck.step()
+        opt.zero_grad()
+    ck.close()
+    durable = max(ck.durable_step, 0)  # torch-save: the step-0 checkpoint (every 30 steps)
+    files = sorted(p.relative_to(d) for p in d.rglob("*")) if d.exists() else []
+    with pytest.raises(RuntimeError, match=r"resume\(\) after close\(\)"):
+        ck.resume()
+    with pytest.raises(RuntimeError, match=r"step\(\) after close\(\)"):
+        ck.step()
+    assert multiprocessing.active_children() == []
+    assert (sorted(p.relative_to(d) for p in d.rglob("*")) if d.exists() else []) == files
+    # the directory is free: a new Checkpointer takes it at once
+    model2, opt2 = _objects()
+    with lowdiff.Checkpointer(model2, opt2, d, strategy=strategy) as ck2:
+        assert ck2.resume() == durable

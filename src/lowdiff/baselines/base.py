@@ -193,6 +193,10 @@ class BaselineCheckpointer(Strategy):
 
     # ------------------------------------------------------------------ public API
     @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    @property
     def step_count(self) -> int:
         """Optimizer updates done so far."""
         return self._step

@@ -4,7 +4,7 @@ The command over :mod:`lowdiff.demo`: it turns the flags into
 :func:`lowdiff.demo.demo_settings`, runs :func:`lowdiff.demo.orchestrate` (four training
 runs: killed, resumed, reference, uninterrupted) and prints
 :func:`lowdiff.demo.format_report` (``--json`` also writes the report). The exit code is 0
-when the recovered state is bit-identical to the reference, else 1.
+when the recovered state is bit-identical to the reference, else 1 (2 for a bad option).
 """
 
 from __future__ import annotations
@@ -62,13 +62,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seeds the model, the data order and the kill step"
     )
     p.add_argument(
-        "--strategy", choices=STRATEGIES, default="lowdiff", help="checkpointing strategy"
+        "--strategy",
+        choices=STRATEGIES,
+        default="lowdiff",
+        help="checkpointing strategy (default lowdiff)",
     )
     p.add_argument(
-        "--compressor", choices=sorted(COMPRESSORS), default="topk", help="gradient compressor"
+        "--compressor",
+        choices=sorted(COMPRESSORS),
+        default="topk",
+        action=_Given,
+        help="gradient compressor of strategy lowdiff (default topk; lowdiff+ trains "
+        "without compression and refuses one)",
     )
     p.add_argument(
-        "--ratio", type=float, default=0.01, help="kept fraction for sparsifiers (default 0.01)"
+        "--ratio",
+        type=float,
+        default=0.01,
+        action=_Given,
+        help="kept fraction for sparsifiers (default 0.01)",
     )
     p.add_argument(
         "--full-every", type=int, default=None, help="steps between full checkpoints (default 30)"
@@ -100,8 +112,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was given (``args.given``)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
 def resolve_settings(args: argparse.Namespace) -> DemoSettings:
     """Turn parsed arguments into settings, validating them (ValueError names the flag)."""
+    given = sorted(getattr(args, "given", ()))
+    if args.strategy == "lowdiff+" and given:
+        flags = " and ".join(f"--{g}" for g in given)
+        raise ValueError(
+            f"{flags}: strategy lowdiff+ trains without gradient compression; leave "
+            f"{'them' if len(given) > 1 else 'it'} out, or use --strategy lowdiff"
+        )
     return demo_settings(
         quick=args.quick,
         seed=args.seed,
@@ -126,13 +153,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
     Returns:
         0 if the recovered state is bit-identical to the reference, 1 otherwise
-        (including when a phase fails; the reason goes to stderr).
+        (including when a phase fails; the reason goes to stderr); 2 for a bad option.
     """
     try:
         settings = resolve_settings(args)
     except ValueError as e:
-        print(f"lowdiff demo: {e}", file=sys.stderr)
-        return 1
+        print(f"lowdiff demo: error: {e}", file=sys.stderr)
+        return 2
     print(f"lowdiff demo: writing to {settings.out_dir}", file=sys.stderr)
     previous = sigterm_as_interrupt()
     try:

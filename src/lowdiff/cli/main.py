@@ -465,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     except LowDiffError as e:
         print(f"lowdiff {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
+    except BrokenPipeError:
+        raise  # entry() ends quietly
+    except (ValueError, OSError) as e:  # FileNotFoundError, IsADirectoryError, a full disk
         print(f"lowdiff {args.command}: error: {e}", file=sys.stderr)
         return 2
 
@@ -480,4 +482,8 @@ def entry() -> None:
         # tool does, without a traceback or a second error when Python flushes at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
+    except OSError as e:  # standard output cannot be written (a full disk: > /dev/full)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"lowdiff: error: cannot write the output: {e}", file=sys.stderr)
+        code = 2
     raise SystemExit(code)

@@ -44,16 +44,16 @@ def storage_stats(directory: Path, n_params: int, compressor: dict[str, Any]) ->
     info = inspect_dir(directory)
     rec_bytes = sum(f.nbytes for f in info.record_files)
     n_records = sum(f.n_records for f in info.record_files)
-    fulls = [f.nbytes for f in info.full_checkpoints]
     per_record = rec_bytes / n_records if n_records else None
-    per_full = sum(fulls) / len(fulls) if fulls else None
+    # the full checkpoints taken once optimizer state exists (step 0's has none)
+    per_full = info.bytes_per_full if info.full_checkpoints else None
     ratio = compressor.get("ratio") if compressor.get("kind") in SPARSIFIERS else None
     return {
         "record_files": len(info.record_files),
         "records": n_records,
         "record_bytes_total": rec_bytes,
         "bytes_per_record": per_record,
-        "full_checkpoints": len(fulls),
+        "full_checkpoints": len(info.full_checkpoints),
         "bytes_per_full": per_full,
         "full_over_record": per_full / per_record if per_record and per_full else None,
         "record_bytes_per_param": per_record / n_params if per_record else None,

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -98,6 +98,7 @@ def run_child(
     env: dict[str, str],
     children: Children,
     on_event: Callable[[dict[str, Any]], bool] | None = None,
+    args: Sequence[str] = (),
 ) -> ChildRun:
     """Run one training job to completion, or until ``on_event`` asks for a SIGKILL.
 
@@ -109,6 +110,7 @@ def run_child(
         children: Registry used to clean up on interruption.
         on_event: Called with every JSON event; returning ``True`` SIGKILLs the child at
             once (the event's ``step`` is recorded as ``killed_at``).
+        args: More arguments of ``python -m lowdiff.workloads.train`` (``--probe-recovery DIR``).
 
     Returns:
         The :class:`ChildRun`; ``returncode`` is ``-SIGKILL`` for a killed child.
@@ -122,7 +124,7 @@ def run_child(
     with open(stderr_path, "w") as err:
         start = subprocess.Popen if children.server is None else children.server.popen
         proc = start(
-            [sys.executable, "-m", "lowdiff.workloads.train", "--config", str(cfg_path)],
+            [sys.executable, "-m", "lowdiff.workloads.train", "--config", str(cfg_path), *args],
             stdout=subprocess.PIPE,
             stderr=err,
             stdin=subprocess.DEVNULL,

@@ -31,13 +31,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lowdiff.bench.core import machine_info, torch_threads
+from lowdiff.bench.core import machine_info
 from lowdiff.demo.analysis import compare_states, overhead_stats, storage_stats
 from lowdiff.demo.children import Children, ChildRun, require_ok, run_child
 from lowdiff.demo.settings import DemoError, DemoSettings, kill_target
 from lowdiff.harness import Progress, child_env
 from lowdiff.prefork import PreforkError, PreforkServer
-from lowdiff.workloads.train import PRELOAD, TrainConfig, probe_recovery
+from lowdiff.workloads.train import PRELOAD
 
 
 class _StepProgress:
@@ -168,11 +168,20 @@ class _Demo:
         return _read_json(self.res_fresh), cfg
 
     def worst_case(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
-        """(e) The longest replay the files of (d) allow, timed in this process."""
+        """(e) The longest replay the files of (d) allow, timed in a new process started
+        as the restart (b) was, so that it pays what (b)'s recovery paid the first time
+        (the first optimizer step, the first decode) and bounds it."""
         plus = self.s.strategy == "lowdiff+"
         self.bar.phase("e) recovery from disk" if plus else "e) worst-case recovery")
-        with torch_threads(self.s.threads):
-            return probe_recovery(TrainConfig(**cfg), self.ck_fresh)
+        run = run_child(
+            "e-worst-case", cfg, self.s.out_dir, self.env, self.children,
+            args=("--probe-recovery", str(self.ck_fresh)),
+        )  # fmt: skip
+        require_ok(run)
+        probes = [ev for ev in run.events if ev.get("event") == "probe"]
+        if not probes:
+            raise DemoError("the worst-case recovery process reported nothing")
+        return probes[-1]["recovery"]
 
     def _run(
         self, name: str, cfg: dict[str, Any], follow: Callable[[dict[str, Any]], bool]

@@ -124,6 +124,8 @@ def demo_settings(
     for name in ("full_every", "batch_size", "keep_full", "train_batch_size", "seq_len"):
         if getattr(prof, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(prof, name)}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"--ratio must be in (0, 1], got {ratio}")
     if out_dir:

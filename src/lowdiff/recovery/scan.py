@@ -193,6 +193,8 @@ def scan(root: str | Path) -> Scan:
     for sub, kind in ((layout.FULL_DIR, "full"), (layout.RECORDS_DIR, "records")):
         d = root / sub
         if not d.is_dir():
+            if d.exists() or d.is_symlink():
+                out.problems.append((d, f"{sub} is not a directory (a foreign file?)"))
             continue
         for p in sorted(d.iterdir()):
             if p.name.startswith(TMP_PREFIX):

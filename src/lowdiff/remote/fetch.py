@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lowdiff.errors import (
     CorruptCheckpointError,
+    LowDiffError,
     NotACheckpointDirectoryError,
     RecoveryWarning,
     RemoteStorageError,
@@ -50,20 +51,30 @@ def has_commits(url: str, options: dict[str, Any] | None = None) -> bool:
             holds checkpoints is unknown, and a new session must not write over them.
     """
     try:
-        store = RemoteStore(url, options)
-        store.read_commit(layout.MANIFEST)
+        with reading(url, "to learn whether it holds checkpoints"):
+            RemoteStore(url, options).read_commit(layout.MANIFEST)
     except FileNotFoundError:
         return False
     except CorruptCheckpointError:
         return True  # something is there; fetch() names what is wrong
-    except RemoteStorageError:
+    return True
+
+
+@contextlib.contextmanager
+def reading(url: str, purpose: str = "") -> Iterator[None]:
+    """Reads of the remote tier at ``url``: what the file system's client raises beyond
+    lowdiff's own errors and ``FileNotFoundError`` (no credentials, an unreachable
+    endpoint, a protocol whose fsspec package is not installed) becomes a
+    :class:`RemoteStorageError` that names the URL."""
+    try:
+        yield
+    except (LowDiffError, FileNotFoundError):
         raise
     except Exception as e:  # noqa: BLE001 -- every client has its own connection errors
+        why = f" {purpose}" if purpose else ""
         raise RemoteStorageError(
-            f"cannot read the remote tier {url} to learn whether it holds checkpoints: "
-            f"{type(e).__name__}: {e}"
+            f"cannot read the remote tier {url}{why}: {type(e).__name__}: {e}"
         ) from e
-    return True
 
 
 def fetch(
@@ -98,11 +109,24 @@ def fetch(
     Raises:
         NotACheckpointDirectoryError: the remote holds no committed manifest.
         CorruptCheckpointError: its manifest's commit or bytes are damaged.
+        RemoteStorageError: the remote cannot be read (no credentials, unreachable, the
+            protocol's fsspec package missing).
 
     Example:
         >>> fetch("s3://bucket/run", "/tmp/run")  # doctest: +SKIP
     """
-    dest = Path(dest)
+    with reading(url):
+        return _fetch(url, Path(dest), options, everything, mine, agree_min)
+
+
+def _fetch(
+    url: str,
+    dest: Path,
+    options: dict[str, Any] | None,
+    everything: bool,
+    mine: Callable[[str], bool] | None,
+    agree_min: Callable[[int], int] | None,
+) -> Fetched:
     store = RemoteStore(url, options)
     try:
         store.read_commit(layout.MANIFEST)
@@ -129,7 +153,7 @@ def fetch(
         else:
             _newest_chain(group, dest, out, take, agree)
     for why in out.damaged:
-        warnings.warn(f"remote tier: left out {why}", RecoveryWarning, stacklevel=2)
+        warnings.warn(f"remote tier: left out {why}", RecoveryWarning, stacklevel=3)
     return out
 
 

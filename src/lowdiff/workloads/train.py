@@ -406,8 +406,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m lowdiff.workloads.train", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--config", required=True, help="training config JSON file")
+    parser.add_argument(
+        "--probe-recovery",
+        metavar="DIR",
+        default=None,
+        help="train nothing: time the longest recovery DIR allows (probe_recovery) in this "
+        "new process, as a restarted trainer's would be, and print it as a 'probe' event",
+    )
     args = parser.parse_args(argv)
     cfg = TrainConfig.load(args.config)
+    if args.probe_recovery is not None:
+        _seed_globals(cfg)
+        emit("probe", recovery=probe_recovery(cfg, args.probe_recovery))
+        return 0
     result = train(cfg)
     if cfg.result_path:
         path = Path(cfg.result_path)
