@@ -10,8 +10,11 @@ torchdata's ``StatefulDataLoader``, so a resumed run goes on with the next batch
 
     # FSDP2 (Lightning's ModelParallelStrategy, fully_shard in configure_model), LowDiff+,
     # 2 CPU ranks under torchrun; rank 1 SIGKILLs itself after step 9, torchrun restarts
-    torchrun --nproc-per-node 2 --max-restarts 1 examples/lightning_train.py \
-        --dir runs/pl-fsdp2 --devices 2 --fsdp2 --kill-rank 1 --kill-after 9
+    # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the restarted round must not read the
+    # previous round's addresses from a rendezvous store shared with the workers)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \
+        examples/lightning_train.py --dir runs/pl-fsdp2 --devices 2 --fsdp2 \
+        --kill-rank 1 --kill-after 9
 
 Needs ``pip install lightning torchdata``.
 """

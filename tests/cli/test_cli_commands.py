@@ -317,3 +317,54 @@ def test_demo_storage_figures_leave_out_the_step0_full_checkpoint(trained):
     got = storage_stats(d, n_params=sum(p.numel() for p in _model()[0].parameters()), compressor={})
     assert got["bytes_per_full"] == sum(later) / len(later) == info.bytes_per_full
     assert got["full_checkpoints"] == len(sizes)
+
+
+_KILLED_TRAINER = """
+import os, signal, sys, torch, lowdiff
+torch.manual_seed(0)
+m = torch.nn.Linear(6, 3)
+o = torch.optim.Adam(m.parameters(), lr=1e-2)
+ck = lowdiff.Checkpointer(m, o, sys.argv[1], compressor=lowdiff.TopK(0.5), full_every=4)
+ck.resume()
+for i in range(6):
+    m(torch.randn(5, 6)).pow(2).mean().backward()
+    ck.step()
+    o.zero_grad()
+ck.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_inspect_names_a_writer_live_and_left_over(tmp_path, capsys):
+    """The writer that outlived its trainer is a 'live writer'; once it is gone too, a
+    'left-over writer' (not a 'live replica')."""
+    import os
+    import signal
+    import time
+
+    from lowdiff.proc.holder import replica_status
+
+    d = tmp_path / "ck"
+    r = launch.run(
+        [sys.executable, "-c", _KILLED_TRAINER, str(d)], capture_output=True, timeout=300
+    )
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    status = replica_status(d)
+    assert status is not None and status["process"] == "writer", status
+    assert main(["inspect", str(d)]) == 0
+    assert "live writer step 6, " in capsys.readouterr().out
+    os.kill(status["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (replica_status(d) or {}).get("state") != "stale (owner gone)":
+        assert time.monotonic() < deadline, replica_status(d)
+        time.sleep(0.05)
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "left-over writer" in out and "stale (owner gone)" in out and "replica" not in out, out
+    # the next trainer clears what the dead writer left (its shared memory, descriptor)
+    m = torch.nn.Linear(6, 3)
+    with lowdiff.Checkpointer(
+        m, torch.optim.Adam(m.parameters(), lr=1e-2), d, compressor=lowdiff.TopK(0.5), full_every=4
+    ) as ck:
+        assert ck.resume() == 6
+    assert replica_status(d) is None

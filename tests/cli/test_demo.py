@@ -30,7 +30,10 @@ def test_parser_defaults_and_choices() -> None:
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--strategy", "lowdiff+", "--ratio", "0.05"], "--ratio: strategy lowdiff+ trains without"),
+        (
+            ["--strategy", "lowdiff+", "--ratio", "0.05"],
+            "--ratio: strategy lowdiff+ trains without",
+        ),
         (
             ["--strategy", "lowdiff+", "--compressor", "topk", "--ratio", "0.1"],
             "--compressor and --ratio: strategy lowdiff+ trains without",

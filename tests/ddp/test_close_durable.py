@@ -135,3 +135,40 @@ def test_an_exchange_a_dead_peer_never_joined_keeps_the_values(monkeypatch) -> N
     job.refresh(8)  # the first one's wait fails: no error here
     assert waited == [1]  # the failure did happen, inside refresh(8)
     assert job.values == [5] and [t.tolist() for t in started] == [[7], [8]]
+
+
+def _resumed(rank: int, job: Path, out: Path, store: Path, strategy: str) -> None:
+    join_group(rank, WORLD, store)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"compressor": lowdiff.TopK(0.5)} if strategy == "lowdiff" else {}
+    ck = lowdiff.Checkpointer(model, opt, job, strategy=strategy, full_every=100, **kw)
+    start = ck.resume()
+    seen = [start, ck.recovery_stats.source, ck.durable_step]
+    g = torch.Generator().manual_seed(rank)
+    ((model(torch.randn(6, 8, generator=g)) - 1) ** 2).mean().backward()
+    ck.step()
+    seen.append(ck.durable_step)
+    ck.close()
+    (out / f"resumed{rank}.txt").write_text(" ".join(map(str, seen)))
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_durable_step_right_after_a_resume_from_disk_is_the_resumed_step(
+    tmp_path: Path, strategy: str
+) -> None:
+    """Every rank resumed from its shard's files of one step: the job's durable step is
+    that step at once, not -1 until the first background exchange."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = tmp_path / "ck"
+    assert run_ranks(_rank, WORLD, job, out, tmp_path / "store", strategy) == [0] * WORLD
+    assert run_ranks(_resumed, WORLD, job, out, tmp_path / "store2", strategy) == [0] * WORLD
+    for r in range(WORLD):
+        start, source, right_after, after_step = (out / f"resumed{r}.txt").read_text().split()
+        assert (int(start), source) == (STEPS, "disk")  # closed: nothing in memory
+        assert int(right_after) == STEPS
+        assert int(after_step) >= STEPS

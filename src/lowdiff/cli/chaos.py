@@ -60,7 +60,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         ),
     )
     p.add_argument(
-        "--quick", action="store_true", help="gpt2-tiny, 100 steps (about a minute on 2 quiet cores; --rounds N runs it N times)"
+        "--quick",
+        action="store_true",
+        help="gpt2-tiny, 100 steps (about a minute on 2 quiet cores; --rounds N runs it N times)",
     )
     p.add_argument(
         "--grid", action="store_true", help="LowDiff over a grid of (f, b) against the model"

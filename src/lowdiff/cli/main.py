@@ -49,6 +49,15 @@ def _local(args: argparse.Namespace, *, everything: bool) -> Iterator[list[str]]
         yield got.damaged
 
 
+def _process_label(lr: dict[str, Any]) -> str:
+    """How ``inspect`` names the checkpointing process a directory's descriptor names:
+    LowDiff's writer or LowDiff+'s replica, live, or left over by a dead owner."""
+    kind = {"writer": "writer", "replica": "replica"}.get(lr.get("process", ""))
+    if str(lr.get("state", "")).startswith("stale"):
+        return f"left-over {kind or 'checkpointing process'}"
+    return f"live {kind or 'replica'}"
+
+
 def _remote_options(items: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` items as fsspec options (a VALUE that parses as JSON is taken so)."""
     out: dict[str, Any] = {}
@@ -125,9 +134,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     lr = info.live_replica
     if lr is not None:
         where = f"step {lr['step']}, " if lr.get("step", -1) >= 0 else ""
-        label = "live writer " if lr.get("process") == "writer" else "live replica"
         print(
-            f"{label} {where}{lr['state']} (checkpointing process pid {lr['pid']} on {lr['host']})"
+            f"{_process_label(lr)} {where}{lr['state']} "
+            f"(checkpointing process pid {lr['pid']} on {lr['host']})"
         )
     print(f"\nfull checkpoints ({len(info.full_checkpoints)}):")
     for f in info.full_checkpoints:
@@ -239,9 +248,8 @@ def _inspect_job(args: argparse.Namespace) -> int:
         )
         lr = s.live_replica
         if lr is not None:
-            what = "live writer" if lr.get("process") == "writer" else "live replica"
             at = f"step {lr['step']}, " if lr.get("step", -1) >= 0 else ""
-            line += f"  {what}: {at}{lr['state']} (pid {lr['pid']})"
+            line += f"  {_process_label(lr)}: {at}{lr['state']} (pid {lr['pid']})"
         print(line)
         if args.all:  # every file of the shard
             for f in s.full_checkpoints:

@@ -127,10 +127,30 @@ _INPUTS: list[tuple[str, str, Callable[[str], Any], str]] = [
     ("--write-bw", "write_bw", rate, "write bandwidth W (e.g. 2GB/s)"),
     ("--read-bw", "read_bw", rate, "read bandwidth W_r (default: the write bandwidth)"),
     ("--full-latency", "full_latency", duration, "fixed latency L_F of a full write (default 0)"),
-    ("--batch-latency", "batch_latency", duration, "fixed latency L_B of a record-file write (default 0)"),
-    ("--full-recovery", "full_recovery_s", duration, "time R_F to restore one full checkpoint (default 0)"),
-    ("--decompress", "decompress_s_per_record", duration, "decompression time per record (default 0)"),
-    ("--replay", "replay_s_per_record", duration, "replay (optimizer step) time per record (default 0)"),
+    (
+        "--batch-latency",
+        "batch_latency",
+        duration,
+        "fixed latency L_B of a record-file write (default 0)",
+    ),
+    (
+        "--full-recovery",
+        "full_recovery_s",
+        duration,
+        "time R_F to restore one full checkpoint (default 0)",
+    ),
+    (
+        "--decompress",
+        "decompress_s_per_record",
+        duration,
+        "decompression time per record (default 0)",
+    ),
+    (
+        "--replay",
+        "replay_s_per_record",
+        duration,
+        "replay (optimizer step) time per record (default 0)",
+    ),
 ]
 _FLAG = {fld: flag for flag, fld, _, _ in _INPUTS}
 _REQUIRED = ("tau", "total_time", "mtbf", "full_bytes", "record_bytes", "write_bw")

@@ -155,6 +155,11 @@ class JobMin:
     def _take(self, got: Sequence[int]) -> None:
         self.values = [max(a, int(b)) for a, b in zip(self.values, got, strict=True)]
 
+    def at_least(self, index: int, value: int) -> None:
+        """What every rank knows without an exchange: figure ``index`` is at least
+        ``value`` (every rank resumed from its shard's files of that step)."""
+        self.values[index] = max(self.values[index], value)
+
     def _collect(self) -> None:
         if self._work is not None:
             self._work.wait()

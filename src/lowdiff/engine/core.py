@@ -11,6 +11,7 @@ parts they need; it knows nothing of any one strategy.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime as _dt
 import json
@@ -125,6 +126,8 @@ class EngineCore:
         """Step of the newest full checkpoint (``"auto"`` schedules the next one from it)."""
         self.run_id = uuid.uuid4().hex
         self.recovery_stats: RecoveryStats | None = None
+        self.recovered_extra: tuple[int, Any] | None = None
+        """(step, extra-state tree) of the last recovery (see :meth:`extra_at`)."""
         self.memory_miss_reason: str | None = None
         """Why LowDiff+'s last resume found no replica in memory to restart from."""
         self.stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0.0)
@@ -321,10 +324,29 @@ class EngineCore:
         """The recovered state is loaded: take its step, durability and extra state."""
         self.recovery_stats = stats
         st.apply_extra(self.extra, stats.extra, f"{where} step {stats.step}")
+        self.recovered_extra = (stats.step, stats.extra)
         self.step = stats.step
         self.durable = stats.step if durable else -1
+        if durable and self.job is not None:
+            # the ranks resumed at one agreed step from their shards' files: the job's
+            # durable step is that one before the first exchange says so
+            self.job.at_least(0, stats.step)
         self.last_full = stats.full_step
         self.compressor.reset_state()  # error-feedback residuals restart at zero
+
+    def extra_at(self, step: int) -> tuple[Any, bool]:
+        """The extra state a checkpoint of ``step`` saves, and whether it was taken from
+        the objects now (False: it is the recovered step's, as recovered).
+
+        At the recovered step, before any update, the state is the recovered one; an
+        object may apply a loaded state only later (Lightning's fit loop restores its
+        loader's position when iteration resumes), so its ``state_dict()`` would not say
+        so yet."""
+        recovered = self.recovered_extra
+        if recovered is not None and recovered[0] == step == self.step and self.extra:
+            tree = recovered[1] or {}
+            return {n: copy.deepcopy(tree[n]) for n in self.extra}, False
+        return st.capture_extra(self.extra), True
 
     def figures(self) -> tuple[int, int]:
         """This rank's durable steps: the local tier's and the remote tier's (what the

@@ -132,7 +132,7 @@ class FullStager:
         t1 = time.perf_counter()
         entries = self._copy_in(session, tensors)
         t2 = time.perf_counter()
-        extra = st.capture_extra(core.extra)
+        extra, live = core.extra_at(step)
         entries_json = [
             [e.name, dtype_name(e.dtype), list(e.shape), e.start, e.end] for e in entries
         ]
@@ -150,7 +150,7 @@ class FullStager:
             session.send(message(step, entries_json, meta), early=True)
 
         self._unsent = True
-        handover.handover(send, extra)
+        handover.handover(send, extra if live else None)  # a recovered tree is final
         stats = core.stats
         stats["fulls_requested"] += 1
         stats["full_wait_s"] += t1 - t0

@@ -488,26 +488,25 @@ def replica_status(root: Path) -> dict[str, Any] | None:
     if d is None:
         return None
     out: dict[str, Any] = {"pid": d.pid, "host": d.host, "run_id": d.run_id}
-    if not pid_alive(d.pid):
-        out["state"] = "stale (owner gone)"
-        return out
+    alive = pid_alive(d.pid)
     try:
         shm = attach_segment(d.ctl)
     except FileNotFoundError:
-        out["state"] = "stale (no control block)"
+        out["state"] = "stale (no control block)" if alive else "stale (owner gone)"
         return out
     try:
         state, step, doc = ControlBlock(shm).read()
-        out["state"] = (
-            STATE_NAMES.get(state, str(state))
-            if doc.get("run_id") == d.run_id
-            else "stale (other run)"
-        )
+        if not alive:
+            out["state"] = "stale (owner gone)"
+        elif doc.get("run_id") != d.run_id:
+            out["state"] = "stale (other run)"
+        else:
+            out["state"] = STATE_NAMES.get(state, str(state))
         out["step"] = step
         # LowDiff's writer publishes the same block as LowDiff+'s replica
         out["process"] = doc.get("process", "replica")
     except (LowDiffError, ValueError):
-        out["state"] = "unreadable"
+        out["state"] = "unreadable" if alive else "stale (owner gone)"
     finally:
         shm.close()
     return out
