@@ -274,3 +274,57 @@ def test_shared_memory_shortage_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(rp.os, "statvfs", lambda path: Tiny)
     with pytest.raises(lowdiff.LowDiffError, match=r"not enough shared memory.*--shm-size"):
         rp.create_segment(f"lowdiff-test-{uuid.uuid4().hex[:12]}-big", 1 << 20)
+
+
+_CRASHING_TRAINER = """
+import os, signal, sys, torch, lowdiff
+torch.manual_seed(0)
+m = torch.nn.Linear(6, 3)
+o = torch.optim.Adam(m.parameters(), lr=1e-2)
+ck = lowdiff.Checkpointer(m, o, sys.argv[1], strategy="lowdiff+", full_every=4)
+ck.resume()
+for i in range(int(sys.argv[2])):
+    m(torch.randn(5, 6, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+    ck.step()
+    o.zero_grad()
+ck.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _plain() -> tuple[nn.Module, torch.optim.Optimizer]:
+    m = nn.Linear(6, 3)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+@pytest.mark.multiprocess
+def test_a_copied_directory_leaves_the_originals_survivor_alone(tmp_path: Path) -> None:
+    """``cp -a`` of a directory whose trainer crashed copies the descriptor of the process
+    that outlived it. A trainer on the copy must recover from the copy's files, not from
+    that process (which serves the original), and must not retire it: the original's
+    next trainer still takes it over."""
+    import shutil
+
+    from tests import launch
+
+    src, copy = tmp_path / "src", tmp_path / "copy"
+    r = launch.run([sys.executable, "-c", _CRASHING_TRAINER, str(src), "4"], timeout=300)
+    assert r.returncode == -9
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns(".lowdiff.*.lock"))
+    assert (copy / rp.DESCRIPTOR).exists()  # copied along, naming the original's process
+    survivor = rp.read_descriptor(src)
+    assert survivor is not None and rp.pid_alive(survivor.pid)
+    assert rp.read_descriptor(copy) is None  # not this directory's
+    m, o = _plain()
+    with lowdiff.Checkpointer(m, o, copy, strategy="lowdiff+", full_every=4) as ck:
+        assert ck.resume() == 4
+        stats = ck.recovery_stats
+        assert stats.source == "disk" and stats.adopted_pid is None
+    assert rp.pid_alive(survivor.pid)  # left alone
+    m2, o2 = _plain()
+    with lowdiff.Checkpointer(m2, o2, src, strategy="lowdiff+", full_every=4) as ck2:
+        assert ck2.resume() == 4
+        assert ck2.recovery_stats.source == "memory"
+        assert ck2.recovery_stats.adopted_pid == survivor.pid
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, m2.state_dict()[k]), k  # the same state either way

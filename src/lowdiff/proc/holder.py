@@ -30,7 +30,7 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from typing import Any
@@ -237,16 +237,30 @@ class Descriptor:
     run_id: str
     ctl: str
     layout_id: str
+    directory: str = ""
+    """The identity of the directory it was written in (device and inode, see
+    :func:`directory_id`); empty in a descriptor of an older lowdiff."""
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
+def directory_id(root: Path) -> str:
+    """``"<st_dev>:<st_ino>"`` of ``root``: the same for the directory under any path to
+    it (a rename, a symlink), another for a copy of it."""
+    st = os.stat(root)
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def write_descriptor(root: Path, d: Descriptor) -> None:
+    d = replace(d, directory=directory_id(root))
     write_bytes_atomic(root / DESCRIPTOR, json.dumps(d.to_json(), sort_keys=True).encode())
 
 
 def read_descriptor(root: Path) -> Descriptor | None:
+    """The descriptor of the process that serves ``root``, or None: none, unreadable, or
+    copied with the directory from another one (``cp -a`` while a survivor waits: that
+    process serves the original, whose files and next trainer it belongs to)."""
     try:
         raw = json.loads((root / DESCRIPTOR).read_text())
         d = Descriptor(
@@ -255,7 +269,10 @@ def read_descriptor(root: Path) -> Descriptor | None:
             str(raw["run_id"]),
             str(raw["ctl"]),
             str(raw["layout_id"]),
+            str(raw.get("directory", "")),
         )
+        if d.directory and d.directory != directory_id(root):
+            return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not valid_segment_name(d.ctl) or d.pid <= 0:
