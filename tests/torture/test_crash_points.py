@@ -90,3 +90,29 @@ def test_lowdiff_plus_survivors_are_taken_over_or_refused(
     assert report.recoveries_by_source["lowdiff+ memory"] == 2
     assert report.wrong_states == report.lost_acknowledged == report.lost_handed_off == 0
     assert report.leaked == 0
+
+
+def test_an_orphan_segment_is_reported_and_a_mapped_one_is_not() -> None:
+    """The end-of-series check: a lowdiff segment made during the series that no live
+    process maps is a leak (one that no directory's descriptor names any more); one a
+    live process maps is not."""
+    import uuid
+
+    from lowdiff.proc import holder as rp
+    from lowdiff.torture.crash import _check_orphan_segments, _lowdiff_segments
+
+    before = _lowdiff_segments()
+    tag = uuid.uuid4().hex[:16]
+    orphan = rp.create_segment(f"lowdiff-{tag}-orphan", 4096)
+    mapped = rp.create_segment(f"lowdiff-{tag}-mapped", 4096)
+    orphan.close()  # nobody maps it any more
+    try:
+        report = TortureReport()
+        _check_orphan_segments(before, report, wait_s=0.0)
+        assert report.leaked == 1 and not report.ok
+        assert f"lowdiff-{tag}-orphan" in report.failures[0]
+        assert f"lowdiff-{tag}-mapped" not in report.failures[0]
+    finally:
+        mapped.close()
+        rp.unlink_segment(f"lowdiff-{tag}-orphan")
+        rp.unlink_segment(f"lowdiff-{tag}-mapped")

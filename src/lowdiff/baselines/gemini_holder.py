@@ -135,15 +135,17 @@ class _Holder:
     # -- setup and teardown -------------------------------------------------------------------
     def open(self) -> None:
         ctl_name = f"lowdiff-{self.cfg.run_id[:16]}-ctl"
-        self.ctl = rp.ControlBlock(rp.create_segment(ctl_name, rp.CTL_BYTES))
-        self.publish(rp.STATE_INIT)
-        self.listener = AdoptionListener(self.cfg.address, self.cfg.authkey)
+        # the descriptor first: a kill between the two leaves segments it names (the next
+        # trainer removes them), never segments nothing names
         rp.write_descriptor(
             self.root,
             rp.Descriptor(
                 os.getpid(), socket.gethostname(), self.cfg.run_id, ctl_name, self.cfg.layout_id
             ),
         )
+        self.ctl = rp.ControlBlock(rp.create_segment(ctl_name, rp.CTL_BYTES))
+        self.publish(rp.STATE_INIT)
+        self.listener = AdoptionListener(self.cfg.address, self.cfg.authkey)
 
     def close(self) -> None:
         if self.ctl is not None:

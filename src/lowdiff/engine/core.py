@@ -29,7 +29,7 @@ from lowdiff.errors import CheckpointMismatchError, UnsupportedSetupError
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
-from lowdiff.proc.holder import release_survivor
+from lowdiff.proc.holder import forget_released, release_survivor
 from lowdiff.proc.locks import lock_directory, wait_for_writer
 from lowdiff.recovery.compat import check_compatible
 from lowdiff.recovery.job import generations, is_job_dir, rank_root
@@ -240,8 +240,9 @@ class EngineCore:
         One that waits for a new trainer (and is not taken over) is released first: it
         exits once it has persisted what it holds."""
         assert self.root is not None
-        release_survivor(self.root, timeout)
+        released = release_survivor(self.root, timeout)
         wait_for_writer(self.root, timeout)
+        forget_released(self.root, released)
 
     def job_holds_checkpoints(self) -> bool:
         """(all ranks, under DDP) Whether any rank finds a checkpoint in the job: in a

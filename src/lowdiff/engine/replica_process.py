@@ -119,13 +119,15 @@ class ReplicaProcess:
         cfg = self.cfg
         layout_id = RecordLayout.from_json(cfg.layout).layout_id
         ctl_name = f"lowdiff-{cfg.run_id[:16]}-ctl"
-        self.ctl_shm = rp.create_segment(ctl_name, rp.CTL_BYTES)
-        ctl = rp.ControlBlock(self.ctl_shm)
-        ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id, "layout_id": layout_id})
+        # the descriptor first: a kill between the two leaves segments it names (the next
+        # trainer removes them), never segments nothing names
         rp.write_descriptor(
             self.root,
             rp.Descriptor(os.getpid(), socket.gethostname(), cfg.run_id, ctl_name, layout_id),
         )
+        self.ctl_shm = rp.create_segment(ctl_name, rp.CTL_BYTES)
+        ctl = rp.ControlBlock(self.ctl_shm)
+        ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id, "layout_id": layout_id})
         _warm_up(cfg.optimizer)
         self.rep = Replica(cfg, ctl)
         remote = cfg.remote is not None

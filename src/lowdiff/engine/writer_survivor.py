@@ -93,12 +93,14 @@ class WriterSurvivor:
         if cfg.idle_timeout <= 0:
             return
         name = f"lowdiff-{cfg.run_id[:16]}-ctl"
-        self.ctl = rp.ControlBlock(rp.create_segment(name, CTL_BYTES))
-        self.ctl.write(rp.STATE_RUNNING, -1, self._doc())
+        # the descriptor first: a kill between the two leaves segments it names (the next
+        # trainer removes them), never segments nothing names
         rp.write_descriptor(
             self.root,
             rp.Descriptor(os.getpid(), socket.gethostname(), cfg.run_id, name, cfg.layout_id),
         )
+        self.ctl = rp.ControlBlock(rp.create_segment(name, CTL_BYTES))
+        self.ctl.write(rp.STATE_RUNNING, -1, self._doc())
 
     def trainer_gone(self) -> None:
         """(its pipes closed) Let go of the trainer's standard streams before writing

@@ -448,14 +448,22 @@ def wait_until_written(root: Path, timeout: float) -> None:
                 raise
 
 
-def release_survivor(root: Path, wait_s: float) -> bool:
+def release_survivor(root: Path, wait_s: float) -> Descriptor | None:
     """Let the process of ``root`` that outlived its trainer (of any layout) persist what
-    it holds and exit, when there is one; whether there was."""
+    it holds and exit, when there is one; its descriptor (for :func:`forget_released`)."""
     found, _ = find_survivor(root, None, wait_s)
     if found is None:
-        return False
+        return None
     found.release_owner(wait_s)
-    return True
+    return found.descriptor
+
+
+def forget_released(root: Path, d: Descriptor | None) -> None:
+    """After a released process is gone (its writer lock free): remove what it left in
+    shared memory if it did not get to (killed while it persisted), before a new process
+    of ``root`` writes a descriptor of its own and nothing names those segments any more."""
+    if d is not None and not pid_alive(d.pid):
+        cleanup_stale(root, d)
 
 
 def cleanup_stale(root: Path, d: Descriptor) -> list[str]:

@@ -426,6 +426,7 @@ def _run_crash(
 ) -> None:
     from lowdiff.torture import workload
 
+    segments_before = _lowdiff_segments()
     for strategy, share_kills in split_kills(n_kills, strategies).items():
         if share_kills == 0:
             continue
@@ -465,3 +466,38 @@ def _run_crash(
         if log:
             done = report.kills_by_strategy[strategy] - kills0
             log(f"crash ({strategy}): {done} kills in {time.monotonic() - t0:.0f} s")
+    _check_orphan_segments(segments_before, report)
+
+
+def _lowdiff_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("lowdiff-")}
+    except OSError:
+        return set()
+
+
+def _mapped_segments() -> set[str]:
+    """The /dev/shm segments some live process maps."""
+    out: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+                out.update(
+                    line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line
+                )
+    return out
+
+
+def _check_orphan_segments(before: set[str], report: TortureReport, wait_s: float = 15.0) -> None:
+    """Every kill series over: a lowdiff segment made since it began that no live process
+    maps is an orphan, whichever run made it (one a per-directory check cannot name: a
+    process killed before its descriptor named its segments)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        orphans = sorted(_lowdiff_segments() - before - _mapped_segments())
+        if not orphans or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if orphans:
+        report.leaked += len(orphans)
+        report.fail(f"shared memory that no process maps, left behind: {orphans}")
