@@ -20,16 +20,20 @@ import lowdiff
 WORLD, STEPS = 2, 10
 
 
-def _rank(rank: int, job: Path, out: Path, store: Path, strategy: str) -> None:
+def _job(rank: int, job: Path, store: Path, strategy: str, **options):
+    """This rank's DDP model, optimizer and Checkpointer (every test's, and each rank's)."""
     join_group(rank, WORLD, store)
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kw = {"compressor": lowdiff.TopK(0.5)} if strategy == "lowdiff" else {}
+    ck = lowdiff.Checkpointer(model, opt, job, strategy=strategy, full_every=100, **kw, **options)
+    return model, opt, ck
+
+
+def _rank(rank: int, job: Path, out: Path, store: Path, strategy: str) -> None:
     # records are written in batches of 4: steps 9 and 10 wait for close()
-    ck = lowdiff.Checkpointer(
-        model, opt, job, strategy=strategy, full_every=100, batch_size=4, **kw
-    )
+    model, opt, ck = _job(rank, job, store, strategy, batch_size=4)
     ck.resume()
     for step in range(STEPS):
         g = torch.Generator().manual_seed(31 * step + rank)
@@ -138,12 +142,7 @@ def test_an_exchange_a_dead_peer_never_joined_keeps_the_values(monkeypatch) -> N
 
 
 def _resumed(rank: int, job: Path, out: Path, store: Path, strategy: str) -> None:
-    join_group(rank, WORLD, store)
-    torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    kw = {"compressor": lowdiff.TopK(0.5)} if strategy == "lowdiff" else {}
-    ck = lowdiff.Checkpointer(model, opt, job, strategy=strategy, full_every=100, **kw)
+    model, _, ck = _job(rank, job, store, strategy)
     start = ck.resume()
     seen = [start, ck.recovery_stats.source, ck.durable_step]
     g = torch.Generator().manual_seed(rank)
