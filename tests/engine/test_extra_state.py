@@ -203,6 +203,10 @@ def test_the_checkpoint_rewritten_at_a_resume_keeps_the_recovered_extra_state(tm
             o.zero_grad()
     saved = stream.state_dict()
     assert saved["pos"] == 8
+    from lowdiff.format import layout, sfile
+
+    full8 = layout.full_path(d, 8)
+    run_before = sfile.read_header(full8).metadata.get("run_id")
     # the restart: resumed from disk, closed before its first step (a crash there loses
     # nothing more: the directory holds the same state)
     m2, o2, s2 = _build()
@@ -211,6 +215,10 @@ def test_the_checkpoint_rewritten_at_a_resume_keeps_the_recovered_extra_state(tm
                               extra_state={"data": lazy}, full_every=4, keep_full=None) as ck2:  # fmt: skip
         assert ck2.resume() == 8
         assert lazy.state_dict()["pos"] == 0 and lazy.pending is not None  # not applied yet
+    # the condition under test: LowDiff+'s new replica persisted step 8 again (LowDiff
+    # writes no full checkpoint at a resume: its file is the first session's)
+    rewritten = sfile.read_header(full8).metadata.get("run_id") != run_before
+    assert rewritten == (strategy == "lowdiff+")
     m3, o3, s3 = _build()
     again = Stream()
     with lowdiff.Checkpointer(m3, o3, d, strategy=strategy, scheduler=s3,

@@ -140,7 +140,12 @@ class _Holder:
         rp.write_descriptor(
             self.root,
             rp.Descriptor(
-                os.getpid(), socket.gethostname(), self.cfg.run_id, ctl_name, self.cfg.layout_id
+                os.getpid(),
+                socket.gethostname(),
+                self.cfg.run_id,
+                ctl_name,
+                self.cfg.layout_id,
+                process="holder",
             ),
         )
         self.ctl = rp.ControlBlock(rp.create_segment(ctl_name, rp.CTL_BYTES))

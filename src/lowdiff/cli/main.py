@@ -52,7 +52,7 @@ def _local(args: argparse.Namespace, *, everything: bool) -> Iterator[list[str]]
 def _process_label(lr: dict[str, Any]) -> str:
     """How ``inspect`` names the checkpointing process a directory's descriptor names:
     LowDiff's writer or LowDiff+'s replica, live, or left over by a dead owner."""
-    kind = {"writer": "writer", "replica": "replica"}.get(lr.get("process", ""))
+    kind = lr.get("process")
     if str(lr.get("state", "")).startswith("stale"):
         return f"left-over {kind or 'checkpointing process'}"
     return f"live {kind or 'replica'}"

@@ -123,7 +123,14 @@ class ReplicaProcess:
         # trainer removes them), never segments nothing names
         rp.write_descriptor(
             self.root,
-            rp.Descriptor(os.getpid(), socket.gethostname(), cfg.run_id, ctl_name, layout_id),
+            rp.Descriptor(
+                os.getpid(),
+                socket.gethostname(),
+                cfg.run_id,
+                ctl_name,
+                layout_id,
+                process="replica",
+            ),
         )
         self.ctl_shm = rp.create_segment(ctl_name, rp.CTL_BYTES)
         ctl = rp.ControlBlock(self.ctl_shm)

@@ -97,7 +97,14 @@ class WriterSurvivor:
         # trainer removes them), never segments nothing names
         rp.write_descriptor(
             self.root,
-            rp.Descriptor(os.getpid(), socket.gethostname(), cfg.run_id, name, cfg.layout_id),
+            rp.Descriptor(
+                os.getpid(),
+                socket.gethostname(),
+                cfg.run_id,
+                name,
+                cfg.layout_id,
+                process="writer",
+            ),
         )
         self.ctl = rp.ControlBlock(rp.create_segment(name, CTL_BYTES))
         self.ctl.write(rp.STATE_RUNNING, -1, self._doc())

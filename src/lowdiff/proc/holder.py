@@ -240,6 +240,9 @@ class Descriptor:
     directory: str = ""
     """The identity of the directory it was written in (device and inode, see
     :func:`directory_id`); empty in a descriptor of an older lowdiff."""
+    process: str = ""
+    """What kind of process it names (``"writer"``, ``"replica"``, ``"holder"``): what
+    ``lowdiff inspect`` calls it once it is gone, without attaching its segments."""
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -270,6 +273,7 @@ def read_descriptor(root: Path) -> Descriptor | None:
             str(raw["ctl"]),
             str(raw["layout_id"]),
             str(raw.get("directory", "")),
+            str(raw.get("process", "")),
         )
         if d.directory and d.directory != directory_id(root):
             return None
@@ -513,25 +517,28 @@ def replica_status(root: Path) -> dict[str, Any] | None:
     if d is None:
         return None
     out: dict[str, Any] = {"pid": d.pid, "host": d.host, "run_id": d.run_id}
-    alive = pid_alive(d.pid)
+    if d.process:
+        out["process"] = d.process
+    if not pid_alive(d.pid):  # a dead owner's segments are never attached
+        out["state"] = "stale (owner gone)"
+        return out
     try:
         shm = attach_segment(d.ctl)
     except FileNotFoundError:
-        out["state"] = "stale (no control block)" if alive else "stale (owner gone)"
+        out["state"] = "stale (no control block)"
         return out
     try:
         state, step, doc = ControlBlock(shm).read()
-        if not alive:
-            out["state"] = "stale (owner gone)"
-        elif doc.get("run_id") != d.run_id:
-            out["state"] = "stale (other run)"
-        else:
-            out["state"] = STATE_NAMES.get(state, str(state))
+        out["state"] = (
+            STATE_NAMES.get(state, str(state))
+            if doc.get("run_id") == d.run_id
+            else "stale (other run)"
+        )
         out["step"] = step
         # LowDiff's writer publishes the same block as LowDiff+'s replica
         out["process"] = doc.get("process", "replica")
     except (LowDiffError, ValueError):
-        out["state"] = "unreadable" if alive else "stale (owner gone)"
+        out["state"] = "unreadable"
     finally:
         shm.close()
     return out
