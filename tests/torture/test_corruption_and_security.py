@@ -3,6 +3,7 @@ unpickles; names read from a directory cannot reach outside it; one trainer per 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,54 @@ def test_second_trainer_on_a_directory_gets_the_holders_pid_and_host(tmp_path) -
     # a killed holder leaves no stale lock behind
     ck = lowdiff.Checkpointer(model, opt, tmp_path, compressor=workload.compressor())
     ck.close()
+
+
+def test_a_busy_process_that_never_lets_go_is_named_after_start_timeout_in_all(tmp_path) -> None:
+    """A process that holds the directory's writer lock and names itself in a replica
+    descriptor, forever busy (never waiting for a new trainer): resume() looks for a
+    survivor, then for one to release, then waits for the lock, and gives up after
+    start_timeout seconds for the three together, naming the holder and the whole wait."""
+    ctl = f"lowdiff-{os.getpid()}busy-ctl"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, socket, sys, time; from pathlib import Path; "
+            "from lowdiff.proc.locks import acquire_flock; from lowdiff.proc import holder as rp; "
+            "root = Path(sys.argv[1]); acquire_flock(root / '.lowdiff.writer.lock', blocking=True); "
+            "shm = rp.create_segment(sys.argv[2], rp.CTL_BYTES); "
+            "rp.ControlBlock(shm).write(rp.STATE_RUNNING, 3, {'run_id': 'r1', 'layout_id': 'x'}); "
+            "rp.write_descriptor(root, rp.Descriptor(os.getpid(), socket.gethostname(), 'r1', "
+            "sys.argv[2], 'x', process='writer')); "
+            "print('held', flush=True); time.sleep(120)",
+            str(tmp_path),
+            ctl,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        model, opt, _ = workload.build()
+        ck = lowdiff.Checkpointer(
+            model, opt, tmp_path, compressor=workload.compressor(), start_timeout=2.0
+        )
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(lowdiff.DirectoryLockedError) as info:
+                ck.resume()
+            waited = time.monotonic() - t0
+        finally:
+            ck.close()
+        text = str(info.value)
+        assert f"pid={holder.pid}" in text and str(tmp_path) in text
+        said = float(text.rsplit("after ", 1)[1].removesuffix(" s"))
+        assert said >= 2.0 and abs(said - waited) < 1.0, (text, waited)
+        assert holder.poll() is None  # asked to go (SIGTERM) it would have exited
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{ctl}")

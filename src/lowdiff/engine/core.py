@@ -16,6 +16,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -235,13 +236,19 @@ class EngineCore:
                 os.close(self.lock_fd)
             self.lock_fd = None
 
-    def wait_for_previous_writer(self, timeout: float) -> None:
+    def wait_for_previous_writer(self, timeout: float, since: float | None = None) -> None:
         """A killed trainer's checkpointing process may still be flushing: wait for it.
         One that waits for a new trainer (and is not taken over) is released first: it
-        exits once it has persisted what it holds."""
+        exits once it has persisted what it holds. The whole wait, from ``since`` (a
+        ``time.monotonic()`` value; by default now), lasts at most ``timeout`` seconds."""
         assert self.root is not None
-        released = release_survivor(self.root, timeout)
-        wait_for_writer(self.root, timeout)
+        start = time.monotonic() if since is None else since
+
+        def left() -> float:
+            return max(0.0, start + timeout - time.monotonic())
+
+        released = release_survivor(self.root, left())
+        wait_for_writer(self.root, left(), since=start)
         forget_released(self.root, released)
 
     def job_holds_checkpoints(self) -> bool:

@@ -116,19 +116,21 @@ class CheckpointingStrategy(EngineStrategy):
         self.stager.emit(self.session, step, message)
 
     # ------------------------------------------------------------------ start and resume
-    def wait_for_previous_writer(self) -> None:
+    def wait_for_previous_writer(self, since: float | None = None) -> None:
         """A killed trainer's checkpointing process may still be flushing: wait for it
-        (one kept for a new trainer is released: it exits once it has persisted)."""
-        self.core.wait_for_previous_writer(self.options.start_timeout)
+        (one kept for a new trainer is released: it exits once it has persisted), for
+        ``start_timeout`` seconds in all from ``since`` (by default now)."""
+        self.core.wait_for_previous_writer(self.options.start_timeout, since)
 
     def settle_previous_process(self) -> None:
         """Before recovering from disk: a killed trainer's checkpointing process may
         still be writing what it was sent. A process this strategy can take over
         (:meth:`_find_survivor`) is waited for until it wrote everything and kept in
         :attr:`survivor`; any other is waited for until it exits."""
+        start = time.monotonic()
         self.survivor = self._find_survivor()
         if self.survivor is None:
-            self.wait_for_previous_writer()
+            self.wait_for_previous_writer(since=start)
 
     def _find_survivor(self) -> Survivor | None:
         """The previous trainer's process, done writing and waiting for a new trainer,

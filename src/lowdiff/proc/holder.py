@@ -454,11 +454,13 @@ def wait_until_written(root: Path, timeout: float) -> None:
 
 def release_survivor(root: Path, wait_s: float) -> Descriptor | None:
     """Let the process of ``root`` that outlived its trainer (of any layout) persist what
-    it holds and exit, when there is one; its descriptor (for :func:`forget_released`)."""
+    it holds and exit, when there is one; its descriptor (for :func:`forget_released`).
+    Finding it and waiting for its exit share the ``wait_s`` seconds."""
+    deadline = time.monotonic() + wait_s
     found, _ = find_survivor(root, None, wait_s)
     if found is None:
         return None
-    found.release_owner(wait_s)
+    found.release_owner(max(0.0, deadline - time.monotonic()))
     return found.descriptor
 
 

@@ -71,23 +71,34 @@ def lock_holder(path: Path) -> str:
         return "unknown holder"
 
 
-def wait_for_writer(root: Path, timeout: float, who: str = "a checkpointing process") -> None:
+def wait_for_writer(
+    root: Path,
+    timeout: float,
+    who: str = "a checkpointing process",
+    *,
+    since: float | None = None,
+) -> None:
     """Wait until no process holds ``DIR/.lowdiff.writer.lock``: a killed trainer's
     checkpointing process may still be writing (the lock goes with the process, even a
     killed one, so a lingering zombie pid cannot fool it).
+
+    ``since`` (a ``time.monotonic()`` value) is when the caller's whole wait began, for
+    the error to tell how long it waited in all; by default, this call's start.
 
     Raises:
         DirectoryLockedError: still held after ``timeout`` seconds.
     """
     path = root / layout.WRITER_LOCK_FILE
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     while True:
         fd = acquire_flock(path, blocking=False)
         if fd is not None:
             os.close(fd)
             return
         if time.monotonic() > deadline:
+            waited = time.monotonic() - (start if since is None else since)
             raise DirectoryLockedError(
-                f"{who} ({lock_holder(path)}) is still writing to {root} after {timeout:.0f} s"
+                f"{who} ({lock_holder(path)}) is still writing to {root} after {waited:.0f} s"
             )
         time.sleep(0.05)
