@@ -65,6 +65,7 @@ from lowdiff.errors import (
 )
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
+from lowdiff.format.sfile import open_regular
 from lowdiff.proc.locks import lock_directory
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.scan import check_directory, is_empty_dir
@@ -431,8 +432,9 @@ def _close_at_exit(ref: weakref.ref[BaselineCheckpointer]) -> None:
 def is_baseline_dir(root: Path) -> bool:
     """True when ``root`` holds a baseline strategy's manifest (read, not verified)."""
     try:
-        body = json.loads((root / layout.MANIFEST).read_bytes()).get("lowdiff_manifest", {})
-    except (OSError, ValueError, AttributeError):
+        with open_regular(root / layout.MANIFEST) as f:
+            body = json.loads(f.read()).get("lowdiff_manifest", {})
+    except (OSError, ValueError, AttributeError, LowDiffError):
         return False
     return isinstance(body, dict) and body.get("format") == BASELINE_FORMAT
 

@@ -116,6 +116,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             ],
             "bytes_per_record": info.bytes_per_record,
             "problems": [{"path": str(p), "reason": r} for p, r in info.problems],
+            "foreign": [{"path": str(p), "reason": r} for p, r in info.foreign],
         }
         print(json.dumps(out, indent=1))
         return 0
@@ -159,6 +160,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(f"\nproblems ({len(info.problems)}):")
         for p, r in info.problems:
             print(f"  {p}: {r}")
+    if info.foreign:
+        print(f"\nleft out, of another trajectory ({len(info.foreign)}):")
+        for _, r in info.foreign:
+            print(f"  {r}")
     return 0
 
 

@@ -26,7 +26,7 @@ import torch
 from lowdiff.compressors.base import Compressor
 from lowdiff.ddp.context import DistContext, JobMin, assign_shards
 from lowdiff.ddp.shard import shard_state_dict
-from lowdiff.errors import CheckpointMismatchError, UnsupportedSetupError
+from lowdiff.errors import CheckpointMismatchError, LowDiffError, UnsupportedSetupError
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
@@ -296,8 +296,28 @@ class EngineCore:
         }
 
     def write_manifest(self, keep_full: int | None) -> None:
+        """Publish the manifest of this session, before any file of it: ``runs`` lists
+        every run that wrote into the directory, this one last, so that a reader refuses a
+        file of any other run (copied from elsewhere). A directory whose manifest predates
+        the list gets none (what its older files came from is unknown)."""
         assert self.root is not None
-        layout.write_manifest(self.root, self.manifest_body(keep_full))
+        body = self.manifest_body(keep_full)
+        runs = self._runs_before()
+        if runs is not None:
+            body["runs"] = [*(r for r in runs if r != self.run_id), self.run_id]
+        layout.write_manifest(self.root, body)
+
+    def _runs_before(self) -> list[str] | None:
+        """The runs the directory's manifest lists ([] when it has none to list: a new
+        directory, or one without a checkpoint file yet); None when they are unknown."""
+        assert self.root is not None
+        if is_empty_dir(self.root):
+            return []
+        try:
+            runs = layout.read_manifest(self.root).get("runs")
+        except LowDiffError:
+            return None
+        return [str(r) for r in runs] if isinstance(runs, list) else None
 
     def check_manifest(self, manifest: dict[str, Any]) -> None:
         """Refuse a directory written by another strategy, compressor, model, optimizer,

@@ -29,7 +29,7 @@ import xxhash
 
 from lowdiff.errors import CorruptCheckpointError, NewerFormatError
 from lowdiff.format.atomic import write_bytes_atomic
-from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, newer_version_reason
+from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION, newer_version_reason, open_regular
 
 MANIFEST = "lowdiff.json"
 FULL_DIR = "full"
@@ -95,7 +95,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
     """Read and verify the manifest. Any changed byte raises :class:`CorruptCheckpointError`."""
     path = root / MANIFEST
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as f:
+            raw = f.read()
     except OSError as e:
         raise CorruptCheckpointError(path, f"cannot read: {e.strerror}") from None
     try:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -384,11 +386,28 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
     return Header(path, meta, entries, n, file_size)
 
 
+def open_regular(path: Path) -> io.BufferedReader:
+    """``open(path, "rb")`` of a regular file. Anything else (a named pipe, a device, a
+    socket) raises :class:`CorruptCheckpointError` at once instead of blocking a reader
+    (opening a named pipe waits for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptCheckpointError(
+                path, "not a regular file (a named pipe, device or socket)"
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str | Path) -> Header:
     """Read and validate only the header (cheap). Does not verify the checksum."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -440,7 +459,7 @@ def read_raw(path: str | Path) -> bytearray:
     """The file's bytes, in one read."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             buf = bytearray(size)
             got = f.readinto(buf)

@@ -494,7 +494,7 @@ def _recover_single(
 ) -> RecoveryStats:
     """A single process's directory (generation 0 of a job that resumed it) at ``step``."""
     sc = scan(root)
-    skipped = warn_damaged(sc.problems)
+    skipped = warn_damaged(sc.problems, step if strict else None)
     bad: set[Path] = set()
     while True:
         plan = make_plan(sc, step, bad)

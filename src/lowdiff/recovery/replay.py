@@ -43,7 +43,7 @@ from lowdiff.errors import (
     RecoveryError,
     RecoveryWarning,
 )
-from lowdiff.format import codec, sfile
+from lowdiff.format import codec, layout, sfile
 from lowdiff.recovery.compat import check_compatible
 from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan
 from lowdiff.state import capture as st
@@ -100,6 +100,8 @@ def load_full(
     raw = sfile.read_raw(info.path)
     t1 = time.perf_counter()
     lf = sfile.decode(info.path, raw)
+    if (lf.metadata.get("run_id") or None) != info.run_id:
+        raise CorruptCheckpointError(info.path, "the file changed since the directory was scanned")
     stats.read_s += t1 - t0
     stats.bytes_read += len(raw)
     stats.files_read += 1
@@ -552,13 +554,27 @@ def _apply_record_state(
     stats.replay_s += time.perf_counter() - t0
 
 
-def warn_damaged(problems: list[tuple[Path, str]]) -> list[tuple[str, str]]:
-    """Warn about each damaged file a scan found; returns them as ``(path, reason)``."""
+def warn_damaged(
+    problems: list[tuple[Path, str]], step: int | None = None
+) -> list[tuple[str, str]]:
+    """Warn about each damaged file a scan found that a recovery to ``step`` (None: the
+    newest) could have used; returns them as ``(path, reason)``."""
+    problems = [(p, why) for p, why in problems if step is None or _may_serve(p, step)]
     for p, why in problems:
         warnings.warn(
             f"lowdiff: passing over damaged file {p}: {why}", RecoveryWarning, stacklevel=4
         )
     return [(str(p), why) for p, why in problems]
+
+
+def _may_serve(p: Path, step: int) -> bool:
+    """Whether the file at ``p`` could serve a recovery to ``step``, by its name: a full
+    checkpoint at or before it, a record file from before it (any other name: yes)."""
+    full = layout.parse_full_name(p.name)
+    if full is not None:
+        return full <= step
+    rec = layout.parse_records_name(p.name)
+    return rec is None or rec[0] < step
 
 
 def pass_over_full(

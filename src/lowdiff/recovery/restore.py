@@ -56,7 +56,7 @@ def recover_shard(
     """Restore the live objects from one checkpoint directory (a single process's, or
     under ``fully_shard`` this rank's shard directory, into its sharded model)."""
     sc = scan(root)
-    skipped = warn_damaged(sc.problems)
+    skipped = warn_damaged(sc.problems, step)
     bad: set[Path] = set()
     while True:
         try:

@@ -200,7 +200,7 @@ def scan(root: str | Path) -> Scan:
             if p.name.startswith(TMP_PREFIX):
                 continue
             try:
-                out_info = _header_info(p, kind)
+                out_info = _header_info(p, kind, manifest)
             except NewerFormatError:
                 raise  # a newer lowdiff's directory: refused whole, nothing passed over
             except CorruptCheckpointError as e:
@@ -219,7 +219,27 @@ def _check_kind(p: Path, found: str | None, want: str) -> None:
         )
 
 
-def _header_info(p: Path, kind: str) -> FileInfo:
+def _check_origin(p: Path, md: dict[str, str], manifest: dict) -> None:
+    """Refuse a file written for another directory: another model layout than the
+    manifest's, or a run the manifest does not list (``runs``; a directory whose manifest
+    predates the list checks the layout alone)."""
+    mine, theirs = manifest.get("layout_id"), md.get("layout_id")
+    if mine is not None and theirs is not None and mine != theirs:
+        raise CorruptCheckpointError(
+            p,
+            f"written for another model layout (layout {theirs}, this directory's is {mine}): "
+            "a file from another run",
+        )
+    runs, run = manifest.get("runs"), md.get("run_id")
+    if isinstance(runs, list) and run and run not in runs:
+        raise CorruptCheckpointError(
+            p,
+            f"written by run {run}, which is none of this directory's runs "
+            f"({len(runs)} in its manifest): a file from another run, or a damaged header",
+        )
+
+
+def _header_info(p: Path, kind: str, manifest: dict) -> FileInfo:
     if kind == "full":
         step = layout.parse_full_name(p.name)
         if step is None:
@@ -228,6 +248,7 @@ def _header_info(p: Path, kind: str) -> FileInfo:
         _check_kind(p, hdr.kind, "full")
         if hdr.metadata.get("step") != str(step):
             raise CorruptCheckpointError(p, "metadata does not match the file name")
+        _check_origin(p, hdr.metadata, manifest)
         return FileInfo(
             p, "full", step, step, hdr.file_size, 0, run_id=hdr.metadata.get("run_id") or None
         )
@@ -242,6 +263,7 @@ def _header_info(p: Path, kind: str) -> FileInfo:
     n = rng[1] - rng[0] + 1
     if md.get("n_records") != str(n):
         raise CorruptCheckpointError(p, "record count does not match the steps it covers")
+    _check_origin(p, md, manifest)
     return FileInfo(
         p,
         "records",
@@ -439,8 +461,15 @@ def make_plan(s: Scan, target: int | None, exclude: AbstractSet[Path] = frozense
     if not candidates:
         iv = recoverable_intervals(s, exclude)
         have = f"recoverable steps are {describe_intervals(iv)}" if iv else "nothing is recoverable"
+        left_out = {
+            x.file.path: x
+            for x in [*(x for *_, c in options for x in c.foreign), *gone.values()]
+            if x.file.first_step <= target
+        }
         raise RecoveryError(
-            f"{s.root}: step {target} is not recoverable; {have}" + _problems_suffix(s)
+            f"{s.root}: step {target} is not recoverable; {have}"
+            + _problems_suffix(s)
+            + _foreign_suffix(left_out.values())
         )
     _, f, c = max(candidates, key=lambda o: o[1].first_step)
     files = [r for r in c.files if r.first_step < target]
@@ -458,7 +487,12 @@ def passed_over(gone: dict[Path, Foreign], chain: Chain, start: int, target: int
     return list(out.values())
 
 
+def _foreign_suffix(left_out: Iterable[Foreign]) -> str:
+    parts = [f"{x.file.path.name} {x.reason}" for x in left_out]
+    return " (left out, of another trajectory: " + "; ".join(parts) + ")" if parts else ""
+
+
 def _problems_suffix(s: Scan) -> str:
     if not s.problems:
         return ""
-    return " (damaged: " + "; ".join(f"{p.name}: {why}" for p, why in s.problems) + ")"
+    return " (left out: " + "; ".join(f"{p.name}: {why}" for p, why in s.problems) + ")"
