@@ -417,6 +417,14 @@ class _Writer:
             # directory could not be resumed; with no file but the manifest, resume()
             # starts afresh, as nothing was ever durable)
             self.wait_full()
+            if self.full.persisted < 0:
+                # it never will be: the trainer died before this process could take the
+                # state it staged (handle_orphaned)
+                raise RuntimeError(
+                    f"records {self.steps[0]}..{self.steps[-1]} were not written: this "
+                    "session's first full checkpoint, which they chain from, could not be "
+                    "written (the trainer died before its staged state reached this process)"
+                )
         n, first, last = len(self.steps), self.steps[0], self.steps[-1]
         entry = sfile.TensorEntry(
             "records", torch.uint8, (n, self.cfg.row_bytes), 0, n * self.cfg.row_bytes
