@@ -114,6 +114,8 @@ class LowDiffStrategy(CheckpointingStrategy):
             self._emit_record(t, grads, hp)
             if self._full_due():
                 self.emit_full(core.step)
+            assert self.session is not None
+            self.stager.ensure_taken(self.session)  # the step is acknowledged on return
             if self.autoplan is not None:
                 self._poll()
                 self.autoplan.replan()

@@ -172,6 +172,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
             ),
             extra,
         )
+        self.stager.ensure_taken(session)  # the step is acknowledged on return
         self.core.stats["record_send_s"] += time.perf_counter() - t0
         self.refresh_job_durable()
 

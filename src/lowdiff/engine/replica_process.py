@@ -62,6 +62,7 @@ from lowdiff.proc.channel import (
     REPLICA_MERGE_NS,
     REPLICA_MERGES,
     SLOTS_DONE,
+    STAGES_TAKEN,
     STAGING_DONE,
     Counters,
 )
@@ -193,6 +194,7 @@ class ReplicaProcess:
                 self.ctr.add(BEAT)
                 self.maybe_persist()
             case Stage(buffer=buffer):
+                self.ctr.add(STAGES_TAKEN)
                 self.staging = buffer
             case Init(step=step, entries=entries, meta=meta):
                 assert self.staging is not None

@@ -52,6 +52,8 @@ class FullStager:
         """The staging buffer and layout the views were made for, and the views."""
         self.staged = 0
         """Stagings handed over (compared with the process's STAGING_DONE count)."""
+        self.stages = 0
+        """Staging buffers sent (compared with the process's STAGES_TAKEN count)."""
         self._unsent = False
         """A full checkpoint staged and deferred (driven by the optimizer's hooks), not
         sent yet: it holds the staging buffer until it is."""
@@ -61,10 +63,23 @@ class FullStager:
         it made ``buffer`` itself (a process taken over), which is then staged into."""
         self.buffer = buffer
         self.staged = 0
+        self.stages = 0
 
     def released(self, session: ProcessSession) -> bool:
         """Whether the process has released every staging handed to it."""
         return session.counter(channel.STAGING_DONE) >= self.staged
+
+    def ensure_taken(self, session: ProcessSession) -> None:
+        """Wait until the process took every staging buffer sent to it. Only the living
+        trainer can hand one over (shared memory passed by descriptor): until then, a
+        crash of the trainer would lose the state staged in it, and with the first full
+        checkpoint of a new directory, every step after it. Once per buffer: a counter
+        read on every other step."""
+        if session.counter(channel.STAGES_TAKEN) < self.stages:
+            session.wait(
+                lambda: session.counter(channel.STAGES_TAKEN) >= self.stages,
+                "the checkpointing process to take the staged state",
+            )
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The state's tensors (model, optimizer, RNG) and the metadata taken with them."""
@@ -103,6 +118,7 @@ class FullStager:
             rp.ensure_shm_space(size + size // 8, "staging a full checkpoint")
             self.buffer = torch.empty(max(size, 1) + size // 8, dtype=torch.uint8).share_memory_()
             session.send(Stage(self.buffer), early=True)
+            self.stages += 1
         dsts = self._dsts
         if dsts is None or dsts[0] is not self.buffer or dsts[1] is not entries:
             views = view_tensors(entries, self.buffer[:size])

@@ -59,6 +59,7 @@ from lowdiff.proc.channel import (
     RECORD_WRITE_NS,
     RECORDS,
     SLOTS_DONE,
+    STAGES_TAKEN,
     STAGING_DONE,
     Counters,
 )
@@ -501,6 +502,7 @@ class _Writer:
                 self.add_record(self.slots[slot], step, meta)
                 self.counters.add(SLOTS_DONE)
             case Stage(buffer=buffer):
+                self.counters.add(STAGES_TAKEN)
                 self.wait_full()
                 self.staging = buffer
             case Full(step=step, entries=entries, meta=meta):

@@ -30,6 +30,9 @@ Counters (indices into the shared tensor):
   the process's upload thread writes them.
 - LowDiff+: :data:`REPLICA_MERGES` and :data:`REPLICA_MERGE_NS`, the steps merged into
   the replica and the nanoseconds the merges took (``ck.stats``; no message per step).
+- :data:`STAGES_TAKEN`: staging buffers the process has taken from the pipe. A staging
+  buffer is shared memory that only its living owner can hand over, so until the
+  process took it, a crash of the trainer would lose the state staged in it.
 
 Every wait of the trainer (:func:`wait_until`) also watches the process's liveness through
 its sentinel and the results pipe: a dead process is an error at once, a live one is
@@ -58,7 +61,8 @@ REMOTE_DURABLE, REMOTE_BEAT, REMOTE_FILES, REMOTE_BYTES, REMOTE_NS, REMOTE_ERROR
     13,
 )
 REPLICA_MERGES, REPLICA_MERGE_NS = 14, 15
-N_COUNTERS = 16
+STAGES_TAKEN = 16
+N_COUNTERS = 17
 
 
 def new_counters() -> torch.Tensor:
