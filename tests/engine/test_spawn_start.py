@@ -148,3 +148,22 @@ def test_spawn_context_checks_the_main_script(monkeypatch, tmp_path: Path) -> No
     assert str(real) in spawn.guard_hint()
     monkeypatch.delattr(main, "__file__")  # python -c, a notebook
     assert spawn.spawn_context().get_start_method() == "spawn"
+
+
+@pytest.mark.parametrize("start", ["fork", "interpreter"])
+def test_a_process_that_dies_while_starting_is_described_by_how_it_died(
+    monkeypatch: pytest.MonkeyPatch, start: str
+) -> None:
+    from types import SimpleNamespace
+
+    from lowdiff.proc import server
+    from lowdiff.proc.spawn import exit_message
+
+    monkeypatch.setenv(server.ENV, start)
+    killed = exit_message("the process", SimpleNamespace(pid=7, exitcode=-9), ready=False)
+    assert killed.startswith("the process (pid 7) was killed by SIGKILL while starting")
+    assert "__main__" not in killed  # a signal is no script error
+    failed = exit_message("the process", SimpleNamespace(pid=7, exitcode=1), ready=False)
+    assert "exited with code 1 while starting" in failed
+    # only a process started as a new interpreter ran the main script again
+    assert ('__name__ == "__main__"' in failed) == (start == "interpreter")

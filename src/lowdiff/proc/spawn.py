@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -204,11 +205,25 @@ def exit_message(what: str, proc: Any, *, ready: bool) -> str:
         # code it can read
         code = "" if proc.exitcode is None else f" (exit code {proc.exitcode})"
         return f"{what} (pid {proc.pid}) exited unexpectedly{code} without reporting an error"
-    return (
-        f"{what} (pid {proc.pid}) exited with code {proc.exitcode} while starting, before "
-        f"it was ready; its own error, if any, is on standard error. The usual cause: "
-        f"{guard_hint()}"
+    code = proc.exitcode
+    if code is not None and code < 0:
+        try:
+            by = signal.Signals(-code).name
+        except ValueError:
+            by = f"signal {-code}"
+        return (
+            f"{what} (pid {proc.pid}) was killed by {by} while starting, before it was "
+            "ready: something outside lowdiff ended it (a kill, the out-of-memory killer, "
+            "a job scheduler)"
+        )
+    message = (
+        f"{what} (pid {proc.pid}) exited with code {code} while starting, before it was "
+        "ready; its own error, if any, is on standard error."
     )
+    with contextlib.suppress(ValueError):
+        if server.start_method() == "interpreter":  # it ran the main script again
+            message += f" The usual cause: {guard_hint()}"
+    return message
 
 
 WORKER_NICE = 10
