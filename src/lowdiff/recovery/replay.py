@@ -79,8 +79,9 @@ class RecoveryStats:
     recovered from memory). A session that resumes from this state names it as the
     ``follows`` of its first record file."""
     adopted_pid: int | None = None
-    """LowDiff+: the checkpointing process that outlived the crashed trainer and that this
-    trainer took over (its pid), or None when a new process was started."""
+    """The checkpointing process that outlived the crashed trainer and that this trainer
+    took over (its pid: LowDiff's writer, LowDiff+'s replica), or None when a new process
+    was started."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
