@@ -147,3 +147,34 @@ def test_who_handles_sigterm(tmp_path, case, want) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == want
+
+
+STALLED = """
+import os, signal, sys, time, torch, lowdiff
+signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the job goes on after SIGTERM
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ck = lowdiff.Checkpointer(model, opt, sys.argv[1], compressor=lowdiff.TopK(0.5),
+                          batch_size=100, sigterm_timeout=1.0, stall_timeout=60)
+ck.resume()
+model(torch.ones(2)).sum().backward()
+ck.step()
+opt.zero_grad()
+worker = lowdiff.own_strategy(ck).worker_process.pid
+os.kill(worker, signal.SIGSTOP)  # it cannot flush: the grace period runs out
+t0 = time.monotonic()
+os.kill(os.getpid(), signal.SIGTERM)
+print("waited", round(time.monotonic() - t0), "durable", ck.durable_step, flush=True)
+os.kill(worker, signal.SIGKILL)
+"""
+
+
+def test_a_grace_period_that_runs_out_is_said_on_standard_error(tmp_path) -> None:
+    r = launch.run(
+        [sys.executable, "-c", STALLED, str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[:2] == ["waited", "1"], r.stdout  # sigterm_timeout, then on
+    assert int(r.stdout.split()[3]) < 1, r.stdout  # step 1 was not made durable
+    assert "lowdiff: on SIGTERM, the steps acknowledged since" in r.stderr, r.stderr

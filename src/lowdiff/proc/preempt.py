@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -105,8 +106,17 @@ def _preempt(frame: Any = None) -> None:
         waiting = list(_registered.items())
         deadline = time.monotonic() + max((t for _, t in waiting), default=0.0)
         for strategy, _ in waiting:
-            with contextlib.suppress(Exception):
+            try:
                 strategy.preempt(deadline)
+            except Exception as e:  # noqa: BLE001 -- said, then the exit goes on
+                # the process is about to end: a line on standard error is all that is
+                # left to tell which steps may not be durable
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(
+                        "lowdiff: on SIGTERM, the steps acknowledged since the last durable "
+                        f"one were not all made durable: {e}\n"
+                    )
+                    sys.stderr.flush()
         previous = _previous
         if callable(previous):
             previous(signal.SIGTERM, frame)
