@@ -415,10 +415,16 @@ def test_optimizer_passed_as_scheduler_is_rejected(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("which", ["model-none", "model-state-dict", "scheduler-object"])
+@pytest.mark.parametrize(
+    "which", ["model-none", "model-state-dict", "scheduler-object", "directory-none"]
+)
 def test_restore_rejects_bad_arguments(ckpt_dir: Path, which: str) -> None:
     model, opt, sched = _build()
     args: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched}
+    if which == "directory-none":
+        with pytest.raises(TypeError, match="directory must be a path"):
+            lowdiff.restore(None, **args)  # type: ignore[arg-type]
+        return
     if which == "model-none":
         args["model"] = None
     elif which == "model-state-dict":

@@ -7,6 +7,7 @@ shard; this module sits above the two and picks one by what the directory holds.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,8 @@ def restore(
     Example:
         >>> step = lowdiff.restore("runs/ckpt", model, optimizer, step=120)  # doctest: +SKIP
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path (str or os.PathLike), got {directory!r}")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise ValueError(f"step must be a non-negative int or None, got {step!r}")
     extra = st.check_extra_state(extra_state)
