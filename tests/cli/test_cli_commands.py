@@ -130,7 +130,9 @@ def test_verify_names_each_bad_file(trained, tmp_path, capsys):
 def test_foreign_directory_is_refused(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
     assert main(["inspect", str(tmp_path)]) == 2
-    assert "not a lowdiff checkpoint directory" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a lowdiff checkpoint directory" in err
+    assert "Use an empty or new directory" not in err  # a trainer's advice, not a reader's
 
 
 def test_python_dash_m_entry_point():

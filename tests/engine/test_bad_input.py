@@ -188,7 +188,9 @@ def test_directory_holding_other_files(tmp_path: Path) -> None:
     (d / "data").mkdir()
     before = sorted(p.name for p in d.rglob("*"))
     model, opt, _ = _build()
-    with pytest.raises(lowdiff.NotACheckpointDirectoryError, match="notes.txt"):
+    with pytest.raises(
+        lowdiff.NotACheckpointDirectoryError, match=r"notes.txt.*Use an empty or new directory"
+    ):
         _ck(model, opt, d)
     with pytest.raises(
         lowdiff.NotACheckpointDirectoryError, match="not a lowdiff checkpoint directory"

@@ -149,8 +149,9 @@ def _unused_subdir(p: Path) -> bool:
     )
 
 
-def check_directory(root: Path) -> None:
-    """Raise :class:`NotACheckpointDirectoryError` unless ``root`` is empty or lowdiff's."""
+def check_directory(root: Path, advice: str = " Use an empty or new directory.") -> None:
+    """Raise :class:`NotACheckpointDirectoryError` unless ``root`` is empty or lowdiff's
+    (``advice`` ends the message: a trainer's, by default; a reader's is '')."""
     if root.exists() and not root.is_dir():
         raise NotACheckpointDirectoryError(f"{root} is a file, not a checkpoint directory")
     if is_empty_dir(root) or (root / layout.MANIFEST).exists():
@@ -169,7 +170,7 @@ def check_directory(root: Path) -> None:
         )
     raise NotACheckpointDirectoryError(
         f"{root} is not empty and holds no {layout.MANIFEST}: it is not a lowdiff checkpoint directory "
-        f"(found: {shown}).{hint} Use an empty or new directory."
+        f"(found: {shown}).{hint}{advice}"
     )
 
 
@@ -178,7 +179,7 @@ def scan(root: str | Path) -> Scan:
     root = Path(root)
     if not root.is_dir():
         raise NotACheckpointDirectoryError(f"{root} does not exist or is not a directory")
-    check_directory(root)
+    check_directory(root, advice="")
     if not (root / layout.MANIFEST).exists():
         raise NotACheckpointDirectoryError(
             f"{root} holds no lowdiff checkpoint (no {layout.MANIFEST})"
