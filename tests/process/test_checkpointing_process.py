@@ -184,34 +184,41 @@ def test_checkpointing_process_killed_during_a_full_checkpoint(tmp_path, monkeyp
 
 @pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
 def test_training_goes_on_while_the_process_starts(tmp_path, monkeypatch, strategy):
-    """resume() does not wait for the checkpointing process's start: the first steps are
-    handed over into the pipe it will read, and every one of them is durable and exact
-    once it is up. The start is held until three steps are done."""
+    """resume() does not wait for the checkpointing process's start: the first forward
+    and backward run while it starts, and the first ck.step() returns once the process
+    is up and took the staged state (until then a crash of the trainer would lose it).
+    The start is held for a while here; every step is durable and exact once it is up."""
     import multiprocessing.context as mpc
     import threading
+    import time
 
-    steps_done = threading.Event()
+    release = threading.Event()
+    started_at: list[float] = []
     original = mpc.ForkServerProcess.start
 
     def slow_start(self):
-        assert steps_done.wait(30)
+        assert release.wait(30)
+        started_at.append(time.monotonic())
         original(self)
 
     monkeypatch.setattr(mpc.ForkServerProcess, "start", slow_start)
     torch.manual_seed(0)
     model = torch.nn.Linear(20, 5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    # LowDiff+ snapshots into max_lag slots (its own default: 2) before it waits for the replica
-    kw = {"compressor": lowdiff.TopK(0.2)} if strategy == "lowdiff" else {"max_lag": 4}
+    kw = {"compressor": lowdiff.TopK(0.2)} if strategy == "lowdiff" else {}
     ck = lowdiff.Checkpointer(
         model, opt, tmp_path / "ck", strategy=strategy, full_every=100, batch_size=2, **kw
     )
     assert ck.resume() == 0
-    _train(model, opt, ck, 3)
     link = ck.strategy_impl.session.link
-    assert link.proc is None and not link.ready  # three steps, and no process yet
-    assert link._early_bytes > 0  # their messages went into the pipe it will read
-    steps_done.set()
+    model(torch.randn(8, 20)).pow(2).mean().backward()
+    assert link.proc is None and not started_at  # a forward and backward, and no process yet
+    assert link._early_bytes > 0  # the staged step-0 state went into the pipe it will read
+    threading.Timer(0.3, release.set).start()
+    ck.step()
+    opt.zero_grad()
+    assert started_at and link.proc is not None  # acknowledged once the process was up
+    _train(model, opt, ck, 2)
     assert ck.flush() == 3
     assert link.ready
     ck.close()
