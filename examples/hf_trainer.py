@@ -29,8 +29,8 @@ from lowdiff.integrations.hf import LowDiffCallback
 
 
 class Sequences(torch.utils.data.Dataset):
-    def __init__(self, n: int = 100, length: int = 16, vocab: int = 64) -> None:
-        g = torch.Generator().manual_seed(99)
+    def __init__(self, n: int = 100, length: int = 16, vocab: int = 64, seed: int = 99) -> None:
+        g = torch.Generator().manual_seed(seed)
         start = torch.randint(0, vocab, (n, 1), generator=g)
         step = torch.randint(1, 4, (n, 1), generator=g)
         self.ids = (start + step * torch.arange(length)) % vocab
@@ -54,9 +54,15 @@ class Progress(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         total = sum(p.detach().double().sum() for p in model.parameters())
-        print(f"step {state.global_step} {float(total).hex()} {state.epoch!r}", flush=True)
+        print(
+            f"step {state.global_step} {float(total).hex()} {state.epoch!r} {state.best_metric!r}",
+            flush=True,
+        )
         if self.sleep:
             time.sleep(self.sleep)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        print(f"eval {state.global_step} {float(metrics['eval_loss']).hex()}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,6 +78,19 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=0,
         help="also let the Trainer save its own checkpoints every N steps (default: none)",
+    )
+    parser.add_argument(
+        "--eval-strategy",
+        choices=("no", "steps", "epoch"),
+        default="no",
+        help="also evaluate (TrainingArguments.eval_strategy; the best eval loss is tracked)",
+    )
+    parser.add_argument("--eval-steps", type=int, default=5, help="with --eval-strategy steps")
+    parser.add_argument(
+        "--strategy",
+        choices=("lowdiff", "lowdiff+"),
+        default="lowdiff",
+        help="lowdiff: compressed gradients as records; lowdiff+: no compression, a CPU replica",
     )
     args = parser.parse_args(argv)
 
@@ -99,24 +118,31 @@ def main(argv: list[str] | None = None) -> None:
         # the Trainer's own checkpoints are not needed (lowdiff's are per step) but may be kept
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,
+        eval_strategy=args.eval_strategy,
+        eval_steps=args.eval_steps,
+        metric_for_best_model="eval_loss" if args.eval_strategy != "no" else None,
         report_to=[],
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
     )
 
-    # error_feedback=False: training after a resume is then bit-identical to a run that
-    # never stopped (with error feedback the residual restarts at zero after a resume)
-    cb = LowDiffCallback(
-        args.dir,
-        compressor=lowdiff.TopK(ratio=0.05, error_feedback=False),
-        full_every=10,
-        batch_size=3,
-    )
+    if args.strategy == "lowdiff+":
+        cb = LowDiffCallback(args.dir, strategy="lowdiff+")
+    else:
+        # error_feedback=False: training after a resume is then bit-identical to a run that
+        # never stopped (with error feedback the residual restarts at zero after a resume)
+        cb = LowDiffCallback(
+            args.dir,
+            compressor=lowdiff.TopK(ratio=0.05, error_feedback=False),
+            full_every=10,
+            batch_size=3,
+        )
     trainer = Trainer(
         model=model,
         args=training_args,
         train_dataset=Sequences(),
+        eval_dataset=Sequences(24, seed=5) if args.eval_strategy != "no" else None,
         callbacks=[cb, Progress(cb, args.sleep)],
     )
     trainer.train(resume_from_checkpoint=cb.resume_from_checkpoint)

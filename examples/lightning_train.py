@@ -8,6 +8,9 @@ torchdata's ``StatefulDataLoader``, so a resumed run goes on with the next batch
 
     python examples/lightning_train.py --dir runs/pl-ddp --devices 2   # DDP, 2 CPU ranks
 
+    # 3 epochs (max_epochs) with a validation loop and ReduceLROnPlateau on its loss
+    python examples/lightning_train.py --dir runs/pl-plateau --epochs 3 --plateau
+
     # FSDP2 (Lightning's ModelParallelStrategy, fully_shard in configure_model), LowDiff+,
     # 2 CPU ranks under torchrun; rank 1 SIGKILLs itself after step 9, torchrun restarts
     # (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the restarted round must not read the
@@ -73,6 +76,21 @@ class Regressor(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class PlateauRegressor(Regressor):
+    """The same model, validated at each epoch's end, with ``ReduceLROnPlateau`` on the
+    validation loss (Lightning steps it after the validation)."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        config = {"scheduler": plateau, "interval": "epoch", "monitor": "val_loss"}
+        return {"optimizer": opt, "lr_scheduler": config}
+
+
 class Progress(pl.Callback):
     """Prints one line per step on rank 0 (the tests compare them with an uninterrupted
     run); with ``exit_after``, every rank exits at once after that step is durable; with
@@ -94,6 +112,11 @@ class Progress(pl.Callback):
             stats = self.lowdiff_cb.ck.recovery_stats if self.lowdiff_cb.ck else None
             source = "" if stats is None else f" from {stats.source}"
             print(f"resumed {self.lowdiff_cb.resumed_step}{source}", flush=True)
+
+    def on_validation_epoch_end(self, trainer, pl_module):
+        if trainer.global_rank == 0 and not trainer.sanity_checking:
+            loss = trainer.callback_metrics["val_loss"].item()
+            print(f"eval {trainer.global_step} {loss.hex()}\n", end="", flush=True)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         x, _ = batch
@@ -130,6 +153,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--dir", required=True, help="lowdiff checkpoint directory")
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps (max_steps)")
+    parser.add_argument(
+        "--epochs", type=int, default=0, help="train for this many epochs (max_epochs) instead"
+    )
+    parser.add_argument(
+        "--plateau",
+        action="store_true",
+        help="a validation loop, and ReduceLROnPlateau on its loss instead of the cosine schedule",
+    )
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step (to kill it)")
     parser.add_argument("--dump", help="write the final state here (safetensors; for the tests)")
     parser.add_argument("--devices", type=int, default=1, help="CPU ranks (more than 1: DDP)")
@@ -167,9 +198,17 @@ def main(argv: list[str] | None = None) -> None:
         data, batch_size=16, sampler=sampler, generator=torch.Generator().manual_seed(8)
     )
 
+    val = None
+    if args.plateau:
+        xv = torch.randn(48, 16, generator=g)
+        val = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(xv, xv.sum(dim=1, keepdim=True).sin()), batch_size=16
+        )
+
     trainer, cb = _trainer(args)
-    module = Regressor(args.steps, args.fsdp2)
-    trainer.fit(module, train_dataloaders=loader)
+    total = args.epochs * len(loader) if args.epochs else args.steps
+    module = (PlateauRegressor if args.plateau else Regressor)(total, args.fsdp2)
+    trainer.fit(module, train_dataloaders=loader, val_dataloaders=val)
 
     assert cb.ck is not None
     if args.dump and (args.fsdp2 or trainer.global_rank == 0):
@@ -201,7 +240,8 @@ def _trainer(args: argparse.Namespace) -> tuple[pl.Trainer, LowDiffCallback]:
         )
         strategy = "ddp" if args.devices > 1 else "auto"
     trainer = pl.Trainer(
-        max_steps=args.steps,
+        max_steps=-1 if args.epochs else args.steps,
+        max_epochs=args.epochs or None,
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy,

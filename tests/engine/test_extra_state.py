@@ -100,10 +100,10 @@ def test_extra_state_errors_are_clear(tmp_path):
         def load_state_dict(self, sd):
             pass
 
-    ck = lowdiff.Checkpointer(m, o, tmp_path / "b", extra_state={"bad": Bad()})
+    # each state_dict() is taken once when the Checkpointer is built: nothing is started
     with pytest.raises(TypeError, match=r"extra_state\['bad'\].*cannot be saved without pickling"):
-        ck.resume()  # the step-0 full checkpoint already carries it
-    ck.close()
+        lowdiff.Checkpointer(m, o, tmp_path / "b", extra_state={"bad": Bad()})
+    assert not (tmp_path / "b").exists()
 
     ck = lowdiff.Checkpointer(m, o, tmp_path / "c", compressor=lowdiff.TopK(0.5))
     ck.resume()
@@ -225,3 +225,94 @@ def test_the_checkpoint_rewritten_at_a_resume_keeps_the_recovered_extra_state(tm
                               extra_state={"data": again}, full_every=4, keep_full=None) as ck3:  # fmt: skip
         assert ck3.resume() == 8
         assert again.pos == saved["pos"] and torch.equal(again.seen, saved["seen"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_retake_replaces_the_state_of_the_step_waiting_for_its_hand_over(tmp_path, strategy):
+    """Under attach a step is handed over when the next update begins. retake() takes an
+    entry again for it, replacing what recapture() took, the last call before the
+    hand-over winning (a framework's evaluation or log after the step); its record and
+    its full checkpoint both save that value."""
+    import json
+
+    from lowdiff.format import codec, layout, sfile
+
+    m, o, s = _build()
+    stream, ctr = Stream(), Counter()
+    kw = {"compressor": None, "persist_every": 1}
+    if strategy == "lowdiff":
+        kw = {"compressor": lowdiff.TopK(0.2, error_feedback=False), "full_every": 4,
+              "batch_size": 3}  # fmt: skip
+    ck = lowdiff.attach(m, o, tmp_path, strategy=strategy, scheduler=s, keep_full=None,
+                        extra_state={"ctr": ctr}, **kw)  # fmt: skip
+    ck.resume()
+    own = lowdiff.own_strategy(ck)
+    own.capture_after_update("ctr")
+    for _ in range(8):
+        x, y = stream.next()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        o.step()
+        s.step()
+        o.zero_grad()
+        ctr.n = 100 * ck.step_count
+        own.recapture("ctr")  # the step's value after its update ...
+        ctr.n += 1
+        own.recapture("ctr")  # ... which a later recapture() leaves alone
+        ctr.n += 2
+        own.retake("ctr")
+        ctr.n += 4
+        own.retake("ctr")  # the last retake() before the next update wins: 100 * step + 7
+    with pytest.raises(ValueError, match="extra_state has no 'nope'"):
+        own.retake("nope")
+    ck.close()
+    for step in (3, 4, 8):
+        got = Counter()
+        m2, o2, s2 = _build()
+        assert lowdiff.restore(tmp_path, m2, o2, s2, step=step, extra_state={"ctr": got}) == step
+        assert got.n == 100 * step + 7, (step, got.n)
+    # the full checkpoint of a step that waited (LowDiff: every 4 steps; LowDiff+: every
+    # step) holds the retaken value as well
+    md = sfile.read_header(layout.full_path(tmp_path, 4)).metadata
+    assert codec.decode(json.loads(md["extra"])["ctr"]) == {"n": 407}
+
+
+class _NoState(Counter):
+    """What an Accelerate loader prepared without ``use_stateful_dataloader=True`` does:
+    ``state_dict()`` raises."""
+
+    def state_dict(self) -> dict:
+        return self.dl_state_dict  # type: ignore[attr-defined]
+
+
+class _NoLoad(Counter):
+    def load_state_dict(self, sd: dict) -> None:
+        raise KeyError("pos")
+
+
+def test_a_failing_state_dict_or_load_state_dict_names_the_entry(tmp_path):
+    m, o, s = _build()
+    want = r"extra_state\['data'\] \(_NoState\): its state_dict\(\) raised AttributeError"
+    # at once, when the Checkpointer is built (attach too), before anything is written
+    with pytest.raises(lowdiff.LowDiffError, match=want):
+        lowdiff.Checkpointer(m, o, tmp_path / "a", extra_state={"data": _NoState()})
+    with pytest.raises(lowdiff.LowDiffError, match=want):
+        lowdiff.attach(m, o, tmp_path / "a", extra_state={"data": _NoState()})
+    assert not (tmp_path / "a").exists()
+    ck = lowdiff.attach(m, o, tmp_path / "a", compressor=None, extra_state={"c": Counter()})
+    ck.resume()  # the attach above that failed left the optimizer free
+    ck.close()
+
+    d = tmp_path / "b"
+    with lowdiff.Checkpointer(m, o, d, compressor=None, extra_state={"c": Counter()}) as ck:
+        ck.resume()
+        m(torch.randn(4, 6)).sum().backward()
+        ck.step()
+    want = r"extra_state\['c'\] \(_NoLoad\): its load_state_dict\(\) raised KeyError"
+    m2, o2, _ = _build()
+    ck = lowdiff.Checkpointer(m2, o2, d, compressor=None, extra_state={"c": _NoLoad()})
+    with pytest.raises(lowdiff.LowDiffError, match=want):
+        ck.resume()
+    ck.close()
+    with pytest.raises(lowdiff.LowDiffError, match=want):
+        lowdiff.restore(d, m2, o2, extra_state={"c": _NoLoad()})

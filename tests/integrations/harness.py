@@ -80,9 +80,9 @@ def run(
     return lines, reported
 
 
-def steps(lines: list[str]) -> dict[int, list[str]]:
-    """``step N a b ...`` lines as ``{N: [a, b, ...]}``."""
-    return {int(p[1]): p[2:] for p in (ln.split() for ln in lines) if p and p[0] == "step"}
+def steps(lines: list[str], kind: str = "step") -> dict[int, list[str]]:
+    """``step N a b ...`` lines (or another ``kind``: ``eval N ...``) as ``{N: [a, b, ...]}``."""
+    return {int(p[1]): p[2:] for p in (ln.split() for ln in lines) if p and p[0] == kind}
 
 
 def resumed_at(lines: list[str]) -> int:
@@ -115,16 +115,22 @@ def kill_resume_compare(
     args: list[str],
     kill_after: int,
     resumed_stderr: list[str] | None = None,
+    sleep: float = 0.05,
 ) -> tuple[int, dict[int, list[str]]]:
     """The whole check: uninterrupted run, killed run, resumed run; the final states must be
-    bit-identical and every step the resumed run printed must match the reference's line.
+    bit-identical and every step (and evaluation) the resumed run printed must match the
+    reference's line.
+
+    The killed run sleeps ``sleep`` seconds after printing each step: the kill lands
+    there, before the next update hands the step over, so the run resumes at the step
+    before ``kill_after`` (a longer sleep makes that surer).
 
     Returns the step the resumed run started from and the reference's step lines; the
     resumed run's stderr is appended to ``resumed_stderr`` when given.
     """
     ref_lines, ref_state = reference_run(script, args)
     ck = str(tmp_path / "ck")
-    _, reported = run(script, [*args, "--dir", ck, "--sleep", "0.05"], kill_after=kill_after)
+    _, reported = run(script, [*args, "--dir", ck, "--sleep", str(sleep)], kill_after=kill_after)
     lines, _ = run(
         script, [*args, "--dir", ck, "--dump", str(tmp_path / "resumed.st")], stderr=resumed_stderr
     )
@@ -134,6 +140,8 @@ def kill_resume_compare(
     assert got, lines[-5:]
     assert min(got) == start + 1
     assert {s: got[s] for s in got} == {s: ref[s] for s in got}
+    ref_evals, got_evals = steps(ref_lines, "eval"), steps(lines, "eval")
+    assert got_evals == {s: v for s, v in ref_evals.items() if s > start}
     diff = diff_files(ref_state, tmp_path / "resumed.st")
     assert diff == [], diff
     return start, ref

@@ -84,3 +84,48 @@ def test_attach_under_accelerator_prepare(tmp_path):
         )
         == []
     )
+
+
+def test_a_prepared_loader_needs_use_stateful_dataloader(tmp_path):
+    """A loader prepared without ``use_stateful_dataloader=True`` has a ``state_dict()``
+    that raises: attach names the entry, its type and the setting at once, before anything
+    is written. With the setting, its position is saved with every step and resumed."""
+    from accelerate.utils import DataLoaderConfiguration
+
+    m, o, _ = _build()
+    pm, po, ploader = accelerate.Accelerator(cpu=True).prepare(
+        m, o, torch.utils.data.DataLoader(_data(), batch_size=4)
+    )
+    want = (
+        r"extra_state\['data'\] \(DataLoaderShard\): its state_dict\(\) raised AttributeError"
+        r".*use_stateful_dataloader=True"
+    )
+    with pytest.raises(lowdiff.LowDiffError, match=want):
+        lowdiff.attach(pm, po.optimizer, tmp_path / "ck", extra_state={"data": ploader})
+    assert not (tmp_path / "ck").exists()
+
+    def prepared():
+        acc = accelerate.Accelerator(
+            cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+        )
+        m, o, _ = _build()
+        return acc.prepare(m, o, torch.utils.data.DataLoader(_data(), batch_size=4))
+
+    pm, po, ploader = prepared()
+    ck = lowdiff.attach(pm, po.optimizer, tmp_path / "ck", compressor=None,
+                        extra_state={"data": ploader})  # fmt: skip
+    assert ck.resume() == 0
+    for i, (x, y) in enumerate(ploader):
+        torch.nn.functional.mse_loss(pm(x), y).backward()
+        po.step()
+        po.zero_grad()
+        if i == 4:
+            break
+    ck.close()
+    pm, po, ploader = prepared()
+    ck = lowdiff.attach(pm, po.optimizer, tmp_path / "ck", compressor=None,
+                        extra_state={"data": ploader})  # fmt: skip
+    assert ck.resume() == 5
+    ck.close()
+    x, _ = next(iter(ploader))  # the sixth batch of the epoch
+    assert torch.equal(x, _data().tensors[0][20:24])

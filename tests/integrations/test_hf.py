@@ -6,7 +6,7 @@ for bit."""
 from __future__ import annotations
 
 import pytest
-from tests.integrations.harness import kill_resume_compare
+from tests.integrations.harness import kill_resume_compare, reference_run, steps
 
 pytest.importorskip("transformers", reason="transformers is not installed")
 pytest.importorskip(
@@ -41,6 +41,33 @@ def test_the_trainers_own_checkpoints_after_a_resume(tmp_path):
     saved = {p.name for p in (tmp_path / "ck-out").glob("checkpoint-*")}
     # step 10 and the last step (12) were saved by the resumed Trainer
     assert {"checkpoint-10", "checkpoint-12"} <= saved, saved
+
+
+@pytest.mark.parametrize("strategy", ["lowdiff", "lowdiff+"])
+def test_a_resume_at_a_step_the_trainer_evaluated_is_bit_exact(tmp_path, strategy):
+    """eval_strategy "steps": the run resumes at step 10, mid-epoch, where the Trainer
+    evaluated after the update (its eval loader's iterator drew random numbers, and the
+    best metric was set). The step is saved with the TrainerState and RNG states as they
+    were after the evaluation, so the later steps' dropout, evaluations and best metric,
+    and the final state, are the uninterrupted run's."""
+    args = ["--steps", "16", "--eval-strategy", "steps", "--eval-steps", "5"]
+    args += ["--strategy", strategy]
+    start, ref = kill_resume_compare(tmp_path, "hf_trainer.py", args, kill_after=11, sleep=0.3)
+    assert start == 10 and start % 7 != 0  # 7 updates per epoch: mid-epoch
+    evals = steps(reference_run("hf_trainer.py", args)[0], "eval")
+    assert {5, 10, 15} <= set(evals)  # one at the resume step, more after it
+    # the best metric the evaluation at the resume step set (after step 10's own line)
+    assert ref[10][-1] != ref[11][-1] and float(ref[11][-1]) == float.fromhex(evals[10][0])
+
+
+def test_a_resume_at_an_epoch_end_the_trainer_evaluated_is_bit_exact(tmp_path):
+    """eval_strategy "epoch": the run resumes at step 7, the end of the first epoch, where
+    the Trainer evaluated before the next epoch began."""
+    args = ["--steps", "16", "--eval-strategy", "epoch"]
+    start, ref = kill_resume_compare(tmp_path, "hf_trainer.py", args, kill_after=8, sleep=0.3)
+    assert start == 7 and ref[7][1] == "1.0"  # the epoch's end
+    evals = steps(reference_run("hf_trainer.py", args)[0], "eval")
+    assert 7 in evals and 14 in evals
 
 
 def test_ignore_data_skip_is_refused(tmp_path):

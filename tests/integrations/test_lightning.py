@@ -26,6 +26,45 @@ def test_lightning_resumes_bit_exactly_after_sigkill(tmp_path, kill_after):
     assert len(ref) == 30
 
 
+@pytest.mark.parametrize("plateau", [False, True])
+def test_lightning_max_epochs_resumes_at_an_epoch_end_bit_exactly(tmp_path, plateau):
+    """max_epochs (no max_steps): killed after step 14, the run resumes at step 13, the
+    end of the first epoch, and the second epoch sees the uninterrupted run's batches (the
+    loader's saved state is loaded, though Lightning counts the epoch as finished). With
+    a validation at each epoch's end (and ReduceLROnPlateau on its loss), the resumed
+    run goes on from the RNG states after that validation."""
+    args = ["--epochs", "3"] + (["--plateau"] if plateau else [])
+    start, ref = kill_resume_compare(tmp_path, "lightning_train.py", args, kill_after=14, sleep=0.3)
+    assert start == 13 and ref[13][-1] == "0" and ref[14][-1] == "1"  # the epoch's end
+    assert sorted(ref) == list(range(1, 40))  # 3 epochs of 13 steps
+    if plateau:
+        from tests.integrations.harness import reference_run, steps
+
+        assert 13 in steps(reference_run("lightning_train.py", args)[0], "eval")
+
+
+@pytest.mark.parametrize("kill_after", [9, 14])
+def test_lightning_reduce_lr_on_plateau_resumes_bit_exactly(tmp_path, kill_after):
+    """ReduceLROnPlateau on the validation loss, stepped at each epoch's end: resumed in
+    the middle of the first epoch (step 8) or at its end (step 13), the plateau steps at
+    the ends of the resumed run's epochs are the uninterrupted run's."""
+    import json
+
+    from tests.integrations.harness import reference_run, steps
+
+    args = ["--steps", "30", "--plateau"]
+    start, ref = kill_resume_compare(
+        tmp_path, "lightning_train.py", args, kill_after=kill_after, sleep=0.3
+    )
+    assert start == kill_after - 1
+    lines, ref_state = reference_run("lightning_train.py", args)
+    assert {13, 26} <= set(steps(lines, "eval"))  # a validation at each epoch's end
+    sched = json.loads(
+        bytes(safetensors.torch.load_file(str(ref_state))["scheduler.json"].tolist())
+    )
+    assert sched["last_epoch"] == 2  # the plateau stepped at both, as in the resumed run
+
+
 @pytest.mark.timeout(600)
 def test_lightning_ddp_resumes_mid_epoch_bit_exactly(tmp_path):
     """Two CPU ranks under Lightning's DDP strategy (gloo): every rank exits after step 17,

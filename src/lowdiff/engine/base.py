@@ -74,6 +74,9 @@ class EngineStrategy(Strategy):
         refuse_sharded(model, optimizer, self.name)
         st.refuse_lbfgs(optimizer)
         extra = st.check_extra_state(extra_state)
+        # each state_dict() once, now: an object that cannot give its state (or whose state
+        # cannot be saved) is named here, before anything is started or written
+        st.capture_extra(extra)
         self.options = opts = EngineOptions(**options)
         dist = detect_dist(model)
         opts.check_for(
@@ -433,6 +436,15 @@ class EngineStrategy(Strategy):
         :meth:`capture_after_update`): each step takes it once, at the first call after
         its update (a later call belongs to later steps)."""
         self.handover.recapture(name)
+
+    def retake(self, name: str) -> None:
+        """Driven by the optimizer's hooks: take ``extra_state[name]`` again now for
+        every step not handed over yet (a step is handed over when the next update
+        begins), replacing what was taken for it. For state a framework changes between
+        the step's update and the next one, after :meth:`recapture` took it: an
+        evaluation, a log or a save of the step. The last call before the hand-over wins.
+        """
+        self.handover.retake(name)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(root={self.core.root}, step={self.core.step})"

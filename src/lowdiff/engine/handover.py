@@ -4,7 +4,8 @@
 scheduler has stepped) or, driven by the optimizer's hooks, once the user's scheduler has
 stepped: when the next update begins, or at ``flush()`` / ``close()``. It also takes
 ``extra_state`` entries that belong to a step but change after its update (a
-``GradScaler`` after ``update()``, a framework's counters).
+``GradScaler`` after ``update()``, a framework's counters, what a framework does
+between two updates: an evaluation, a log).
 
 :class:`OptimizerHooks` registers the optimizer's step pre- and post-hooks and runs the
 strategy's pipeline (:meth:`lowdiff.strategy.Strategy.prepare_update` and
@@ -49,7 +50,8 @@ class Handover:
             return
         with preempt.busy():  # a SIGTERM now must find the step among the pending ones
             self._pending.append(send)
-            if extra is not None and self.late_extra:
+            if extra is not None:
+                # until it is sent, the step's tree may still be taken again (recapture, retake)
                 self._pending_extra.append((extra, set(self.late_extra)))
 
     def finish(self) -> None:
@@ -78,9 +80,26 @@ class Handover:
     def recapture(self, name: str) -> None:
         """Take ``extra_state[name]`` now for the steps waiting for it: each step takes
         it once, at the first call after its update (a later call belongs to later steps)."""
+        self._take(name, first_only=True)
+
+    def retake(self, name: str) -> None:
+        """Take ``extra_state[name]`` again now for every step not handed over yet,
+        whatever was taken for it before: for state that a framework keeps changing after
+        the step's update until the next update begins (an evaluation, a log, a save).
+
+        Unlike :meth:`recapture` (the first call after the update wins), the last call
+        before the hand-over wins: call it only with state that belongs to the step
+        waiting, never from inside the next step."""
+        if name not in self.extra:
+            raise ValueError(f"extra_state has no {name!r} (it has {sorted(self.extra)})")
+        self._take(name, first_only=False)
+
+    def _take(self, name: str, first_only: bool) -> None:
         if self.closed:
             return
-        waiting = [(tree, names) for tree, names in self._pending_extra if name in names]
+        waiting = [
+            (tree, names) for tree, names in self._pending_extra if name in names or not first_only
+        ]
         if not waiting:
             return
         state = st.capture_extra({name: self.extra[name]})[name]

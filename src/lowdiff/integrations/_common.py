@@ -14,6 +14,7 @@ from lowdiff.checkpointer import Checkpointer
 from lowdiff.errors import LowDiffError
 from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
+from lowdiff.state.rng import RngLayout, capture_rng, restore_rng
 
 log = logging.getLogger("lowdiff.integrations")
 
@@ -48,6 +49,26 @@ def capture_after(ck: Checkpointer, name: str) -> None:
 def recapture(ck: Checkpointer, name: str) -> None:
     """Take ``extra_state[name]`` now for the steps waiting for it (see :func:`capture_after`)."""
     own_strategy(ck).recapture(name)
+
+
+def retake(ck: Checkpointer, name: str) -> None:
+    """Take ``extra_state[name]`` again for every step not handed over yet, replacing
+    what :func:`recapture` took: for what the framework changes after it counted the step
+    and before the next update (an evaluation, a log, a save). See
+    :meth:`lowdiff.engine.base.EngineStrategy.retake`."""
+    own_strategy(ck).retake(name)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch CPU, CUDA, Python, NumPy; as a full checkpoint
+    takes them), as a value ``extra_state`` can save."""
+    tensors, extra = capture_rng(RngLayout())
+    return {"tensors": tensors, "extra": extra}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Set the RNG states :func:`rng_state` took."""
+    restore_rng(state["tensors"], state["extra"])
 
 
 def saved_extra(root: str | Path) -> tuple[int, dict[str, Any]] | None:

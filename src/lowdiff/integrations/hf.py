@@ -16,16 +16,25 @@ How it fits the Trainer:
   ``optimizer.step()`` of the Trainer is checkpointed from then on.
 - The Trainer's progress (``TrainerState``: global step, epoch, FLOs, tokens seen, best
   metric) is ``extra_state``; it is taken at ``on_step_end``, once the Trainer has counted
-  the step, and saved with that step.
+  the step, and saved with that step. Under ``attach`` a step is handed to the
+  checkpointing process only when the next update begins, so what the Trainer does after
+  ``on_step_end`` still belongs to the step: the ``TrainerState`` is taken again at
+  ``on_evaluate``, ``on_save``, ``on_epoch_begin``, ``on_train_end`` and the next
+  ``on_step_begin`` (the best metric is set after an evaluation, the FLOs at a log). An
+  evaluation also draws random numbers (creating its data loader's iterator does), so a
+  step the Trainer evaluated, saved or ended an epoch at is saved with the RNG states
+  taken after that (at ``on_evaluate``, ``on_save``, ``on_epoch_begin``,
+  ``on_train_end``), which a resume at that step applies; other steps carry none.
 - Resuming: :attr:`LowDiffCallback.resume_from_checkpoint` reads the newest recoverable
   step and its ``TrainerState`` from the checkpoint files' headers and writes a small
   Trainer checkpoint directory (``trainer_state.json`` and the model's current weights,
   which the Trainer requires) for ``trainer.train(resume_from_checkpoint=...)``. The
   Trainer then skips the batches already trained with its own mechanism (same epochs,
   same shuffling seed), and ``on_train_begin`` restores the model, optimizer, scheduler and
-  RNG states exactly from lowdiff. Resumed mid-epoch, the RNG states are set again right
-  before the first new step (the Trainer's skipping draws random numbers, as it does for its
-  own checkpoints).
+  RNG states exactly from lowdiff (then the RNG states saved after the step's
+  evaluation, if it had one). Resumed mid-epoch, the RNG states are set again right before
+  the first new step (the Trainer's skipping draws random numbers, as it does for its own
+  checkpoints).
 - ``on_log`` adds ``ck.stats`` (``lowdiff/...``) to the Trainer's log entry.
 - ``on_train_end`` closes the checkpointer (everything durable).
 """
@@ -34,11 +43,9 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
@@ -50,7 +57,10 @@ from lowdiff.integrations._common import (
     capture_after,
     not_single_process,
     recapture,
+    retake,
+    rng_state,
     saved_extra,
+    set_rng_state,
     stats_for_logging,
     unwrap_optimizer,
     unwrap_scheduler,
@@ -76,18 +86,26 @@ with the run, and every record would carry all of it)."""
 
 
 class _TrainerProgress:
-    """The Trainer's ``TrainerState`` counters as an ``extra_state`` object."""
+    """The Trainer's ``TrainerState`` counters as an ``extra_state`` object, and the RNG
+    states after the Trainer's work that followed the step (an evaluation), if it had any."""
 
     def __init__(self, state: TrainerState) -> None:
         self.state = state
+        self.rng: dict[str, Any] | None = None
+        """RNG states taken after the step's evaluation, save or epoch end; None for the
+        other steps (their records stay small: lowdiff's own RNG states, taken at the
+        update, are theirs)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: getattr(self.state, k) for k in _FIELDS}
+        sd = {k: getattr(self.state, k) for k in _FIELDS}
+        sd["rng"] = self.rng
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for k in _FIELDS:
             if k in sd:
                 setattr(self.state, k, sd[k])
+        self.rng = sd.get("rng")
 
 
 class LowDiffCallback(TrainerCallback):
@@ -111,10 +129,14 @@ class LowDiffCallback(TrainerCallback):
     ``args.ignore_data_skip`` must stay False (the Trainer skips the trained batches;
     True is refused). After a resume, other callbacks' exported state (an
     ``EarlyStoppingCallback``'s patience) starts fresh, and ``TrainerState.total_flos`` is
-    the Trainer's count as of its last log or save before the resume point (the Trainer
+    the Trainer's count as of its last log or save up to the resume point (the Trainer
     adds a step's FLOs to it only when it logs or saves).
     With ``error_feedback=False`` (or no compression, ``strategy="lowdiff+"``) training
-    after a resume is bit-identical to a run that never stopped.
+    after a resume is bit-identical to a run that never stopped, also at a step where the
+    Trainer evaluated or saved: such a step is saved with the ``TrainerState`` (best
+    metric) and RNG states as they were after the evaluation. A data collator that draws
+    random numbers is not covered: the Trainer fetches the next step's batches before
+    ``on_step_begin``, and a resumed run fetches them from other RNG states.
     """
 
     def __init__(
@@ -138,6 +160,7 @@ class LowDiffCallback(TrainerCallback):
         self._model: torch.nn.Module | None = None
         self._resume_dir: Path | None = None
         self._resume_step: int | None = None
+        self._progress: _TrainerProgress | None = None
         self._rng_at_resume: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ resuming
@@ -252,9 +275,10 @@ class LowDiffCallback(TrainerCallback):
             **self.options,
         )
         capture_after(ck, TRAINER_STATE)
-        self.ck = ck
+        self.ck, self._progress = ck, progress
         start = ck.resume()  # restores TrainerState through progress.load_state_dict
         if start == 0:
+            progress.rng = None
             return
         if self._resume_step is None or hf_state_step != state.global_step:
             ck.close()
@@ -276,8 +300,13 @@ class LowDiffCallback(TrainerCallback):
         # (typed as a list of callbacks, a dict of their states once built or loaded)
         states: Any = state.stateful_callbacks or {}
         state.stateful_callbacks = _CallbackStates(states)  # type: ignore[assignment]
+        # the RNG states after the step's evaluation (or epoch end), where the run that
+        # stopped went on from; lowdiff restored those of the step's update
+        if progress.rng is not None:
+            set_rng_state(progress.rng)
+            progress.rng = None
         if _mid_epoch(args, state, train_dataloader):
-            self._rng_at_resume = _rng_state()
+            self._rng_at_resume = rng_state()
         log.info("lowdiff: resumed at optimizer step %d, global step %d", start, state.global_step)
 
     def on_step_begin(
@@ -286,14 +315,42 @@ class LowDiffCallback(TrainerCallback):
         if self._rng_at_resume is not None:
             # the Trainer's skip of the trained batches drew random numbers that the
             # uninterrupted run drew at the start of the epoch
-            _set_rng_state(self._rng_at_resume)
+            set_rng_state(self._rng_at_resume)
             self._rng_at_resume = None
+        if self.ck is not None and self._progress is not None:
+            # the previous step's last chance: what the Trainer changed since (the FLOs at a
+            # log, the best metric after an evaluation), without the RNG states: the Trainer
+            # has fetched this step's batches already
+            retake(self.ck, TRAINER_STATE)
+            self._progress.rng = None  # this step's own record carries none
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.ck is not None:
             recapture(self.ck, TRAINER_STATE)
+
+    def _after_step(self) -> None:
+        """The Trainer evaluated, saved or began an epoch after the step waiting for its
+        hand-over: take its ``TrainerState`` and the RNG states again."""
+        if self.ck is not None and self._progress is not None:
+            self._progress.rng = rng_state()
+            retake(self.ck, TRAINER_STATE)
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._after_step()
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._after_step()
+
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._after_step()
 
     def on_log(
         self,
@@ -313,6 +370,7 @@ class LowDiffCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._after_step()
         if self.ck is not None:
             self.ck.close()
             log.info("lowdiff: closed at optimizer step %d", self.ck.step_count)
@@ -340,22 +398,3 @@ def _mid_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> boo
     ga = args.gradient_accumulation_steps
     per_epoch = max(n // ga + int(n % ga > 0), 1)
     return state.global_step % per_epoch != 0
-
-
-def _rng_state() -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state_all()
-    return out
-
-
-def _set_rng_state(s: dict[str, Any]) -> None:
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["cpu"])
-    if "cuda" in s:
-        torch.cuda.set_rng_state_all(s["cuda"])

@@ -19,11 +19,18 @@ How it fits Lightning:
   torchdata's ``StatefulDataLoader``) is ``extra_state``. It is taken in
   ``on_train_batch_end`` (``on_train_epoch_end`` for the epoch's last batch), where
   Lightning's own ``ModelCheckpoint`` takes it, once the step and the step-wise LR
-  schedulers are done, and saved with that step.
+  schedulers are done, and saved with that step. The epoch's last step also saves the
+  RNG states as they are then: after the epoch's validation, which draws random numbers
+  and which a resume at that step does not run again.
 - Resuming needs nothing from the user: ``on_fit_start`` runs before Lightning restores
   its loops, and ``resume()`` hands the saved fit-loop state to ``fit_loop.load_state_dict``
   exactly as Lightning does with its own checkpoints (``ckpt_path=``), so the fit loop
-  goes on from the next batch of the same epoch. Do not pass ``ckpt_path`` as well.
+  goes on from the next batch of the same epoch. Do not pass ``ckpt_path`` as well. Where
+  Lightning's own restore would not resume exactly, the callback steps in: resumed at an
+  epoch's end without ``max_steps``, the saved loader states are loaded all the same
+  (Lightning skips them there), and at the end of an epoch resumed inside, a
+  ``ReduceLROnPlateau`` with interval ``"epoch"`` is stepped when its monitored value was
+  logged since the resume (Lightning skips that step after any restore).
 - ``ck.stats`` is logged through the LightningModule's loggers every
   ``log_every_n_steps`` (``lowdiff/...``).
 - ``on_fit_end`` closes the checkpointer (everything durable); so does an exception.
@@ -63,6 +70,8 @@ from lowdiff.integrations._common import (
     callback_extra_state,
     capture_after,
     recapture,
+    rng_state,
+    set_rng_state,
     stats_for_logging,
     unwrap_optimizer,
 )
@@ -77,49 +86,81 @@ log = logging.getLogger("lowdiff.integrations.lightning")
 FIT_LOOP = "lightning_fit_loop"
 """The ``extra_state`` name under which the fit loop's state is saved."""
 
+_RNG = "lowdiff_rng"
+"""The key of the RNG states in the saved fit-loop state (an epoch's last step)."""
+
 
 class _FitLoopState:
-    """Lightning's fit loop (progress counters, stateful data loader) as ``extra_state``."""
+    """Lightning's fit loop (progress counters, stateful data loader) as ``extra_state``,
+    and the RNG states taken with it at an epoch's end."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self.trainer = trainer
+        self.rng: dict[str, Any] | None = None
+        """RNG states saved with the fit loop's state: set while the epoch's last step
+        takes it (after the epoch's validation, which draws random numbers), else None."""
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = self.trainer.fit_loop.state_dict()
+        if self.rng is not None:
+            sd[_RNG] = self.rng
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # what Lightning's checkpoint connector does with checkpoint["loops"]["fit_loop"]
+        sd = dict(sd)
+        self.rng = sd.pop(_RNG, None)
         loop = self.trainer.fit_loop
         loop.load_state_dict(sd)
-        _epoch_before_loader_states(loop)
+        _load_loader_states(loop)
 
 
-def _epoch_before_loader_states(loop: Any) -> None:
-    """Give the train samplers the restored epoch before the loaders' states are loaded.
+def _load_loader_states(loop: Any) -> None:
+    """Have the fit loop's next ``_load_combined_loader_states`` (in ``setup_data``) give
+    the train samplers the restored epoch first, and load the saved loader states even
+    where Lightning would not.
 
-    Lightning's fit loop loads the saved data loader states and creates the iterator
-    (``setup_data``: a ``StatefulDataLoader`` then fast-forwards its sampler to the saved
-    position) before it calls ``set_epoch`` on the samplers (``on_advance_start``). A
-    sampler whose order depends on the epoch, such as the ``DistributedSampler`` that
-    Lightning puts in under DDP, would then be fast-forwarded through epoch 0's order, and
-    a run resumed mid-epoch would see other batches than an uninterrupted one. This sets
-    the epoch first, once, for the loop's next ``_load_combined_loader_states``.
+    - The epoch first: Lightning's fit loop loads the saved data loader states and
+      creates the iterator (a ``StatefulDataLoader`` then fast-forwards its sampler to the
+      saved position) before it calls ``set_epoch`` on the samplers
+      (``on_advance_start``). A sampler whose order depends on the epoch, such as the
+      ``DistributedSampler`` that Lightning puts in under DDP, would then be
+      fast-forwarded through epoch 0's order, and a run resumed mid-epoch would see other
+      batches than an uninterrupted one.
+    - Always loaded: the state of an epoch's last step (taken in ``on_train_epoch_end``)
+      counts the epoch as processed, and without ``max_steps`` Lightning then takes the
+      loop as not restarting and skips the saved loader states. The next epoch would
+      start from a fresh loader, and a sampler whose order depends on how often it was
+      iterated (torchdata's ``RandomSampler`` with its own generator) would replay the
+      first epoch's order.
     """
     original = getattr(loop, "_load_combined_loader_states", None)
     if original is None:  # not the fit loop this was written against: leave it alone
         return
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
-    def set_epoch_then_load() -> None:
+    def set_epoch_then_load_states() -> None:
         del loop._load_combined_loader_states  # back to the class's method
         combined = getattr(loop, "_combined_loader", None)
         if combined is not None:
             for dl in combined.flattened:
                 _set_sampler_epoch(dl, loop.epoch_progress.current.processed)
-        original()
+        states = getattr(loop, "_combined_loader_states_to_load", None)
+        if combined is None or not states or loop.restarting:
+            original()
+            return
+        # the saved epoch is over and the loop goes on with the next one, on a new iterator
+        # of each loader (as in the run that stopped): each loader's iterator as saved is
+        # created first, so that its sampler moves past the saved epoch (torchdata's
+        # RandomSampler draws that epoch's order from its generator again)
+        combined._load_state_dicts(states)
+        loop._combined_loader_states_to_load = []
+        with torch.random.fork_rng(devices=[]):  # a loader without a generator draws one
+            for dl in combined.flattened:
+                if callable(getattr(dl, "load_state_dict", None)):
+                    iter(dl)
 
-    loop._load_combined_loader_states = set_epoch_then_load
+    loop._load_combined_loader_states = set_epoch_then_load_states
 
 
 class LowDiffCallback(pl.Callback):
@@ -162,6 +203,9 @@ class LowDiffCallback(pl.Callback):
         """The checkpointer, from ``on_fit_start`` on."""
         self.resumed_step: int | None = None
         """The optimizer step ``resume()`` returned."""
+        self._fit_state: _FitLoopState | None = None
+        self._trained = False
+        """Whether a training batch ended since ``on_fit_start``."""
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.ckpt_path is not None:
@@ -184,18 +228,24 @@ class LowDiffCallback(pl.Callback):
         assert isinstance(model, torch.nn.Module)
         if self.ck is not None:
             self.ck.close()
+        fit_state = _FitLoopState(trainer)
         ck = attach(
             model,
             unwrap_optimizer(trainer.optimizers[0]),
             self.directory,
             scheduler=scheduler,
-            extra_state={FIT_LOOP: _FitLoopState(trainer), **self.extra_state},
+            extra_state={FIT_LOOP: fit_state, **self.extra_state},
             **self.options,
         )
         capture_after(ck, FIT_LOOP)
-        self.ck = ck
+        self.ck, self._fit_state, self._trained = ck, fit_state, False
         self.resumed_step = ck.resume()  # restores the fit loop through load_state_dict
         if self.resumed_step:
+            if fit_state.rng is not None:
+                # at an epoch's end: the RNG states after the epoch's validation, which the
+                # run that stopped went on with (lowdiff restored those of the update)
+                set_rng_state(fit_state.rng)
+                fit_state.rng = None
             log.info(
                 "lowdiff: resumed at optimizer step %d (epoch %d)",
                 self.resumed_step,
@@ -210,6 +260,7 @@ class LowDiffCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._trained = True
         if self.ck is None:
             return
         if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
@@ -225,10 +276,16 @@ class LowDiffCallback(pl.Callback):
                 logger.log_metrics(stats, step=trainer.global_step)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ck is None or self._fit_state is None:
+            return
+        if trainer.fit_loop.restarting and self._trained:
+            _plateau_steps_after_resume(trainer)
         # the epoch's last step: the fit loop's state at the end of the epoch, where
-        # Lightning's own end-of-epoch checkpoints take it
-        if self.ck is not None:
-            recapture(self.ck, FIT_LOOP)
+        # Lightning's own end-of-epoch checkpoints take it, with the RNG states after the
+        # epoch's validation (a resume at this step does not run it again)
+        self._fit_state.rng = rng_state()
+        recapture(self.ck, FIT_LOOP)
+        self._fit_state.rng = None
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close()
@@ -241,3 +298,34 @@ class LowDiffCallback(pl.Callback):
     def _close(self) -> None:
         if self.ck is not None:
             self.ck.close()
+
+
+def _plateau_steps_after_resume(trainer: pl.Trainer) -> None:
+    """At the end of the epoch a run resumed inside: let Lightning step a
+    ``ReduceLROnPlateau`` with interval ``"epoch"``, as the run that stopped did.
+
+    After any restore of its loops Lightning skips that step at the end of the resumed
+    epoch (the fit loop is still restarting), because the monitored metric is not saved
+    in a checkpoint. A value logged since the resume is the run's own: a validation
+    metric (the validation at the epoch's end ran after the resume point) or a value
+    logged per step is the stopped run's, bit for bit. The fit loop is then told it is not
+    restarting any more (it would be, right after this epoch). Without the value the step
+    stays skipped, as Lightning does, with a warning.
+    """
+    configs = [
+        c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"
+    ]
+    if not configs:
+        return
+    missing = [c.monitor for c in configs if c.monitor not in trainer.callback_metrics]
+    if missing:
+        log.warning(
+            "lowdiff: ReduceLROnPlateau is not stepped at the end of the epoch the run resumed "
+            "in: %s was not logged since the resume (training goes on as after a restore "
+            "by Lightning itself, but not as the run that stopped)",
+            ", ".join(map(repr, missing)),
+        )
+        return
+    loop = trainer.fit_loop
+    if hasattr(loop, "_restarting"):
+        loop._restarting = False

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import CheckpointMismatchError
+from lowdiff.errors import CheckpointMismatchError, LowDiffError
 from lowdiff.format import codec
 from lowdiff.state.rng import RngCapture as RngCapture  # re-exported: the state API
 from lowdiff.state.rng import RngLayout, capture_rng
@@ -331,19 +331,42 @@ def capture_extra(extra_state: dict[str, Any]) -> Any:
     """Every extra object's ``state_dict()``, as a JSON tree (tensors inline, never pickled).
 
     Raises:
-        TypeError naming the object and where in its state a value cannot be encoded.
+        LowDiffError naming the entry and the object's type when its ``state_dict()``
+        raises; TypeError naming the object and where in its state a value cannot be
+        encoded.
     """
     if not extra_state:
         return None
     out = {}
     for name, obj in extra_state.items():
+        sd = _extra_call(name, obj, "state_dict")
         try:
-            out[name] = codec.encode(obj.state_dict(), None, f"$.{name}")
+            out[name] = codec.encode(sd, None, f"$.{name}")
         except TypeError as e:
             raise TypeError(
                 f"extra_state[{name!r}]: its state_dict() cannot be saved without pickling: {e}"
             ) from None
     return out
+
+
+def _extra_call(name: str, obj: Any, method: str, *args: Any) -> Any:
+    """``obj.<method>(*args)`` of ``extra_state[name]``; a failure is a :class:`LowDiffError`
+    that names the entry and the object's type (an error lowdiff raises itself goes through)."""
+    try:
+        return getattr(obj, method)(*args)
+    except LowDiffError:
+        raise
+    except Exception as e:
+        hint = ""
+        if type(obj).__module__.startswith("accelerate."):
+            hint = (
+                " (an Accelerate data loader has a state only with Accelerator(dataloader_config="
+                "DataLoaderConfiguration(use_stateful_dataloader=True)))"
+            )
+        raise LowDiffError(
+            f"extra_state[{name!r}] ({type(obj).__name__}): its {method}() raised "
+            f"{type(e).__name__}: {e}{hint}"
+        ) from e
 
 
 def apply_extra(extra_state: dict[str, Any] | None, tree: Any, where: str) -> None:
@@ -360,7 +383,7 @@ def apply_extra(extra_state: dict[str, Any] | None, tree: Any, where: str) -> No
             f"holds {'no extra state' if not saved else 'only ' + ', '.join(map(repr, saved))}"
         )
     for name, obj in extra_state.items():
-        obj.load_state_dict(codec.decode(saved[name]))
+        _extra_call(name, obj, "load_state_dict", codec.decode(saved[name]))
 
 
 def scheduler_state_json(scheduler: Any | None) -> str:
