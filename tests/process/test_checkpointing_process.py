@@ -162,6 +162,31 @@ def test_a_stuck_checkpointing_process_fails_after_stall_timeout(tmp_path, monke
         ck.close()
 
 
+def test_close_on_a_stopped_process_waits_one_stall_timeout(tmp_path):
+    """close() on a process that makes no progress (stopped) raises after stall_timeout,
+    once: it does not wait for the process's exit a second stall_timeout."""
+    import warnings
+
+    model, opt, ck = _setup(tmp_path, full_every=100, batch_size=4, stall_timeout=1.5)
+    ck.resume()
+    _train(model, opt, ck, 2)
+    pid = ck.strategy_impl.worker_process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with pytest.raises(lowdiff.CheckpointWorkerError, match="made no progress"):
+                ck.close()
+        assert not [w for w in seen if "after it was told to stop" in str(w.message)]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+    ck.strategy_impl.worker_process.join(10)
+    from lowdiff.proc import holder
+
+    holder.remove_stale_replica(tmp_path / "ck")  # what the killed process left in /dev/shm
+
+
 def test_checkpointing_process_killed_during_a_full_checkpoint(tmp_path, monkeypatch):
     """The process dies while it writes a full checkpoint and the trainer waits for the
     staging buffer: the trainer raises with the exit code instead of waiting forever."""

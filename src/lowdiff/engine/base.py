@@ -359,7 +359,7 @@ class EngineStrategy(Strategy):
         for fn in self._on_close:
             fn()
         core.closed = self.handover.closed = True
-        closed = settled = False
+        closed = settled = failed = False
         try:
             if core.started and core.groups_changed():
                 # a step handed over late (attach) would be sent with the new group's
@@ -373,6 +373,12 @@ class EngineStrategy(Strategy):
                 self._poll()  # the remote durable step the process reached before it closed
         except CheckpointingSuspended:
             pass
+        except BaseException:
+            # the process failed, or made no progress for stall_timeout: it is not waited
+            # for a second time (it finishes what it was writing and exits once its pipes
+            # close; the next session waits for it before touching the directory)
+            failed = True
+            raise
         finally:
             if core.job is not None:
                 if closed:
@@ -384,7 +390,7 @@ class EngineStrategy(Strategy):
                     with contextlib.suppress(RuntimeError):
                         core.job.refresh(*core.figures())
                 settled = core.job.settle() and closed
-            if self.session is not None:
+            if self.session is not None and not failed:
                 self.session.join()
             self._release()
         if self.policy.suspended is not None:
