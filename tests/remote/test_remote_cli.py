@@ -66,3 +66,13 @@ def test_cli_reads_a_remote_tier(
     printed = capsys.readouterr().out
     assert f"BAD  {backend.url}/{c.object}: checksum mismatch" in printed
     assert main(["verify", str(tmp_path / "local")]) == 0  # the local tier is intact
+    capsys.readouterr()
+    # inspect names the damaged object too, and every file by its URL, never by the
+    # temporary download that held it while the command ran
+    assert main(["inspect", backend.url, "--json", *opts]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"path": f"{backend.url}/{c.object}", "reason": "checksum mismatch with its commit"} in (
+        info["problems"]
+    )
+    files = info["full_checkpoints"] + info["record_files"]
+    assert files and all(f["path"].startswith(f"{backend.url}/") for f in files), files

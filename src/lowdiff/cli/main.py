@@ -32,6 +32,7 @@ def _local(args: argparse.Namespace, *, everything: bool) -> Iterator[list[str]]
 
     where = str(args.directory)
     args.shown = where  # what the user named: the URL, not the download's temp directory
+    args.local_root = None
     if not is_url(where):
         args.directory = Path(where)
         yield []
@@ -40,13 +41,24 @@ def _local(args: argparse.Namespace, *, everything: bool) -> Iterator[list[str]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the damaged objects are reported by the caller
             got = fetch(where, tmp, _remote_options(args.remote_option), everything=everything)
-        args.directory = Path(tmp)
+        args.directory = args.local_root = Path(tmp)
         print(
             f"remote tier {where}: {len(got.files)} committed object(s) downloaded", file=sys.stderr
         )
         for why in got.damaged:
             print(f"warning: remote tier: left out {why}", file=sys.stderr)
         yield got.damaged
+
+
+def _named(args: argparse.Namespace, text: object) -> str:
+    """``text`` (a path, or a message naming paths) as the user knows it: a file of a
+    remote tier's download is named by its URL, not by the temporary directory that
+    held it while the command ran."""
+    out = str(text)
+    root = getattr(args, "local_root", None)
+    if root is not None:
+        out = out.replace(str(root), str(args.shown).rstrip("/"))
+    return out
 
 
 def _process_label(lr: dict[str, Any]) -> str:
@@ -73,7 +85,8 @@ def _remote_options(items: list[str]) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    with _local(args, everything=True):
+    with _local(args, everything=True) as damaged:
+        args.remote_damaged = damaged
         return _cmd_inspect(args)
 
 
@@ -101,7 +114,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "verified": args.verify,
             "live_replica": info.live_replica,
             "full_checkpoints": [
-                {"step": f.first_step, "bytes": f.nbytes, "path": str(f.path)}
+                {"step": f.first_step, "bytes": f.nbytes, "path": _named(args, f.path)}
                 for f in info.full_checkpoints
             ],
             "record_files": [
@@ -110,13 +123,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                     "last_step": f.last_step,
                     "records": f.n_records,
                     "bytes": f.nbytes,
-                    "path": str(f.path),
+                    "path": _named(args, f.path),
                 }
                 for f in info.record_files
             ],
             "bytes_per_record": info.bytes_per_record,
-            "problems": [{"path": str(p), "reason": r} for p, r in info.problems],
-            "foreign": [{"path": str(p), "reason": r} for p, r in info.foreign],
+            "problems": [
+                *({"path": _named(args, p), "reason": _named(args, r)} for p, r in info.problems),
+                *(  # "<object's URL>: <why>"
+                    dict(zip(("path", "reason"), why.split(": ", 1), strict=False))
+                    for why in args.remote_damaged
+                ),
+            ],
+            "foreign": [
+                {"path": _named(args, p), "reason": _named(args, r)} for p, r in info.foreign
+            ],
         }
         print(json.dumps(out, indent=1))
         return 0
@@ -156,14 +177,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(
             f"  steps {rf.first_step:>6}..{rf.last_step:<6} {rf.n_records:>3} records  {fmt_bytes(rf.nbytes):>10}  {rf.path.name}"
         )
-    if info.problems:
-        print(f"\nproblems ({len(info.problems)}):")
-        for p, r in info.problems:
-            print(f"  {p}: {r}")
+    problems = [f"{_named(args, p)}: {_named(args, r)}" for p, r in info.problems]
+    problems += list(args.remote_damaged)  # left out of the download
+    if problems:
+        print(f"\nproblems ({len(problems)}):")
+        for line in problems:
+            print(f"  {line}")
     if info.foreign:
         print(f"\nleft out, of another trajectory ({len(info.foreign)}):")
         for _, r in info.foreign:
-            print(f"  {r}")
+            print(f"  {_named(args, r)}")
     return 0
 
 
@@ -187,7 +210,7 @@ def _inspect_baseline(args: argparse.Namespace) -> int:
             if p.is_dir()
             else p.stat().st_size
         )
-        items.append({"step": step, "bytes": size, "path": str(p)})
+        items.append({"step": step, "bytes": size, "path": _named(args, p)})
     if args.json:
         print(json.dumps({"directory": args.shown, "manifest": m, "checkpoints": items}, indent=1))
         return 0
@@ -230,7 +253,9 @@ def _inspect_job(args: argparse.Namespace) -> int:
                     "records": s.n_records,
                     "bytes_per_record": s.bytes_per_record,
                     "live_replica": s.live_replica,
-                    "problems": [{"path": str(p), "reason": r} for p, r in s.problems],
+                    "problems": [
+                        {"path": _named(args, p), "reason": _named(args, r)} for p, r in s.problems
+                    ],
                 }
                 for s in job.shards
             ],
@@ -267,7 +292,7 @@ def _inspect_job(args: argparse.Namespace) -> int:
                     f"records  {fmt_bytes(rf.nbytes):>10}  {rf.path.name}"
                 )
         for p, r in s.problems:
-            print(f"      problem: {p}: {r}")
+            print(f"      problem: {_named(args, p)}: {_named(args, r)}")
     return 0
 
 
@@ -277,7 +302,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _local(args, everything=True) as damaged:
         checked, bad = verify_dir(args.directory)
     for p, reason in bad:
-        print(f"BAD  {p}: {reason}")
+        print(f"BAD  {_named(args, p)}: {_named(args, reason)}")
     for why in damaged:  # remote objects that failed their commit's size or checksum
         print(f"BAD  {why}")
     n_bad = len(bad) + len(damaged)
@@ -473,15 +498,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
-            warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {msg}\n"  # type: ignore[assignment]
+            warnings.formatwarning = lambda msg, cat, *a, **k: f"warning: {_named(args, msg)}\n"  # type: ignore[assignment]
             return int(args.func(args))
     except LowDiffError as e:
-        print(f"lowdiff {args.command}: error: {e}", file=sys.stderr)
+        print(f"lowdiff {args.command}: error: {_named(args, e)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         raise  # entry() ends quietly
     except (ValueError, OSError) as e:  # FileNotFoundError, IsADirectoryError, a full disk
-        print(f"lowdiff {args.command}: error: {e}", file=sys.stderr)
+        print(f"lowdiff {args.command}: error: {_named(args, e)}", file=sys.stderr)
         return 2
 
 
