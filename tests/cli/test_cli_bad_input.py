@@ -24,6 +24,11 @@ from lowdiff.torture.report import TortureReport
         (["torture", "--seed", "x"], "--seed"),
         (["inspect"], "directory"),
         (["frobnicate"], "invalid choice"),
+        (["bench", "--iters", "0"], "--iters: expected an integer >= 1, got 0"),
+        (["bench", "--repeats", "0"], "--repeats: expected an integer >= 1, got 0"),
+        # an option a subcommand does not have: its own error and usage
+        (["bench", "--bogus"], "lowdiff bench: error: unrecognized arguments: --bogus"),
+        (["inspect", "d", "--frob"], "lowdiff inspect: error: unrecognized arguments: --frob"),
     ],
 )
 def test_invalid_argument_values(argv, needle, capsys) -> None:
@@ -95,3 +100,26 @@ def test_torture_command_prints_the_figures_and_fails_on_a_broken_promise(
     monkeypatch.setattr("lowdiff.torture.run_torture", broken)
     assert main(["torture", "--quick", "--json"]) == 1
     assert '"ok": false' in capsys.readouterr().out
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, capsys) -> None:
+    """An unusable --out (or demo's --json) is an error at once, not after the run whose
+    results it was to hold; so is an empty --methods, and a torture --out holding the
+    runs of an earlier torture."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "chain-0").mkdir()
+    for argv, needle in [
+        (["bench", "overhead", "--quick", "--out", str(a_file / "r")], f"--out {a_file / 'r'}"),
+        (["bench", "overhead", "--quick", "--methods", " , "], "give at least one method"),
+        (["chaos", "--quick", "--out", str(a_file)], "exists and is not a folder"),
+        (["chaos", "--quick", "--methods", ""], "give at least one method"),
+        (["demo", "--quick", "--json", str(a_file / "r.json")], f"--json {a_file / 'r.json'}"),
+        (["torture", "--quick", "--out", str(used)], "not empty"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"lowdiff {argv[0]}: error:" in err and needle in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "used"]  # nothing made

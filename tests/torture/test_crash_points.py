@@ -4,6 +4,8 @@ reference state."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lowdiff.torture import workload
@@ -92,27 +94,41 @@ def test_lowdiff_plus_survivors_are_taken_over_or_refused(
     assert report.leaked == 0
 
 
-def test_an_orphan_segment_is_reported_and_a_mapped_one_is_not() -> None:
-    """The end-of-series check: a lowdiff segment made during the series that no live
-    process maps is a leak (one that no directory's descriptor names any more); one a
-    live process maps is not."""
+def test_an_orphan_segment_is_reported_and_a_mapped_one_is_not(tmp_path: Path) -> None:
+    """The end-of-series check: a segment of one of the series' runs (listed by a
+    manifest under its work directory) made during the series that no live process maps
+    is a leak (one that no directory's descriptor names any more); one a live process
+    maps is not, and neither is an unmapped one of another lowdiff job on the machine."""
     import uuid
 
+    from lowdiff.format import layout
+    from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
     from lowdiff.proc import holder as rp
     from lowdiff.torture.crash import _check_orphan_segments, _lowdiff_segments
 
     before = _lowdiff_segments()
-    tag = uuid.uuid4().hex[:16]
+    run, other = uuid.uuid4().hex, uuid.uuid4().hex
+    (tmp_path / "chain-0").mkdir()
+    body = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": run, "runs": [run]}
+    layout.write_manifest(tmp_path / "chain-0", body)
+    tag, elsewhere = run[:16], other[:16]
     orphan = rp.create_segment(f"lowdiff-{tag}-orphan", 4096)
     mapped = rp.create_segment(f"lowdiff-{tag}-mapped", 4096)
+    foreign = rp.create_segment(f"lowdiff-{elsewhere}-orphan", 4096)
     orphan.close()  # nobody maps it any more
+    foreign.close()
     try:
         report = TortureReport()
-        _check_orphan_segments(before, report, wait_s=0.0)
+        _check_orphan_segments(before, report, tmp_path, wait_s=0.0)
         assert report.leaked == 1 and not report.ok
         assert f"lowdiff-{tag}-orphan" in report.failures[0]
         assert f"lowdiff-{tag}-mapped" not in report.failures[0]
+        assert f"lowdiff-{elsewhere}-orphan" not in report.failures[0]
     finally:
         mapped.close()
-        rp.unlink_segment(f"lowdiff-{tag}-orphan")
-        rp.unlink_segment(f"lowdiff-{tag}-mapped")
+        for name in (
+            f"lowdiff-{tag}-orphan",
+            f"lowdiff-{tag}-mapped",
+            f"lowdiff-{elsewhere}-orphan",
+        ):
+            rp.unlink_segment(name)

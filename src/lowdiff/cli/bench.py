@@ -11,6 +11,7 @@ from typing import Any
 from lowdiff.bench import FULL_WORKLOAD, QUICK_WORKLOAD, run_bench
 from lowdiff.bench.core import BenchSettings
 from lowdiff.bench.experiments import DEFAULT_EXPERIMENTS, EXPERIMENTS
+from lowdiff.cli.args import method_list, output_dir, positive_int
 from lowdiff.harness import end_progress, progress_printer
 
 
@@ -40,14 +41,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--iters",
-        type=int,
+        type=positive_int,
         default=None,
         help="iterations per timed block, at least (rounded up to a multiple of every "
         "checkpoint interval of the experiment; default 20)",
     )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=None,
         help="timed blocks per method (default 7 quick, 5 full)",
     )
@@ -84,9 +85,8 @@ def run(args: argparse.Namespace) -> int:
     )
     t0 = time.monotonic()
     progress = progress_printer(args.quiet)
-    methods = (
-        None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
-    )
+    methods = method_list(args.methods)
+    output_dir(args.out)
     files = run_bench(
         experiments,
         out=args.out,

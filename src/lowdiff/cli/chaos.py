@@ -12,6 +12,7 @@ from typing import Any
 from lowdiff.chaos.launch import ChaosError
 from lowdiff.chaos.run import run_chaos
 from lowdiff.chaos.settings import DEFAULT_METHODS, STRATEGIES, ChaosSettings
+from lowdiff.cli.args import method_list, output_dir
 from lowdiff.harness import Progress, sigterm_as_interrupt
 
 
@@ -180,11 +181,8 @@ def _interval(text: str) -> int | str:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``lowdiff chaos``."""
-    methods = (
-        list(DEFAULT_METHODS)
-        if args.methods is None
-        else [m.strip() for m in args.methods.split(",") if m.strip()]
-    )
+    methods = method_list(args.methods) or list(DEFAULT_METHODS)
+    output_dir(args.out)
     settings = ChaosSettings(
         quick=args.quick,
         grid=args.grid,

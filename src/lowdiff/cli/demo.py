@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lowdiff.cli.args import output_file
 from lowdiff.demo import (
     COMPRESSORS,
     STRATEGIES,
@@ -157,6 +158,8 @@ def run_demo(args: argparse.Namespace) -> int:
     """
     try:
         settings = resolve_settings(args)
+        if args.json:
+            output_file(Path(args.json), "--json")  # checked now, written after the demo
     except ValueError as e:
         print(f"lowdiff demo: error: {e}", file=sys.stderr)
         return 2

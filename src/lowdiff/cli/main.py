@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from lowdiff.cli.args import non_negative_int, positive_int
 from lowdiff.errors import LowDiffError
 from lowdiff.harness import Progress, fmt_bytes
 
@@ -330,6 +331,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def cmd_torture(args: argparse.Namespace) -> int:
     from lowdiff.torture import FULL, QUICK, run_torture
 
+    if args.out is not None and args.out.is_dir() and any(args.out.iterdir()):
+        raise ValueError(
+            f"--out {args.out}: not empty (the runs of an earlier torture?); give a new or "
+            "empty folder"
+        )
     if args.ddp is not None:
         ignored = [o for o, given in (("--quick", args.quick), ("--kills", args.kills is not None),
                                       ("--jobs", args.jobs != 1)) if given]  # fmt: skip
@@ -368,24 +374,6 @@ def _torture_ddp(args: argparse.Namespace) -> int:
         else:  # keep the runs of a broken promise for a look
             print(f"runs kept in {work}", file=sys.stderr)
     return 0 if report.ok else 1
-
-
-def _int_at_least(low: int, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    return _int_at_least(0, text)
-
-
-def _positive_int(text: str) -> int:
-    return _int_at_least(1, text)
 
 
 _DIR_HELP = "a checkpoint directory, or the URL of a remote tier (remote=, e.g. s3://bucket/run)"
@@ -447,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _remote_option(p)
     p.add_argument(
-        "--step", type=_non_negative_int, default=None, help="recoverable step (default: newest)"
+        "--step", type=non_negative_int, default=None, help="recoverable step (default: newest)"
     )
     p.add_argument(
         "--format",
@@ -468,15 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="the small profile (about a minute)")
     p.add_argument(
-        "--kills", type=_non_negative_int, default=None, help="kill plans (full profile: 240)"
+        "--kills", type=non_negative_int, default=None, help="kill plans (full profile: 240)"
     )
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="seed of every random choice")
-    p.add_argument("--jobs", type=_positive_int, default=1, help="kill chains run side by side")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of every random choice")
+    p.add_argument("--jobs", type=positive_int, default=1, help="kill chains run side by side")
     p.add_argument("--out", type=Path, default=None, help="working directory (kept)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument(
         "--ddp",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="run only the 2-rank DDP kill series (torchrun, gloo) with N kills",
@@ -494,7 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's own error: its usage, "lowdiff CMD: error: ..."
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -508,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # FileNotFoundError, IsADirectoryError, a full disk
         print(f"lowdiff {args.command}: error: {_named(args, e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"lowdiff {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def entry() -> None:

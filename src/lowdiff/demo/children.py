@@ -19,13 +19,14 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from lowdiff.demo.settings import DemoError
 from lowdiff.prefork import PreforkedProcess, PreforkServer
+from lowdiff.proc import holder
 
 
 @dataclass
@@ -60,20 +61,25 @@ class Children:
         if self.server is not None:
             self.server.close()
 
-    def kill_all(self) -> None:
-        """SIGKILL the group of every child still running or that failed; reap them."""
+    def kill_all(self, directories: Iterable[Path] = ()) -> None:
+        """SIGKILL the group of every child still running or that failed; reap them.
+        Then let the checkpointing process a killed trainer left on any of
+        ``directories`` persist what it holds and exit (it has a process group of its
+        own, and would otherwise wait ``idle_timeout`` for a trainer that never comes)."""
         for proc in self.procs:
             running = proc.poll() is None
             if running or proc.returncode != 0:
-                # The checkpointing process a trainer spawned lives in the trainer's group
-                # and may outlive a trainer that did not close() it. A cleanly exited
-                # trainer left an empty group, so its id is never signalled (it could
-                # belong to someone else by now).
+                # A cleanly exited trainer left an empty group, so its id is never
+                # signalled (it could belong to someone else by now).
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
             if running:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=10)
+        for d in directories:
+            with contextlib.suppress(Exception):
+                if d.is_dir():
+                    holder.forget_released(d, holder.release_survivor(d, 10.0))
 
 
 def _pump(stream: IO[str], sink: queue.Queue[str | None], log: IO[str]) -> None:

@@ -209,7 +209,7 @@ def orchestrate(s: DemoSettings) -> dict[str, Any]:
         worst = demo.worst_case(cfg)
     finally:
         progress.close()
-        demo.children.kill_all()
+        demo.children.kill_all((demo.ck_killed, demo.ck_fresh))
         demo.children.close()
 
     state = compare_states(demo.dump_resume, demo.dump_ref)

@@ -294,9 +294,10 @@ def detach_from_trainer_group() -> None:
     Launchers such as torchrun stop a worker by signalling its whole process group; the
     checkpointing process must outlive its trainer to write what it was handed (and, for
     LowDiff+, to keep the replica for a restarted trainer), so it takes a group of its
-    own. It still ends by itself: on its trainer's death it flushes and exits (LowDiff),
-    or waits ``idle_timeout`` for a new trainer (LowDiff+). It also never touches the
-    GPU (:func:`without_gpu`).
+    own. It still ends by itself: on its trainer's death it writes what it was sent and
+    waits ``idle_timeout`` for a new trainer to take it over (LowDiff's writer and
+    LowDiff+'s replica alike), then exits. It also never touches the GPU
+    (:func:`without_gpu`).
     """
     without_gpu()
     with contextlib.suppress(OSError):

@@ -154,13 +154,17 @@ class CrashHarness:
         self.strategy = strategy
         self.server = server  # jobs are forks of it (else new interpreters)
         self.lock = threading.Lock()
+        self.stop = threading.Event()
+        """Set on an interrupt: the chain ends after its current job, which is killed."""
+        self.proc: Any = None
+        """The job running now."""
 
     def run(self, plans: list[dict[str, Any]]) -> None:
         dumps = self.workdir / "dumps"
         dumps.mkdir(parents=True, exist_ok=True)
         chains: dict[int, _Chain] = {}
         chain, i = 0, 0
-        while i < len(plans):
+        while i < len(plans) and not self.stop.is_set():
             cfg = {
                 "base": str(self.workdir),
                 "dump_dir": str(dumps),
@@ -187,7 +191,36 @@ class CrashHarness:
                     self.report.fail(f"job exited with {rc} in plan {current} {plan}: {tail}")
                 chain += 1  # go on in a new directory rather than fail every later plan
             i = current + 1
+        if self.stop.is_set():
+            self.end_survivors()
+            return
         self._check_leaks()
+
+    def interrupt(self) -> None:
+        """Stop the chain: its running job is killed (from another thread)."""
+        self.stop.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            _kill_group(proc.pid)
+
+    def end_survivors(self) -> None:
+        """After an interrupt: no process or shared memory of the chains outlives the run.
+        Each chain's checkpointing process is let go (it persists what it holds and
+        exits), and the segments of the chain's runs that no process maps are removed
+        (a job killed with its checkpointing process leaves them to the next job, which
+        will not come)."""
+        for d in sorted(self.workdir.glob("chain-*")):
+            with contextlib.suppress(Exception):
+                rp.forget_released(d, rp.release_survivor(d, 5.0))
+            runs: set[str] = set()
+            with contextlib.suppress(Exception):
+                m = layout.read_manifest(d)
+                runs.update(str(r) for r in [m["run_id"], *m.get("runs", [])])
+            prefixes = tuple(f"lowdiff-{r[:16]}-" for r in runs)
+            for name in sorted(_lowdiff_segments() - _mapped_segments()):
+                if prefixes and name.startswith(prefixes):
+                    with contextlib.suppress(OSError):
+                        os.unlink(f"/dev/shm/{name}")
 
     def _check_leaks(self, wait_s: float = 15.0) -> None:
         """Nothing may outlive the run: no checkpointing process of any chain, and no
@@ -247,6 +280,9 @@ class CrashHarness:
             env=env,
             start_new_session=True,
         )
+        self.proc = proc
+        if self.stop.is_set():  # interrupted while it started
+            _kill_group(proc.pid)
         hung = threading.Event()
 
         def on_timeout() -> None:
@@ -442,7 +478,7 @@ def _run_crash(
             sub, seed0 = "crash-plus", seed + 1000
         n_jobs = max(1, min(jobs, share_kills))
         shares = [share_kills // n_jobs + (j < share_kills % n_jobs) for j in range(n_jobs)]
-        threads = []
+        threads, harnesses = [], []
         t0 = time.monotonic()
         kills0 = report.kills_by_strategy[strategy]
         for j, share in enumerate(shares):
@@ -461,12 +497,21 @@ def _run_crash(
             )
             th.start()
             threads.append(th)
-        for th in threads:
-            th.join()
+            harnesses.append(h)
+        try:
+            for th in threads:
+                th.join()
+        except KeyboardInterrupt:
+            # every chain ends now, and leaves nothing running or in shared memory
+            for h in harnesses:
+                h.interrupt()
+            for th in threads:
+                th.join()
+            raise
         if log:
             done = report.kills_by_strategy[strategy] - kills0
             log(f"crash ({strategy}): {done} kills in {time.monotonic() - t0:.0f} s")
-    _check_orphan_segments(segments_before, report)
+    _check_orphan_segments(segments_before, report, Path(workdir))
 
 
 def _lowdiff_segments() -> set[str]:
@@ -488,13 +533,29 @@ def _mapped_segments() -> set[str]:
     return out
 
 
-def _check_orphan_segments(before: set[str], report: TortureReport, wait_s: float = 15.0) -> None:
-    """Every kill series over: a lowdiff segment made since it began that no live process
-    maps is an orphan, whichever run made it (one a per-directory check cannot name: a
-    process killed before its descriptor named its segments)."""
+def _runs_under(workdir: Path) -> tuple[str, ...]:
+    """The segment-name prefixes of every run whose manifest lies under ``workdir`` (a
+    session lists its run there before it starts any process, and every run before it)."""
+    runs: set[str] = set()
+    for m in workdir.rglob(layout.MANIFEST):
+        with contextlib.suppress(Exception):
+            body = layout.read_manifest(m.parent)
+            runs.update(str(r) for r in [body["run_id"], *body.get("runs", [])])
+    return tuple(f"lowdiff-{r[:16]}-" for r in runs)
+
+
+def _check_orphan_segments(
+    before: set[str], report: TortureReport, workdir: Path, wait_s: float = 15.0
+) -> None:
+    """Every kill series over: a lowdiff segment of the series' runs made since it began
+    that no live process maps is an orphan (one a per-directory check cannot name: a
+    process killed before its descriptor named its segments). Segments of other lowdiff
+    jobs on the machine are not the series' own."""
+    ours = _runs_under(workdir)
     deadline = time.monotonic() + wait_s
     while True:
-        orphans = sorted(_lowdiff_segments() - before - _mapped_segments())
+        new = _lowdiff_segments() - before - _mapped_segments()
+        orphans = sorted(n for n in new if n.startswith(ours))
         if not orphans or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -1,0 +1,63 @@
+"""Argument types and checks shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def int_at_least(low: int, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    return int_at_least(0, text)
+
+
+def positive_int(text: str) -> int:
+    return int_at_least(1, text)
+
+
+def method_list(text: str | None) -> list[str] | None:
+    """``--methods A,B``: the names given (None: the command's default).
+
+    Raises:
+        ValueError: the value names no method.
+    """
+    if text is None:
+        return None
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise ValueError("--methods: give at least one method")
+    return methods
+
+
+def output_dir(path: Path, option: str = "--out") -> Path:
+    """Make the output folder ``path`` now, before any work, so that an unusable one
+    (a file, a parent that is a file, no permission) is an error at once, not after the
+    run whose results it was to hold."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{option} {path}: exists and is not a folder") from None
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot be made ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot be written")
+    return path
+
+
+def output_file(path: Path, option: str) -> Path:
+    """Check now that the file ``path`` can be written once the work is done: its
+    folder is made, and it is not a folder itself."""
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a folder, not a file")
+    output_dir(path.parent, f"{option} {path}: its folder")
+    return path
