@@ -123,3 +123,14 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, ca
         err = capsys.readouterr().err
         assert f"lowdiff {argv[0]}: error:" in err and needle in err, (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "used"]  # nothing made
+
+
+def test_ctrl_c_is_a_one_line_message_and_exit_code_130(monkeypatch, capsys) -> None:
+    from lowdiff.cli import main as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_verify", interrupted)
+    assert cli.main(["verify", "somewhere"]) == 130
+    assert capsys.readouterr().err == "lowdiff verify: interrupted\n"
