@@ -40,17 +40,22 @@ def method_list(text: str | None) -> list[str] | None:
 
 
 def output_dir(path: Path, option: str = "--out") -> Path:
-    """Make the output folder ``path`` now, before any work, so that an unusable one
-    (a file, a parent that is a file, no permission) is an error at once, not after the
-    run whose results it was to hold."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise ValueError(f"{option} {path}: exists and is not a folder") from None
-    except OSError as e:
-        raise ValueError(f"{option} {path}: cannot be made ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: cannot be written")
+    """Check now, before any work, that the output folder ``path`` can be made or written
+    (nothing is made yet): a file in its place or on its way, or a folder that cannot be
+    written, is an error at once, not after the run whose results it was to hold."""
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{option} {path}: exists and is not a folder")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{option} {path}: cannot be written")
+        return path
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: cannot be made ({parent} is not a folder)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {path}: cannot be made ({parent} cannot be written)")
     return path
 
 
