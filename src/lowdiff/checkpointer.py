@@ -251,7 +251,9 @@ class Checkpointer:
         Under DDP every rank calls it, and they resume at one agreed step.
 
         A checkpointing process that outlived the previous trainer is taken over; a new
-        one is started without waiting for it: training goes on while it starts, and a
+        one is started without waiting for it: the first forward and backward run while
+        it starts, and the first ``step()`` returns once it has taken the state staged
+        for its first full checkpoint (only the living trainer can hand that over). A
         start that fails raises :class:`CheckpointWorkerError` (or the start's own error)
         from here or from the first ``step()`` or ``flush()`` after it failed.
 

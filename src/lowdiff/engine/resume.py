@@ -88,9 +88,10 @@ class CheckpointingStrategy(EngineStrategy):
 
         The fork server is asked for the process on a thread while the state at this
         step is staged and sent as ``first`` (the full checkpoint it starts with, if
-        any). The start goes on while training does: the records of the first steps
-        wait in the pipe for the process, and it is waited for only when a slot, a
-        flush or a reply needs it, or the pipe has no sure room left
+        any). The start goes on while training does: the first step's record waits in
+        the pipe for the process, and it is waited for when the step is acknowledged
+        (it must have taken the staging buffer: :meth:`FullStager.ensure_taken`), or
+        when a slot, a flush or a reply needs it, or the pipe has no sure room left
         (:meth:`lowdiff.proc.link.ProcessLink.send`). A start that failed raises from
         the first request after it (here when it failed at once).
         """
