@@ -44,6 +44,7 @@ from lowdiff.errors import (
     RecoveryError,
 )
 from lowdiff.format import codec, layout, sfile
+from lowdiff.format.atomic import nearest_existing
 from lowdiff.recovery.fsdp2 import newest_fsdp2_state
 from lowdiff.recovery.job import (
     generations,
@@ -300,11 +301,9 @@ def _check_out(dest: Path, format: str) -> None:
         raise ValueError(
             f"out {dest} is a directory; format {format!r} writes one file: name the file"
         )
-    for parent in dest.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"out {dest}: {parent} is not a directory")
-            break
+    parent = nearest_existing(dest.parent)
+    if not parent.is_dir():
+        raise ValueError(f"out {dest}: {parent} is not a directory")
 
 
 def _has_scheduler(root: Path) -> bool:

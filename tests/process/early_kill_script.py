@@ -33,7 +33,13 @@ def train_step(model: torch.nn.Module, ck: lowdiff.Checkpointer, t: int) -> None
 
 def checkpointer(d: str, strategy: str) -> lowdiff.Checkpointer:
     model, opt = build()
-    kw = {"compressor": lowdiff.TopK(0.5, error_feedback=False)} if strategy == "lowdiff" else {}
+    # records wait for a batch of 100 (LowDiff), the replica persists only its first
+    # state (LowDiff+): the steps taken are not durable when the trainer is killed
+    kw: dict = (
+        {"compressor": lowdiff.TopK(0.5, error_feedback=False), "batch_size": 100}
+        if strategy == "lowdiff"
+        else {"persist_every": 1000}
+    )
     return lowdiff.Checkpointer(model, opt, d, strategy=strategy, idle_timeout=30, **kw)
 
 
@@ -43,7 +49,7 @@ def main() -> None:
     start = ck.resume()
     for t in range(start, start + n):
         train_step(ck.model, ck, t)
-    print(f"acknowledged {ck.step_count}", flush=True)
+    print(f"acknowledged {ck.step_count} durable {ck.durable_step}", flush=True)
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)
     ck.close()

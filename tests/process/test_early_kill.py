@@ -32,7 +32,10 @@ def test_a_trainer_killed_in_its_first_steps_loses_none_of_them(
     args = [sys.executable, str(SCRIPT), str(d), strategy, str(n_steps), "kill"]
     first = launch.run(args, stdout=subprocess.PIPE, text=True, env=launch.env(), timeout=120)
     assert first.returncode == -signal.SIGKILL
-    assert first.stdout.strip() == f"acknowledged {n_steps}"  # killed right after them
+    # killed right after them, none of them durable yet: recovery needs what the
+    # trainer handed over before it died
+    said = first.stdout.split()
+    assert said[:2] == ["acknowledged", str(n_steps)] and int(said[3]) < n_steps, said
     # the same steps without a crash (LowDiff: the same compression, nothing written)
     model, opt = job.build()
     if strategy == "lowdiff":

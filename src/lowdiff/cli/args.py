@@ -6,6 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
+from lowdiff.format.atomic import nearest_existing
+
 
 def int_at_least(low: int, text: str) -> int:
     try:
@@ -49,9 +51,7 @@ def output_dir(path: Path, option: str = "--out") -> Path:
         if not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"{option} {path}: cannot be written")
         return path
-    parent = path.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
+    parent = nearest_existing(path.parent)
     if not parent.is_dir():
         raise ValueError(f"{option} {path}: cannot be made ({parent} is not a folder)")
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -54,6 +54,8 @@ class FullStager:
         """Stagings handed over (compared with the process's STAGING_DONE count)."""
         self.stages = 0
         """Staging buffers sent (compared with the process's STAGES_TAKEN count)."""
+        self.taken = 0
+        """Staging buffers the process is known to have taken."""
         self._unsent = False
         """A full checkpoint staged and deferred (driven by the optimizer's hooks), not
         sent yet: it holds the staging buffer until it is."""
@@ -63,7 +65,7 @@ class FullStager:
         it made ``buffer`` itself (a process taken over), which is then staged into."""
         self.buffer = buffer
         self.staged = 0
-        self.stages = 0
+        self.stages = self.taken = 0
 
     def released(self, session: ProcessSession) -> bool:
         """Whether the process has released every staging handed to it."""
@@ -73,13 +75,15 @@ class FullStager:
         """Wait until the process took every staging buffer sent to it. Only the living
         trainer can hand one over (shared memory passed by descriptor): until then, a
         crash of the trainer would lose the state staged in it, and with the first full
-        checkpoint of a new directory, every step after it. Once per buffer: a counter
-        read on every other step."""
-        if session.counter(channel.STAGES_TAKEN) < self.stages:
-            session.wait(
-                lambda: session.counter(channel.STAGES_TAKEN) >= self.stages,
-                "the checkpointing process to take the staged state",
-            )
+        checkpoint of a new directory, every step after it. Once per buffer: nothing on
+        every other step."""
+        if self.taken >= self.stages:
+            return
+        session.wait(
+            lambda: session.counter(channel.STAGES_TAKEN) >= self.stages,
+            "the checkpointing process to take the staged state",
+        )
+        self.taken = self.stages
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The state's tensors (model, optimizer, RNG) and the metadata taken with them."""

@@ -151,6 +151,15 @@ def parent_pid() -> int:
 install_env_faults()
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself when it exists, else its nearest ancestor that does: where a file
+    or folder to be made at ``path`` would be made from."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so that a rename inside it is durable."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -212,15 +212,11 @@ class CrashHarness:
         for d in sorted(self.workdir.glob("chain-*")):
             with contextlib.suppress(Exception):
                 rp.forget_released(d, rp.release_survivor(d, 5.0))
-            runs: set[str] = set()
-            with contextlib.suppress(Exception):
-                m = layout.read_manifest(d)
-                runs.update(str(r) for r in [m["run_id"], *m.get("runs", [])])
-            prefixes = tuple(f"lowdiff-{r[:16]}-" for r in runs)
-            for name in sorted(_lowdiff_segments() - _mapped_segments()):
-                if prefixes and name.startswith(prefixes):
-                    with contextlib.suppress(OSError):
-                        os.unlink(f"/dev/shm/{name}")
+        ours = _runs_under(self.workdir)
+        for name in sorted(_lowdiff_segments() - _mapped_segments()):
+            if ours and name.startswith(ours):
+                with contextlib.suppress(OSError):
+                    os.unlink(f"/dev/shm/{name}")
 
     def _check_leaks(self, wait_s: float = 15.0) -> None:
         """Nothing may outlive the run: no checkpointing process of any chain, and no
