@@ -1,6 +1,6 @@
 """What an elastic restart of a LowDiff+ DDP job costs, against the same job uninterrupted.
 
-Runs :mod:`lowdiff.torture.ddp_job` (2 gloo ranks, ``--steps`` steps, LowDiff+) under
+Runs :mod:`lowdiff_lab.torture.ddp_job` (2 gloo ranks, ``--steps`` steps, LowDiff+) under
 real ``torchrun`` three ways, interleaved, ``--repeats`` times each, and reports the wall
 time of each whole ``torchrun`` (start to exit):
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from lowdiff.state.capture import diff_states
-from lowdiff.torture.ddp import torchrun
+from lowdiff_lab.torture.ddp import torchrun
 
 
 def _run(

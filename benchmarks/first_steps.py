@@ -8,7 +8,7 @@ tensors), the first step after the restart and the one after it. A method whose 
 a step runs in the background shows it in the step that waits for it.
 
 Each restart is the bench's: a training child (the same workload, optimizer and
-``Checkpointer`` arguments as the bench's, :func:`lowdiff.bench.exp_recovery.memory_arms`) trains to step 2f − 1, flushes, and is
+``Checkpointer`` arguments as the bench's, :func:`lowdiff_lab.bench.exp_recovery.memory_arms`) trains to step 2f − 1, flushes, and is
 SIGKILLed; this process then builds the model and optimizer afresh and restarts.
 
 Run: ``python benchmarks/first_steps.py [--workload gpt2-3m] [--full-every 5]
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from lowdiff.bench.core import Arm, BenchSettings, build_workload, make_checkpointer, make_optimizer
-from lowdiff.bench.exp_recovery import crash_in_child, memory_arms
+from lowdiff_lab.bench.core import Arm, BenchSettings, build_workload, make_checkpointer, make_optimizer
+from lowdiff_lab.bench.exp_recovery import crash_in_child, memory_arms
 
 
 def restart(s: BenchSettings, arm: Arm, f: int, workdir: Path) -> dict[str, float]:

@@ -28,8 +28,8 @@ CHILD = r"""
 import json, os, statistics, sys, tempfile, time
 import torch
 import lowdiff
-import lowdiff.checkpointer as lc
-for name in lc.strategy_modules():
+import lowdiff.methods as lm
+for name in lm.method_modules():
     __import__(name)  # imported ahead, as a warm trainer has them
 strategy, layers, steps, directory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)

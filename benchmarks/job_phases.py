@@ -1,7 +1,7 @@
 """Where a job of the chaos quick profile spends its time, phase by phase, per method.
 
 ``lowdiff chaos --quick`` measures whole jobs; this script splits one job of the same
-training (``lowdiff.chaos.settings.ChaosSettings(quick=True)``: ``gpt2-tiny``, 100 steps,
+training (``lowdiff_lab.chaos.settings.ChaosSettings(quick=True)``: ``gpt2-tiny``, 100 steps,
 one torch thread) into the parts a checkpointing method adds: the ``Checkpointer``
 constructor, ``resume()``, the steps (and of them the time inside ``ck.step()``) and
 ``close()``, first for a fresh job without failures, then for a job restarted after a
@@ -29,12 +29,12 @@ import tempfile
 CHILD = r"""
 import json, os, signal, sys, time
 import torch
-import lowdiff.checkpointer as lc
-for name in lc.strategy_modules():
+import lowdiff.methods as lm
+for name in lm.method_modules():
     __import__(name)
-from lowdiff.chaos.settings import ChaosSettings, method_config, parse_method
-from lowdiff.workloads import models, text
-from lowdiff.workloads import train as tr
+from lowdiff_lab.chaos.settings import ChaosSettings, method_config, parse_method
+from lowdiff_lab.workloads import models, text
+from lowdiff_lab.workloads import train as tr
 
 method, directory, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 s = ChaosSettings(quick=True)

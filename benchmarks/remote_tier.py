@@ -46,7 +46,7 @@ import torch
 import lowdiff
 from lowdiff.remote import RemoteStore, fetch
 from lowdiff.state.capture import diff_states, snapshot_state
-from lowdiff.workloads.zoo import build_workload
+from lowdiff_lab.workloads.zoo import build_workload
 
 WORKLOAD = "gpt2-3m"
 

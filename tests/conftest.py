@@ -11,9 +11,10 @@ import torch.distributed as dist
 from tests import launch
 
 from lowdiff.ddp.context import DistContext
-from lowdiff.prefork import PreforkServer
-from lowdiff.torture import ddp
-from lowdiff.torture.report import TortureReport
+from lowdiff_lab import faults as _faults  # noqa: F401 -- its processes install LOWDIFF_FAULTS
+from lowdiff_lab.prefork import PreforkServer
+from lowdiff_lab.torture import ddp
+from lowdiff_lab.torture.report import TortureReport
 
 # Tests run on 2 shared cores; more threads only add contention and noise.
 _THREADS = int(os.environ.get("LOWDIFF_TEST_THREADS", "1"))
@@ -78,6 +79,6 @@ def prefork() -> PreforkServer:
 
 @pytest.fixture(scope="session")
 def torchrun(prefork: PreforkServer) -> Callable[..., subprocess.CompletedProcess[str]]:
-    """:func:`lowdiff.torture.ddp.torchrun` with its agent forked from :func:`prefork`
-    (its ranks are forks of the agent: see :mod:`lowdiff.torture.ddp_agent`)."""
+    """:func:`lowdiff_lab.torture.ddp.torchrun` with its agent forked from :func:`prefork`
+    (its ranks are forks of the agent: see :mod:`lowdiff_lab.torture.ddp_agent`)."""
     return functools.partial(ddp.torchrun, server=prefork)

@@ -1,10 +1,10 @@
-"""The tests' trainer processes: forks of one warm Python (:mod:`lowdiff.prefork`).
+"""The tests' trainer processes: forks of one warm Python (:mod:`lowdiff_lab.prefork`).
 
 A trainer that a test SIGKILLs and restarts would otherwise be a new interpreter that
 imports torch (and, for DDP, ``torch._dynamo``) again: seconds of CPU each time, most of
 the suite's time. :func:`popen` and :func:`run` take the arguments of
 :class:`subprocess.Popen` and :func:`subprocess.run`; the child is what ``python ARGS``
-would have been (see :mod:`lowdiff.prefork`). What a fork cannot stand in for (an
+would have been (see :mod:`lowdiff_lab.prefork`). What a fork cannot stand in for (an
 interpreter's own start, the ``python -m lowdiff`` entry point, ``torchrun`` itself) is
 tested with real processes.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import lowdiff
-from lowdiff.prefork import PreforkedProcess, PreforkServer
+from lowdiff_lab.prefork import PreforkedProcess, PreforkServer
 
 PRELOAD = (
     "torch._dynamo",  # what DistributedDataParallel imports
@@ -28,15 +28,15 @@ PRELOAD = (
     "transformers",
     "transformers.trainer",  # the Trainer integration's runs
     "lightning",  # the Lightning integration's runs
-    "lowdiff.baselines.checkfreq",
-    "lowdiff.baselines.dcp_async",
-    "lowdiff.baselines.gemini",
-    "lowdiff.baselines.naive_dc",
-    "lowdiff.baselines.torch_save",
-    "lowdiff.torture.ddp_agent",
-    "lowdiff.torture.ddp_job",
-    "lowdiff.torture.job",
-    "lowdiff.workloads.train",
+    "lowdiff_lab.baselines.checkfreq",
+    "lowdiff_lab.baselines.dcp_async",
+    "lowdiff_lab.baselines.gemini",
+    "lowdiff_lab.baselines.naive_dc",
+    "lowdiff_lab.baselines.torch_save",
+    "lowdiff_lab.torture.ddp_agent",
+    "lowdiff_lab.torture.ddp_job",
+    "lowdiff_lab.torture.job",
+    "lowdiff_lab.workloads.train",
 )
 
 _server: PreforkServer | None = None

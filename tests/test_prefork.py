@@ -1,4 +1,4 @@
-"""lowdiff.prefork: a forked child is what ``python ARGS`` would have been."""
+"""lowdiff_lab.prefork: a forked child is what ``python ARGS`` would have been."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 from tests import launch
 
-from lowdiff.prefork import PreforkServer
+from lowdiff_lab.prefork import PreforkServer
 
 
 def test_argv_exit_code_traceback_and_kill(tmp_path) -> None:

@@ -1,8 +1,8 @@
-"""lowdiff: per-iteration checkpointing for PyTorch by reusing compressed gradients.
+"""lowdiff: per-iteration checkpointing for PyTorch training.
 
 Example:
     >>> import lowdiff  # doctest: +SKIP
-    >>> ck = lowdiff.Checkpointer(model, optimizer, "runs/ckpt", compressor=lowdiff.TopK(ratio=0.01))  # doctest: +SKIP
+    >>> ck = lowdiff.Checkpointer("runs/ckpt", model, optimizer)  # doctest: +SKIP
     >>> start = ck.resume()  # doctest: +SKIP
 """
 
@@ -12,11 +12,13 @@ from lowdiff.attach import attach, own_strategy
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.compressors import QSGD, ApproxTopK, Compressor, NoCompression, RandomK, TopK
 from lowdiff.errors import (
+    ArgumentTypeError,
     CheckpointMismatchError,
     CheckpointWorkerError,
     CorruptCheckpointError,
     DirectoryLockedError,
     DurabilityWarning,
+    InvalidArgumentError,
     LowDiffError,
     NewerFormatError,
     NotACheckpointDirectoryError,
@@ -24,27 +26,34 @@ from lowdiff.errors import (
     RecoveryWarning,
     RemoteStorageError,
     UnsupportedSetupError,
+    UsageError,
 )
 from lowdiff.exporting import export
 from lowdiff.inspect import DirectoryInfo, JobInfo, inspect_dir, inspect_job, verify_dir
+from lowdiff.methods import DirectoryKind, register_method
+from lowdiff.options import RemoteOptions, ReplicaOptions, Timeouts
 from lowdiff.recovery.replay import RecoveryStats
 from lowdiff.recovery.restore import restore
+from lowdiff.strategy import StepTimings, Strategy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ApproxTopK",
+    "ArgumentTypeError",
     "CheckpointMismatchError",
     "CheckpointWorkerError",
     "Checkpointer",
     "Compressor",
     "CorruptCheckpointError",
-    "NewerFormatError",
     "DirectoryInfo",
-    "JobInfo",
+    "DirectoryKind",
     "DirectoryLockedError",
     "DurabilityWarning",
+    "InvalidArgumentError",
+    "JobInfo",
     "LowDiffError",
+    "NewerFormatError",
     "NoCompression",
     "NotACheckpointDirectoryError",
     "QSGD",
@@ -52,15 +61,22 @@ __all__ = [
     "RecoveryError",
     "RecoveryStats",
     "RecoveryWarning",
+    "RemoteOptions",
     "RemoteStorageError",
+    "ReplicaOptions",
+    "StepTimings",
+    "Strategy",
+    "Timeouts",
     "TopK",
     "UnsupportedSetupError",
+    "UsageError",
     "attach",
-    "own_strategy",
     "export",
     "inspect_dir",
     "inspect_job",
+    "register_method",
     "restore",
     "verify_dir",
     "__version__",
 ]
+_ = own_strategy  # internal (tests and tools): lowdiff.own_strategy(ck)

@@ -21,12 +21,17 @@ caller differs.
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 
-from lowdiff.checkpointer import Checkpointer
+from lowdiff.checkpointer import OPTIONS, Checkpointer, Method
+from lowdiff.compressors.base import Compressor
 from lowdiff.engine.base import EngineStrategy
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError, UsageError
+from lowdiff.legacy import accepts_old_spellings
+from lowdiff.options import RemoteOptions, ReplicaOptions, Timeouts
 
 _ATTACHED = "_lowdiff_attached"
 
@@ -42,7 +47,7 @@ def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
             break
         optimizer, seen = inner, seen + 1
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"optimizer must be (or wrap) a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     return optimizer
@@ -61,19 +66,34 @@ def unwrap_scheduler(scheduler: Any) -> Any:
     return inner if inner is not None and hasattr(inner, "state_dict") else scheduler
 
 
+@accepts_old_spellings("attach", OPTIONS)
 def attach(
+    directory: str | os.PathLike[str] | None,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    directory: str | os.PathLike[str] | None,
-    **options: Any,
+    *,
+    method: Method | str = "auto",
+    compressor: Compressor | None = None,
+    scheduler: Any | None = None,
+    extra_state: dict[str, Any] | None = None,
+    full_every: int | Literal["auto"] = 30,
+    records_per_file: int | Literal["auto"] = 3,
+    keep_full: int | None = 2,
+    max_inflight: int | None = None,
+    on_storage_error: Literal["raise", "warn"] = "raise",
+    mtbf: float | None = None,
+    replica: ReplicaOptions | None = None,
+    remote: RemoteOptions | str | None = None,
+    timeouts: Timeouts | None = None,
+    method_options: Mapping[str, Any] | None = None,
 ) -> Checkpointer:
     """Checkpoint every ``optimizer.step()`` of an unmodified training loop.
 
-    Takes the arguments of :class:`lowdiff.Checkpointer` (strategies ``"lowdiff"``,
-    ``"lowdiff+"`` and ``"none"``). Call ``ck.resume()`` before training, and
-    ``ck.close()`` at the end; in between, the loop stays as it is::
+    Takes the arguments of :class:`lowdiff.Checkpointer` (lowdiff's own methods). Call
+    ``ck.resume()`` before training, and ``ck.close()`` at the end; in between, the
+    loop stays as it is::
 
-        ck = lowdiff.attach(model, optimizer, "runs/ckpt", scheduler=scheduler,
+        ck = lowdiff.attach("runs/ckpt", model, optimizer, scheduler=scheduler,
                             extra_state={"scaler": scaler, "data": loader})
         start = ck.resume()
         for batch in loader:                      # the loader resumes where it was
@@ -102,24 +122,30 @@ def attach(
       updates the parameters.
 
     Raises:
-        RuntimeError: lowdiff is already attached to this optimizer.
-        ValueError: a baseline strategy, or bad options (as for ``Checkpointer``).
+        UsageError: lowdiff is already attached to this optimizer.
+        InvalidArgumentError: a registered method (the baselines), or a bad option (as
+            for ``Checkpointer``).
     """
+    options: dict[str, Any] = dict(
+        method=method, compressor=compressor, scheduler=scheduler, extra_state=extra_state,
+        full_every=full_every, records_per_file=records_per_file, keep_full=keep_full,
+        max_inflight=max_inflight, on_storage_error=on_storage_error, mtbf=mtbf,
+        replica=replica, remote=remote, timeouts=timeouts, method_options=method_options,
+    )  # fmt: skip
     optimizer = unwrap_optimizer(optimizer)
-    if options.get("scheduler") is not None:
-        options["scheduler"] = unwrap_scheduler(options["scheduler"])
+    options["scheduler"] = unwrap_scheduler(scheduler)
     if getattr(optimizer, _ATTACHED, None) is not None:
-        raise RuntimeError(
+        raise UsageError(
             f"lowdiff is already attached to this optimizer (directory {getattr(optimizer, _ATTACHED)}); "
             "close() that Checkpointer first"
         )
-    ck = Checkpointer(model, optimizer, directory, **options)
+    ck = Checkpointer(directory, model, optimizer, **options)
     impl = ck.strategy_impl
     if not isinstance(impl, EngineStrategy):
         ck.close()
-        raise ValueError(
-            f"attach() drives lowdiff's own strategies ('lowdiff', 'lowdiff+', 'none'), not "
-            f"{ck.strategy!r}; use ck.step() for the baselines"
+        raise InvalidArgumentError(
+            f"attach() drives lowdiff's own methods ('lowdiff', 'lowdiff+', 'compression-only'), "
+            f"not {ck.method!r}; use ck.step() for a registered method"
         )
     try:
         impl.attach_to_optimizer()
@@ -132,17 +158,15 @@ def attach(
 
 
 def own_strategy(ck: Checkpointer) -> EngineStrategy:
-    """The strategy object of ``ck`` when it is one of lowdiff's own (``"lowdiff"``,
-    ``"lowdiff+"``, ``"none"``), typed as such: its documented internals (``root``,
-    ``params``, ``compressor``, ``worker_process``, ``ddp_hook_state``, ...) are reached
-    through it.
+    """The method object of ``ck`` when it is one of lowdiff's own, typed as such
+    (internal: for tests and tools; its attributes are not a stable API).
 
     Raises:
         TypeError: ``ck`` runs a baseline.
     """
     impl = ck.strategy_impl
     if not isinstance(impl, EngineStrategy):
-        raise TypeError(f"not a lowdiff strategy: {ck.strategy!r}")
+        raise ArgumentTypeError(f"not a lowdiff strategy: {ck.strategy!r}")
     return impl
 
 

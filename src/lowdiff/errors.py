@@ -1,8 +1,11 @@
 """The exception hierarchy of lowdiff.
 
-Every failure that lowdiff itself detects raises a subclass of :class:`LowDiffError`.
-Bad arguments at the API edge raise the built-in ``ValueError`` or ``TypeError``
-instead, naming the argument and the value.
+Every refusal, misuse and failure that lowdiff detects raises a subclass of
+:class:`LowDiffError`. Those that the standard library would report as ``ValueError``,
+``TypeError`` or ``RuntimeError`` also subclass that built-in, so ``except ValueError``
+keeps working: :class:`InvalidArgumentError` (a bad value), :class:`ArgumentTypeError`
+(a value of the wrong type, or an option that does not exist) and :class:`UsageError`
+(a call out of order: ``step()`` after ``close()``, a second ``attach``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,22 @@ from pathlib import Path
 
 class LowDiffError(Exception):
     """Base class of every error lowdiff raises on its own account."""
+
+
+class InvalidArgumentError(LowDiffError, ValueError):
+    """An argument or option has a value lowdiff cannot use (named in the message, with
+    the value and what would do)."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument or option has the wrong type, or an option does not exist (the
+    message names the nearest one that does)."""
+
+
+class UsageError(LowDiffError, RuntimeError):
+    """A call out of order: ``step()`` or ``resume()`` after ``close()``, ``resume()``
+    twice, ``ck.step()`` on a Checkpointer driven by :func:`lowdiff.attach`, a second
+    ``attach`` to one optimizer."""
 
 
 class CorruptCheckpointError(LowDiffError):
@@ -42,7 +61,7 @@ class NotACheckpointDirectoryError(LowDiffError):
     """The directory holds something other than a lowdiff checkpoint."""
 
 
-class UnsupportedSetupError(LowDiffError):
+class UnsupportedSetupError(LowDiffError, ValueError):
     """The training setup is one lowdiff does not support (a model sharded across ranks
     with FSDP or DTensor); the message says what is unsupported and what to use instead."""
 

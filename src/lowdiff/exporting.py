@@ -40,6 +40,7 @@ from lowdiff.ddp.shard import merge_state_dicts
 from lowdiff.errors import (
     CheckpointMismatchError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     NotACheckpointDirectoryError,
     RecoveryError,
 )
@@ -260,16 +261,16 @@ def export(
         120
     """
     if format not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+        raise InvalidArgumentError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
     if out is None:
-        raise ValueError("out is required: the file or directory to write")
+        raise InvalidArgumentError("out is required: the file or directory to write")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+        raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
     root, dest = Path(path), Path(out)
     if not root.is_dir():
         raise NotACheckpointDirectoryError(f"{root} does not exist or is not a directory")
     if dest.resolve().is_relative_to(root.resolve()):
-        raise ValueError(f"out must lie outside the checkpoint directory {root}, got {dest}")
+        raise InvalidArgumentError(f"out must lie outside the checkpoint directory {root}, got {dest}")
     _check_out(dest, format)
     if not (is_job_dir(root) and job_sharding(root) == FSDP2):
         _full_headers(root, step)  # cheap: a directory lowdiff reads, and a step it serves
@@ -296,14 +297,14 @@ def _check_out(dest: Path, format: str) -> None:
     ``hf``) only an empty one; a missing parent is created, a file in its place is not."""
     if format in ("dcp", "hf"):
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise ValueError(f"out {dest} exists and is not an empty directory")
+            raise InvalidArgumentError(f"out {dest} exists and is not an empty directory")
     elif dest.is_dir():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"out {dest} is a directory; format {format!r} writes one file: name the file"
         )
     parent = nearest_existing(dest.parent)
     if not parent.is_dir():
-        raise ValueError(f"out {dest}: {parent} is not a directory")
+        raise InvalidArgumentError(f"out {dest}: {parent} is not a directory")
 
 
 def _has_scheduler(root: Path) -> bool:

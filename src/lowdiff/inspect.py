@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from lowdiff.baselines.base import is_baseline_dir, verify_baseline_dir
 from lowdiff.errors import CorruptCheckpointError, NotACheckpointDirectoryError, RecoveryError
 from lowdiff.exporting import export as _export
 from lowdiff.exporting import rebuild as _rebuild
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
+from lowdiff.methods import directory_kind
 from lowdiff.proc.holder import replica_status
 from lowdiff.recovery.job import (
     Generation,
@@ -217,8 +217,9 @@ def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
         (number of files checked, [(path, reason) for every bad file]).
     """
     root = Path(path)
-    if is_baseline_dir(root):  # a baseline strategy's directory: commit files, not sfiles
-        return verify_baseline_dir(root)
+    kind = directory_kind(root)
+    if kind is not None:  # a registered method's directory (a baseline's): its own files
+        return kind.verify(root)
     if is_job(root):
         n_checked, bad_shards = 1, []
         for g in generations(root):

@@ -3,8 +3,8 @@
 A strategy decides what a checkpoint is and how it gets to disk: lowdiff's own
 (:class:`lowdiff.engine.lowdiff.LowDiffStrategy` for ``"lowdiff"``,
 :class:`~lowdiff.engine.lowdiff_plus.LowDiffPlusStrategy` for ``"lowdiff+"`` and
-:class:`~lowdiff.engine.none.NoCheckpointStrategy` for ``"none"``) and the
-baselines of :mod:`lowdiff.baselines` are peers under this contract. Users reach every one
+:class:`~lowdiff.engine.none.CompressionOnlyStrategy` for ``"none"``) and the
+baselines of :mod:`lowdiff_lab.baselines` are peers under this contract. Users reach every one
 through :class:`lowdiff.Checkpointer`, which validates the arguments, picks the strategy
 by name and hands every call to it.
 
@@ -50,7 +50,6 @@ above is the only update, so what a strategy records is exactly what training ap
 from __future__ import annotations
 
 import abc
-import builtins
 import contextlib
 import dataclasses
 import os
@@ -61,43 +60,8 @@ import torch
 from torch.profiler import record_function
 
 from lowdiff.compressors.base import Compressor
+from lowdiff.errors import InvalidArgumentError, UsageError
 from lowdiff.state import capture as st
-
-STORAGE_ERRORS = frozenset(
-    c.__name__
-    for c in vars(builtins).values()
-    if isinstance(c, type) and issubclass(c, OSError) and not issubclass(c, ConnectionError)
-)
-"""Names of the errors that come from the storage (a full disk, an I/O error), as opposed
-to a bug or a lost process: OSError and its subclasses, except the ones a closed pipe
-between two processes raises."""
-
-AUTO = "auto"
-
-
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, or a clear TypeError / ValueError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def check_int_or_auto(name: str, value: Any) -> int | str:
-    """An int >= 1 or ``"auto"``."""
-    if isinstance(value, str):
-        if value != AUTO:
-            raise ValueError(f"{name} must be an int >= 1 or 'auto', got {value!r}")
-        return value
-    return check_int(name, value, 1)
-
-
-def check_seconds(name: str, value: Any) -> float:
-    """A positive number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
-    return float(value)
 
 
 def compress_grads(
@@ -120,7 +84,7 @@ def compress_grads(
                 nograd.append(info.index)
                 continue
             if g.is_sparse:
-                raise ValueError(st.sparse_gradient_error(info.name))
+                raise InvalidArgumentError(st.sparse_gradient_error(info.name))
             flat = g.detach().contiguous().view(-1)
             payload = compressor.compress(flat, info.index, t)
             if flat.data_ptr() == g.data_ptr():
@@ -155,17 +119,45 @@ PIPELINE_STAGES = (
 """Keys of :attr:`Strategy.pipeline_s`."""
 
 
+@dataclasses.dataclass(frozen=True)
+class StepTimings:
+    """Seconds the training process spent in each stage of ``step()``, summed over a
+    session (:attr:`lowdiff.Checkpointer.timings`).
+
+    Attributes:
+        begin: starting the step (raising what background work reported, waiting for
+            what must finish before the update).
+        take_gradients: taking the gradients as the optimizer applies them, of which
+            ``compress``: compressing them (compressed training does that anyway).
+        hparams: taking the update's hyperparameters.
+        update: ``optimizer.step()`` and ``scheduler.step()``.
+        after_update: handing the step over, checkpointing when due.
+        steps: steps timed.
+    """
+
+    begin: float = 0.0
+    take_gradients: float = 0.0
+    compress: float = 0.0
+    hparams: float = 0.0
+    update: float = 0.0
+    after_update: float = 0.0
+    steps: int = 0
+
+    @classmethod
+    def of(cls, times: dict[str, float]) -> StepTimings:
+        return cls(**{k: (int(v) if k == "steps" else v) for k, v in times.items()})
+
+    @property
+    def overhead_s(self) -> float:
+        """lowdiff's own seconds on the training process: every stage except
+        compression and the update itself."""
+        return self.begin + self.take_gradients - self.compress + self.hparams + self.after_update
+
+
 def trainer_overhead_s(times: dict[str, float]) -> float:
-    """A strategy's own seconds on the training process in :attr:`Strategy.pipeline_s`:
-    every stage except compression (compressed training compresses anyway) and the
-    update itself."""
-    return (
-        times["begin"]
-        + times["take_gradients"]
-        - times["compress"]
-        + times["hparams"]
-        + times["after_update"]
-    )
+    """A strategy's own seconds on the training process in :attr:`Strategy.pipeline_s`
+    (:attr:`StepTimings.overhead_s`)."""
+    return StepTimings.of(times).overhead_s
 
 
 class Strategy(abc.ABC):
@@ -213,8 +205,8 @@ class Strategy(abc.ABC):
         """
         if self.driven_by_hooks:
             if self.is_closed:
-                raise RuntimeError("step() after close()")
-            raise RuntimeError(
+                raise UsageError("step() after close()")
+            raise UsageError(
                 "lowdiff is attached to the optimizer: call optimizer.step() (and your "
                 "scheduler's step()) as usual, not ck.step()"
             )
@@ -338,7 +330,7 @@ class Strategy(abc.ABC):
 
     def flush_remote(self) -> int:
         """Flush, then wait until the remote tier holds every durable step; that step."""
-        raise ValueError(
+        raise InvalidArgumentError(
             f"flush(remote=True) needs remote=..., which strategy {self.name!r} does not take"
         )
 

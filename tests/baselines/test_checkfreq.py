@@ -18,10 +18,10 @@ from tests import launch
 from tests.baselines import harness
 
 import lowdiff
-from lowdiff.baselines import base
-from lowdiff.baselines import checkfreq as cf
-from lowdiff.baselines import checkfreq_layout as cfl
 from lowdiff.format import layout
+from lowdiff_lab.baselines import base
+from lowdiff_lab.baselines import checkfreq as cf
+from lowdiff_lab.baselines import checkfreq_layout as cfl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -264,7 +264,7 @@ def test_persist_failure_is_raised_in_the_trainer(
 def test_auto_profiles_then_picks_an_interval(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="lowdiff.baselines.checkfreq")
+    caplog.set_level(logging.INFO, logger="lowdiff_lab.baselines.checkfreq")
     d = tmp_path / "ckpt"
     objects = harness.build()
     ck = lowdiff.Checkpointer(
@@ -293,7 +293,7 @@ def test_auto_profiles_then_picks_an_interval(
     ck.close()
     assert k >= 1 and st["interval"] == k
     assert st["iter_s"] > 0 and st["snapshot_stall_s"] > 0 and st["persist_s"] > 0
-    records = [r for r in caplog.records if r.name == "lowdiff.baselines.checkfreq"]
+    records = [r for r in caplog.records if r.name == "lowdiff_lab.baselines.checkfreq"]
     assert len(records) == 1 and f"every {k} steps" in records[0].getMessage()
     assert layout.read_manifest(d)["full_every"] == "auto"
 

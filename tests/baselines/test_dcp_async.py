@@ -22,8 +22,8 @@ from tests import launch
 from tests.baselines import harness
 
 import lowdiff
-from lowdiff.baselines import BaselineCheckpointer, dcp_async
 from lowdiff.format import layout
+from lowdiff_lab.baselines import BaselineCheckpointer, dcp_async
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -74,7 +74,7 @@ def test_process_saver_resume_is_exact_and_leaves_no_process(tmp_path: Path) -> 
     d = tmp_path / "ckpt"
     before = _children()
     ck, _, _ = harness.run(d, 0, 7, strategy="dcp-async", full_every=3, async_mode="process")
-    assert isinstance(ck, lowdiff.Checkpointer) and ck.strategy == "dcp-async"
+    assert isinstance(ck, lowdiff.Checkpointer) and ck.method == "dcp-async"
     assert isinstance(ck.strategy_impl, BaselineCheckpointer)
     assert ck.strategy_impl.async_mode == "process" and ck.stats["process_saver"] == 1.0
     assert ck.stats["durable_step"] == 6 and ck.stats["bytes_written"] > 0
@@ -145,7 +145,7 @@ import sys
 import torch
 from tests.baselines import harness
 import lowdiff
-from lowdiff.baselines.dcp_saver import saver_pid
+from lowdiff_lab.baselines.dcp_saver import saver_pid
 
 def main():
     torch.set_num_threads(1)  # as the tests' conftest: the reference is computed so

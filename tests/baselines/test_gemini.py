@@ -28,10 +28,10 @@ from tests import launch
 from tests.baselines import harness
 
 import lowdiff
-from lowdiff.baselines.base import load_state, restore_state
-from lowdiff.baselines.gemini import GeminiCheckpointer
 from lowdiff.format import layout
 from lowdiff.proc import holder as rp
+from lowdiff_lab.baselines.base import load_state, restore_state
+from lowdiff_lab.baselines.gemini import GeminiCheckpointer
 
 REPO = Path(__file__).resolve().parents[2]
 OPTS: dict[str, Any] = {"full_every": 1, "persist_every": 3, "keep_full": None}
@@ -42,7 +42,7 @@ def _ckpt_steps(d: Path) -> list[int]:
 
 
 def _writer_free(d: Path, timeout: float = 30.0) -> None:
-    from lowdiff.baselines.gemini_link import writer_busy as _writer_busy
+    from lowdiff_lab.baselines.gemini_link import writer_busy as _writer_busy
 
     deadline = time.monotonic() + timeout
     while _writer_busy(d):

@@ -22,8 +22,8 @@ from tests import launch
 from tests.baselines import harness
 
 import lowdiff
-from lowdiff.baselines.base import load_state
-from lowdiff.baselines.naive_dc import NaiveDCCheckpointer, recovery_error
+from lowdiff_lab.baselines.base import load_state
+from lowdiff_lab.baselines.naive_dc import NaiveDCCheckpointer, recovery_error
 
 STRATEGY = "naive-dc"
 FULL_EVERY = 6
@@ -74,7 +74,7 @@ def _assert_model_is(base: dict[str, torch.Tensor], model: torch.nn.Module) -> N
 def test_same_constructor_returns_the_baseline(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy=STRATEGY, full_every=2)
-    assert isinstance(ck.strategy_impl, NaiveDCCheckpointer) and ck.strategy == STRATEGY
+    assert isinstance(ck.strategy_impl, NaiveDCCheckpointer) and ck.method == STRATEGY
     ck.close()
 
 

@@ -9,13 +9,13 @@ import pytest
 from tests.baselines import harness
 
 import lowdiff
-from lowdiff.baselines import BaselineCheckpointer
+from lowdiff_lab.baselines import BaselineCheckpointer
 
 
 def test_same_constructor_returns_the_baseline(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy="torch-save", full_every=2)
-    assert isinstance(ck, lowdiff.Checkpointer) and ck.strategy == "torch-save"
+    assert isinstance(ck, lowdiff.Checkpointer) and ck.method == "torch-save"
     assert isinstance(ck.strategy_impl, BaselineCheckpointer)
     ck.close()
 

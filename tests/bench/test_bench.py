@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from lowdiff.bench import DEFAULT_EXPERIMENTS, run_bench
-from lowdiff.bench.arms import compressed_arms, uncompressed_arms
-from lowdiff.bench.core import (
+from lowdiff.cli.main import main
+from lowdiff_lab.bench import DEFAULT_EXPERIMENTS, run_bench
+from lowdiff_lab.bench.arms import compressed_arms, uncompressed_arms
+from lowdiff_lab.bench.core import (
     Arena,
     Arm,
     BenchSettings,
@@ -17,9 +18,8 @@ from lowdiff.bench.core import (
     newest_full_bytes,
     summarize,
 )
-from lowdiff.bench.experiments import Profile
-from lowdiff.bench.report import markdown, plots
-from lowdiff.cli.main import main
+from lowdiff_lab.bench.experiments import Profile
+from lowdiff_lab.bench.report import markdown, plots
 
 pytestmark = pytest.mark.multiprocess
 
@@ -296,7 +296,7 @@ def test_report_renders_missing_values(tmp_path: Path) -> None:
 def test_training_processes_keep_the_callers_openmp_policy(monkeypatch) -> None:
     """The demo's, the bench's and chaos's training processes run as the user's training
     would: no wait policy is forced on them, and one the caller set is kept."""
-    from lowdiff.harness import child_env
+    from lowdiff_lab.harness import child_env
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     env = child_env(3)

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from lowdiff.bench import BenchSettings, run_bench
-from lowdiff.bench.context import QUICK_PROFILE, Profile
+from lowdiff_lab.bench import BenchSettings, run_bench
+from lowdiff_lab.bench.context import QUICK_PROFILE, Profile
 
 pytest.importorskip("torch.distributed.fsdp", reason="no torch.distributed.fsdp")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -10,12 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowdiff.bench.core import Arm, BenchSettings
-from lowdiff.bench.experiments import QUICK_PROFILE, Context
-from lowdiff.bench.fidelity import _groups, fidelity
-from lowdiff.bench.fidelity_metrics import difference, kl_divergence, perplexity, top_k_agreement
-from lowdiff.bench.fidelity_plan import Case, Setting, Sizes, plan
-from lowdiff.bench.report_fidelity import plot_fidelity, section_fidelity
+from lowdiff_lab.bench.core import Arm, BenchSettings
+from lowdiff_lab.bench.experiments import QUICK_PROFILE, Context
+from lowdiff_lab.bench.fidelity import _groups, fidelity
+from lowdiff_lab.bench.fidelity_metrics import (
+    difference,
+    kl_divergence,
+    perplexity,
+    top_k_agreement,
+)
+from lowdiff_lab.bench.fidelity_plan import Case, Setting, Sizes, plan
+from lowdiff_lab.bench.report_fidelity import plot_fidelity, section_fidelity
 
 # --------------------------------------------------------------------------- metrics
 

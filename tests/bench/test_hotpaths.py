@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from lowdiff.bench import DEFAULT_EXPERIMENTS, EXPERIMENTS, run_bench
-from lowdiff.bench.core import BenchSettings
-from lowdiff.bench.experiments import Profile
-from lowdiff.bench.hotpaths import END_TO_END_TARGET, TRAINER_TARGET, lowdiff_step_bench
 from lowdiff.strategy import PIPELINE_STAGES
+from lowdiff_lab.bench import DEFAULT_EXPERIMENTS, EXPERIMENTS, run_bench
+from lowdiff_lab.bench.core import BenchSettings
+from lowdiff_lab.bench.experiments import Profile
+from lowdiff_lab.bench.hotpaths import END_TO_END_TARGET, TRAINER_TARGET, lowdiff_step_bench
 
 
 def test_hotpaths_runs_only_when_named():

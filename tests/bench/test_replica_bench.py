@@ -6,10 +6,10 @@ import json
 import math
 from pathlib import Path
 
-from lowdiff.bench import DEFAULT_EXPERIMENTS, EXPERIMENTS, run_bench
-from lowdiff.bench.core import BenchSettings
-from lowdiff.bench.experiments import Profile
-from lowdiff.bench.replica import bench_shapes, format_rows
+from lowdiff_lab.bench import DEFAULT_EXPERIMENTS, EXPERIMENTS, run_bench
+from lowdiff_lab.bench.core import BenchSettings
+from lowdiff_lab.bench.experiments import Profile
+from lowdiff_lab.bench.replica import bench_shapes, format_rows
 
 
 def test_replica_is_an_experiment_run_by_default():

@@ -1,4 +1,4 @@
-"""The LowDiff+ snapshot copy bandwidth bench (``lowdiff.bench.snapshot_bw``); no timings asserted."""
+"""The LowDiff+ snapshot copy bandwidth bench (``lowdiff_lab.bench.snapshot_bw``); no timings asserted."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lowdiff.bench.snapshot_bw import (
+from lowdiff_lab.bench.snapshot_bw import (
     DEFINITION,
     SNAPSHOT_TARGET,
     format_rows,

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from lowdiff.bench.wire import ddp_wire_bench
-from lowdiff.workloads.zoo import build_workload
+from lowdiff_lab.bench.wire import ddp_wire_bench
+from lowdiff_lab.workloads.zoo import build_workload
 
 RATIO = 0.01
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowdiff.chaos.accounting import Attempt, account
+from lowdiff_lab.chaos.accounting import Attempt, account
 
 
 def _log() -> list[Attempt]:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from lowdiff.chaos.run import _policy
-from lowdiff.chaos.settings import (
+from lowdiff_lab.chaos.run import _policy
+from lowdiff_lab.chaos.settings import (
     YOUNG_DALY,
     ChaosSettings,
     method_config,

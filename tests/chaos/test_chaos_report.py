@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lowdiff.chaos import report
+from lowdiff_lab.chaos import report
 
 
 def _wasted(method: str, mtbf: float, rnd: int, ratio: float) -> dict:

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from lowdiff.chaos import procs
-from lowdiff.chaos.accounting import account
-from lowdiff.chaos.launch import ForkLauncher, child_env
-from lowdiff.chaos.schedule import FailurePoint, FailureSchedule
-from lowdiff.chaos.supervisor import Job, supervise
-from lowdiff.demo import compare_states
+from lowdiff_lab.chaos import procs
+from lowdiff_lab.chaos.accounting import account
+from lowdiff_lab.chaos.launch import ForkLauncher, child_env
+from lowdiff_lab.chaos.schedule import FailurePoint, FailureSchedule
+from lowdiff_lab.chaos.supervisor import Job, supervise
+from lowdiff_lab.demo import compare_states
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lowdiff.chaos.schedule import failure_schedule, failure_times, unit_exponentials
+from lowdiff_lab.chaos.schedule import failure_schedule, failure_times, unit_exponentials
 
 
 def test_same_seed_same_schedule_other_seed_other_schedule() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowdiff.chaos.run import simulate_gpus
+from lowdiff_lab.chaos.run import simulate_gpus
 
 
 def _row(method: str, mtbf: float, failures: int, ratio: float) -> dict:

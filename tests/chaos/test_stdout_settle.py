@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from lowdiff.chaos.supervisor import _Stdout
+from lowdiff_lab.chaos.supervisor import _Stdout
 
 N = 400
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lowdiff.cli.main import main
-from lowdiff.torture.report import TortureReport
+from lowdiff_lab.torture.report import TortureReport
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def test_torture_command_prints_the_figures_and_fails_on_a_broken_promise(
         r.corruptions_detected = 5
         return r
 
-    monkeypatch.setattr("lowdiff.torture.run_torture", fake)
+    monkeypatch.setattr("lowdiff_lab.torture.run_torture", fake)
     assert main(["torture", "--quick", "--kills", "3", "--seed", "4", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert "kills performed          3" in out and "result                   OK" in out
@@ -97,7 +97,7 @@ def test_torture_command_prints_the_figures_and_fails_on_a_broken_promise(
         r.fail("x.safetensors: not detected")
         return r
 
-    monkeypatch.setattr("lowdiff.torture.run_torture", broken)
+    monkeypatch.setattr("lowdiff_lab.torture.run_torture", broken)
     assert main(["torture", "--quick", "--json"]) == 1
     assert '"ok": false' in capsys.readouterr().out
 

@@ -309,7 +309,7 @@ def test_an_unwritable_standard_output_is_a_one_line_error(trained):
 def test_demo_storage_figures_leave_out_the_step0_full_checkpoint(trained):
     """The step-0 full checkpoint holds no optimizer state: 'bytes per full checkpoint'
     is the size of the later ones, as ``lowdiff inspect`` gives it."""
-    from lowdiff.demo.analysis import storage_stats
+    from lowdiff_lab.demo.analysis import storage_stats
 
     d, _ = trained
     info = lowdiff.inspect_dir(d)

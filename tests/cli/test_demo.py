@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lowdiff.cli.demo import add_parser, run_demo
-from lowdiff.demo import kill_target
+from lowdiff_lab.cli.demo import add_parser, run_demo
+from lowdiff_lab.demo import kill_target
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""Distributed LowDiff: 2 ranks on gloo, started by torchrun (lowdiff.torture.ddp_job).
+"""Distributed LowDiff: 2 ranks on gloo, started by torchrun (lowdiff_lab.torture.ddp_job).
 
 - the hook's merged sparse gradient is exactly what every rank's optimizer applied;
 - persistence is sharded: each rank's files hold only its share of the parameters;

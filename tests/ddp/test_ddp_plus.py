@@ -1,4 +1,4 @@
-"""Distributed LowDiff+: 2 ranks on gloo under torchrun (lowdiff.torture.ddp_job).
+"""Distributed LowDiff+: 2 ranks on gloo under torchrun (lowdiff_lab.torture.ddp_job).
 
 - each rank's replica holds a disjoint shard of parameters and optimizer state, and the
   union of the shards equals every trainer's state;

@@ -25,10 +25,10 @@ import lowdiff
 from lowdiff.ddp.context import rank_dir
 from lowdiff.engine.worker import job_retention_floor, job_world_size, retention
 from lowdiff.format import layout
-from lowdiff.format.atomic import FAULT_ENV
 from lowdiff.proc.holder import wait_until_written
 from lowdiff.recovery.job import job_manifest
 from lowdiff.state.capture import diff_states, snapshot_state
+from lowdiff_lab.faults import FAULT_ENV
 
 # ---------------------------------------------------------------------------- directories
 

@@ -12,7 +12,7 @@ import lowdiff
 import lowdiff.checkpointer
 from lowdiff.engine.lowdiff import LowDiffStrategy
 from lowdiff.engine.lowdiff_plus import LowDiffPlusStrategy
-from lowdiff.engine.none import NoCheckpointStrategy
+from lowdiff.engine.none import CompressionOnlyStrategy
 from lowdiff.engine.options import EngineOptions
 
 
@@ -25,7 +25,7 @@ def test_properties_are_the_strategys() -> None:
     model, opt = _objects()
     ck = lowdiff.Checkpointer(model, opt, None, strategy="none")
     assert ck.model is model and ck.optimizer is opt and ck.scheduler is None
-    assert ck.strategy == "none" and isinstance(ck.strategy_impl, NoCheckpointStrategy)
+    assert ck.method == "compression-only" and isinstance(ck.strategy_impl, CompressionOnlyStrategy)
     assert ck.step_count == 0 and ck.durable_step == -1 and ck.plan_history == []
     ck.close()
 
@@ -59,7 +59,7 @@ def test_own_strategy_is_typed_and_refuses_a_baseline(tmp_path: Path) -> None:
     [
         ("lowdiff", LowDiffStrategy),
         ("lowdiff+", LowDiffPlusStrategy),
-        ("none", NoCheckpointStrategy),
+        ("none", CompressionOnlyStrategy),
     ],
 )
 def test_each_name_has_its_own_peer_class(strategy: str, cls: type) -> None:

@@ -27,7 +27,7 @@ def test_every_strategy_is_a_checkpointer_running_the_one_pipeline(tmp_path, nam
     ck = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy=name, **kw)
     try:
         assert isinstance(ck, lowdiff.Checkpointer)
-        assert isinstance(ck.strategy_impl, cls) and ck.strategy == name
+        assert isinstance(ck.strategy_impl, cls) and ck.method == name
     finally:
         ck.close()
 
@@ -50,9 +50,9 @@ def _imports(path: Path) -> set[str]:
 def test_the_engine_does_not_import_the_baselines():
     """The baselines build on the engine; the engine never depends on them (no cycle)."""
     for path in sorted((SRC / "engine").glob("*.py")):
-        bad = [m for m in _imports(path) if m.startswith("lowdiff.baselines")]
+        bad = [m for m in _imports(path) if m.startswith("lowdiff_lab.baselines")]
         assert bad == [], f"{path.name} imports {bad}"
-    bad = [m for m in _imports(SRC / "strategy.py") if m.startswith("lowdiff.baselines")]
+    bad = [m for m in _imports(SRC / "strategy.py") if m.startswith("lowdiff_lab.baselines")]
     assert bad == []
 
 

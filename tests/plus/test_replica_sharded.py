@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.bench.replica import _Harness, replica_update_bench
 from lowdiff.engine.replica_optim import ShardedOptimizer, balanced_shards
 from lowdiff.format import codec
 from lowdiff.proc import holder as rp
 from lowdiff.state.capture import diff_states, snapshot_state
+from lowdiff_lab.bench.replica import _Harness, replica_update_bench
 
 KERNELS = [
     (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}),

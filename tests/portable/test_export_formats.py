@@ -13,7 +13,7 @@ import torch
 import lowdiff
 from lowdiff.cli.main import main
 from lowdiff.state.capture import diff_states, snapshot_state
-from lowdiff.torture.ddp_job import Net
+from lowdiff_lab.torture.ddp_job import Net
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -19,25 +19,25 @@ import torch
 
 import lowdiff
 from lowdiff.cli.main import main
-from lowdiff.prefork import PreforkServer
 from lowdiff.recovery.job import generations
 from lowdiff.state.capture import diff_states, snapshot_state
-from lowdiff.torture.ddp import JOB_MODULE, _free_port
-from lowdiff.torture.ddp_job import Net
+from lowdiff_lab.prefork import PreforkServer
+from lowdiff_lab.torture.ddp import JOB_MODULE, _free_port
+from lowdiff_lab.torture.ddp_job import Net
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 def _job(server: PreforkServer, nproc: int, ck: Path, out: Path, *args: str) -> None:
     """The training job with ``nproc`` ranks (0: one plain process, no DDP), forked from
-    ``server`` (under torch's elastic agent with forked ranks: ``lowdiff.torture.ddp_agent``)."""
+    ``server`` (under torch's elastic agent with forked ranks: ``lowdiff_lab.torture.ddp_agent``)."""
     out.mkdir(parents=True, exist_ok=True)
     job = ["--dir", str(ck), "--out", str(out), "--ef", *args]
     if nproc == 0:
         cmd = [sys.executable, "-m", JOB_MODULE, "--single", *job]
     else:
         cmd = [
-            sys.executable, "-m", "lowdiff.torture.ddp_agent", "--nproc-per-node", str(nproc),
+            sys.executable, "-m", "lowdiff_lab.torture.ddp_agent", "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
             "--module", JOB_MODULE, *job,
         ]  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 
 import lowdiff
 from lowdiff.state.capture import diff_states, snapshot_state
-from lowdiff.torture.ddp_job import Net
+from lowdiff_lab.torture.ddp_job import Net
 
 from .conftest import SAVED_STEPS
 

@@ -12,6 +12,7 @@ import torch
 
 import lowdiff
 from lowdiff.format import layout
+from lowdiff_lab import faults
 
 pytestmark = pytest.mark.multiprocess
 
@@ -127,13 +128,12 @@ def test_retention_keeps_newest_full_checkpoints(tmp_path):
 def test_full_checkpoint_does_not_wait_for_disk(tmp_path, monkeypatch):
     """step() returns while the full checkpoint is still being written (its fsync stalls
     for 3 s); flush() then waits for the writing process, which is alive and finishes."""
-    from lowdiff.format import atomic
 
-    monkeypatch.setenv(atomic.FAULT_ENV, "before_fsync:full:2:slow")
-    monkeypatch.setenv(atomic.SLOW_ENV, "3")
+    monkeypatch.setenv(faults.FAULT_ENV, "before_fsync:full:2:slow")
+    monkeypatch.setenv(faults.SLOW_ENV, "3")
     model, opt, ck = _setup(tmp_path, full_every=1, batch_size=1, stall_timeout=60)
     ck.resume()
-    monkeypatch.delenv(atomic.FAULT_ENV)
+    monkeypatch.delenv(faults.FAULT_ENV)
     _train(model, opt, ck, 1)  # requests the full checkpoint of step 1, the stalled one
     s = ck.stats
     assert s["fulls_requested"] == 2 and s["fulls_written"] <= 1  # still being written
@@ -146,13 +146,12 @@ def test_full_checkpoint_does_not_wait_for_disk(tmp_path, monkeypatch):
 
 
 def test_a_stuck_checkpointing_process_fails_after_stall_timeout(tmp_path, monkeypatch):
-    from lowdiff.format import atomic
 
-    monkeypatch.setenv(atomic.FAULT_ENV, "before_fsync:full:2:slow")
-    monkeypatch.setenv(atomic.SLOW_ENV, "8")
+    monkeypatch.setenv(faults.FAULT_ENV, "before_fsync:full:2:slow")
+    monkeypatch.setenv(faults.SLOW_ENV, "8")
     model, opt, ck = _setup(tmp_path, full_every=1, batch_size=1, stall_timeout=1.5)
     ck.resume()
-    monkeypatch.delenv(atomic.FAULT_ENV)
+    monkeypatch.delenv(faults.FAULT_ENV)
     _train(model, opt, ck, 1)
     t0 = time.monotonic()
     with pytest.raises(lowdiff.CheckpointWorkerError, match="made no progress for 2 s"):
@@ -190,12 +189,11 @@ def test_close_on_a_stopped_process_waits_one_stall_timeout(tmp_path):
 def test_checkpointing_process_killed_during_a_full_checkpoint(tmp_path, monkeypatch):
     """The process dies while it writes a full checkpoint and the trainer waits for the
     staging buffer: the trainer raises with the exit code instead of waiting forever."""
-    from lowdiff.format import atomic
 
-    monkeypatch.setenv(atomic.FAULT_ENV, "before_fsync:full:2:kill-self")
+    monkeypatch.setenv(faults.FAULT_ENV, "before_fsync:full:2:kill-self")
     model, opt, ck = _setup(tmp_path, full_every=1, batch_size=1, stall_timeout=600)
     ck.resume()
-    monkeypatch.delenv(atomic.FAULT_ENV)
+    monkeypatch.delenv(faults.FAULT_ENV)
     with pytest.raises(lowdiff.CheckpointWorkerError, match="exit code -9"):
         _train(model, opt, ck, 3)  # the full of step 2 waits for the staging of step 1
     assert (

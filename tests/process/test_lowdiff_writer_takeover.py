@@ -16,6 +16,7 @@ from tests import launch
 import lowdiff
 from lowdiff.format import layout
 from lowdiff.proc import holder as rp
+from lowdiff_lab import faults
 
 from .test_lowdiff_plus_recovery import _process_line, _recovery_line
 from .test_sigkill_recovery import SCRIPT, _env, _equal_states, _losses, _run
@@ -255,16 +256,15 @@ def test_no_record_file_lands_before_the_first_full_checkpoint(tmp_path):
     written (stalled before its rename) and records of later steps have reached it: no
     record file is on disk, since records chain from that checkpoint. The next trainer
     finds nothing durable and starts afresh instead of refusing the directory."""
-    from lowdiff.format import atomic
 
     ckdir = tmp_path / "ck"
     mark = tmp_path / "full-stalled"
     env = dict(
         _env(),
         **{
-            atomic.FAULT_ENV: "before_rename:full:1:slow",
-            atomic.SLOW_ENV: "20",
-            atomic.MARK_ENV: str(mark),
+            faults.FAULT_ENV: "before_rename:full:1:slow",
+            faults.SLOW_ENV: "20",
+            faults.MARK_ENV: str(mark),
         },
     )
     cfg = dict(BASE, dir=str(ckdir), steps=30, batch_size=1, full_every=100, idle_timeout=0)

@@ -20,9 +20,9 @@ from tests import launch
 
 import lowdiff
 from lowdiff.proc import holder as rp
-from lowdiff.torture import workload
-from lowdiff.torture.corrupt import N_STEPS, run_corruption
-from lowdiff.torture.report import TortureReport
+from lowdiff_lab.torture import workload
+from lowdiff_lab.torture.corrupt import N_STEPS, run_corruption
+from lowdiff_lab.torture.report import TortureReport
 
 pytestmark = pytest.mark.multiprocess
 

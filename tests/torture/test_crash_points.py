@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lowdiff.torture import workload
-from lowdiff.torture.crash import N_STEPS, CrashHarness
-from lowdiff.torture.report import TortureReport
+from lowdiff_lab.torture import workload
+from lowdiff_lab.torture.crash import N_STEPS, CrashHarness
+from lowdiff_lab.torture.report import TortureReport
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -104,7 +104,7 @@ def test_an_orphan_segment_is_reported_and_a_mapped_one_is_not(tmp_path: Path) -
     from lowdiff.format import layout
     from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
     from lowdiff.proc import holder as rp
-    from lowdiff.torture.crash import _check_orphan_segments, _lowdiff_segments
+    from lowdiff_lab.torture.crash import _check_orphan_segments, _lowdiff_segments
 
     before = _lowdiff_segments()
     run, other = uuid.uuid4().hex, uuid.uuid4().hex

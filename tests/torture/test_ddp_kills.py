@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowdiff.torture.ddp import KILL_STEPS, plan_kills, run_ddp_kills
+from lowdiff_lab.torture.ddp import KILL_STEPS, plan_kills, run_ddp_kills
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

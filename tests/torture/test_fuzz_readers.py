@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format import codec, layout, sfile
-from lowdiff.torture.fuzz import run_fuzz, seed_inputs
-from lowdiff.torture.report import TortureReport
+from lowdiff_lab.torture.fuzz import run_fuzz, seed_inputs
+from lowdiff_lab.torture.report import TortureReport
 
 SEEDS = seed_inputs()
 FUZZ = settings(

@@ -8,9 +8,10 @@ import torch
 
 import lowdiff
 from lowdiff.format import atomic
-from lowdiff.torture import workload
-from lowdiff.torture.report import TortureReport
-from lowdiff.torture.storage import N_STEPS, run_scenario
+from lowdiff_lab import faults
+from lowdiff_lab.torture import workload
+from lowdiff_lab.torture.report import TortureReport
+from lowdiff_lab.torture.storage import N_STEPS, run_scenario
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,10 +39,10 @@ def test_storage_fault(tmp_path, ref, torture_report, point, kind, nth, action, 
 
 
 def test_raise_policy_error_names_the_problem_and_the_file(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(atomic.FAULT_ENV, "before_write:records:1:enospc")
+    monkeypatch.setenv(faults.FAULT_ENV, "before_write:records:1:enospc")
     ck, model, opt, _ = workload.checkpointer(tmp_path, batch_size=2)
     ck.resume()
-    monkeypatch.delenv(atomic.FAULT_ENV)
+    monkeypatch.delenv(faults.FAULT_ENV)
     with pytest.raises(lowdiff.CheckpointWorkerError) as info:
         for step in range(8):
             workload.loss_at(model, step).backward()
@@ -58,7 +59,7 @@ def test_raise_policy_error_names_the_problem_and_the_file(tmp_path, monkeypatch
 
 
 def test_warn_policy_counts_steps_that_are_not_durable(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(atomic.FAULT_ENV, "before_write:full:2:eio")
+    monkeypatch.setenv(faults.FAULT_ENV, "before_write:full:2:eio")
     ck, model, opt, _ = workload.checkpointer(tmp_path, on_storage_error="warn", batch_size=1)
     ck.resume()
     with pytest.warns(lowdiff.DurabilityWarning) as caught:
@@ -69,7 +70,7 @@ def test_warn_policy_counts_steps_that_are_not_durable(tmp_path, monkeypatch) ->
         # the full checkpoint of step 4 failed: checkpointing stops until step 8;
         # records 4 and 5 may have landed before the failure was seen
         assert 4 <= ck.flush() <= 6
-    monkeypatch.delenv(atomic.FAULT_ENV)
+    monkeypatch.delenv(faults.FAULT_ENV)
     text = str(caught[0].message)
     assert "Input/output error" in text and "full-000000000004" in text
     assert "step(s) are not durable" in text and "retries with a full checkpoint at step 8" in text
@@ -102,4 +103,4 @@ def test_storage_error_policy_is_checked() -> None:
 )
 def test_fault_specs_are_checked(spec, match) -> None:
     with pytest.raises(ValueError, match=match):
-        atomic.parse_faults(spec)
+        faults.parse_faults(spec)

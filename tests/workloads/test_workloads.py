@@ -12,8 +12,8 @@ import pytest
 import torch
 from tests import launch
 
-from lowdiff.workloads import models, text
-from lowdiff.workloads.text import Corpus
+from lowdiff_lab.workloads import models, text
+from lowdiff_lab.workloads.text import Corpus
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -164,7 +164,7 @@ def test_lm_loss_and_dropout() -> None:
 
 _LOSS_SCRIPT = """
 import torch
-from lowdiff.workloads import models, text
+from lowdiff_lab.workloads import models, text
 torch.set_num_threads(1)
 m = models.build_model("gpt2-tiny", seed=7)
 opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
@@ -204,7 +204,7 @@ def test_two_processes_give_bit_identical_losses() -> None:
 
 # --------------------------------------------------------------------------- training job
 def test_train_config_validation() -> None:
-    from lowdiff.workloads.train import TrainConfig
+    from lowdiff_lab.workloads.train import TrainConfig
 
     cfg = TrainConfig.from_dict({"directory": "x", "model": "gpt2-tiny", "seq_len": 32})
     assert cfg.steps == 200 and cfg.compressor["kind"] == "topk"
@@ -235,7 +235,7 @@ def test_training_job_runs_and_reports(tmp_path: Path) -> None:
     }
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
     proc = launch.run(
-        [sys.executable, "-m", "lowdiff.workloads.train", "--config", str(tmp_path / "cfg.json")],
+        [sys.executable, "-m", "lowdiff_lab.workloads.train", "--config", str(tmp_path / "cfg.json")],
         capture_output=True,
         text=True,
         env=_env(),

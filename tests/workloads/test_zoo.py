@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowdiff.workloads import models, text, zoo
+from lowdiff_lab.workloads import models, text, zoo
 
 TINY = zoo.workload_names(tiny=True)
 FULL = zoo.workload_names(tiny=False)

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.format.atomic import nearest_existing
 
 
@@ -37,7 +38,7 @@ def method_list(text: str | None) -> list[str] | None:
         return None
     methods = [m.strip() for m in text.split(",") if m.strip()]
     if not methods:
-        raise ValueError("--methods: give at least one method")
+        raise InvalidArgumentError("--methods: give at least one method")
     return methods
 
 
@@ -47,15 +48,15 @@ def output_dir(path: Path, option: str = "--out") -> Path:
     written, is an error at once, not after the run whose results it was to hold."""
     if path.exists():
         if not path.is_dir():
-            raise ValueError(f"{option} {path}: exists and is not a folder")
+            raise InvalidArgumentError(f"{option} {path}: exists and is not a folder")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{option} {path}: cannot be written")
+            raise InvalidArgumentError(f"{option} {path}: cannot be written")
         return path
     parent = nearest_existing(path.parent)
     if not parent.is_dir():
-        raise ValueError(f"{option} {path}: cannot be made ({parent} is not a folder)")
+        raise InvalidArgumentError(f"{option} {path}: cannot be made ({parent} is not a folder)")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {path}: cannot be made ({parent} cannot be written)")
+        raise InvalidArgumentError(f"{option} {path}: cannot be made ({parent} cannot be written)")
     return path
 
 
@@ -63,6 +64,17 @@ def output_file(path: Path, option: str) -> Path:
     """Check now that the file ``path`` can be written once the work is done: its
     folder is made, and it is not a folder itself."""
     if path.is_dir():
-        raise ValueError(f"{option} {path}: is a folder, not a file")
+        raise InvalidArgumentError(f"{option} {path}: is a folder, not a file")
     output_dir(path.parent, f"{option} {path}: its folder")
     return path
+
+
+def fmt_bytes(n: float | None) -> str:
+    """``1536 -> "1.5 KiB"``; None -> ``"n/a"``."""
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -18,9 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lowdiff.cli.args import non_negative_int, positive_int
-from lowdiff.errors import LowDiffError
-from lowdiff.harness import Progress, fmt_bytes
+from lowdiff.cli.args import fmt_bytes, non_negative_int
+from lowdiff.errors import InvalidArgumentError, LowDiffError
 
 
 @contextlib.contextmanager
@@ -77,7 +75,7 @@ def _remote_options(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key:
-            raise ValueError(f"--remote-option must be KEY=VALUE, got {item!r}")
+            raise InvalidArgumentError(f"--remote-option must be KEY=VALUE, got {item!r}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -97,10 +95,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if is_job(args.directory):
         return _inspect_job(args)
-    from lowdiff.baselines.base import is_baseline_dir
+    from lowdiff.methods import directory_kind
 
-    if is_baseline_dir(args.directory):
-        return _inspect_baseline(args)
+    kind = directory_kind(Path(args.directory))
+    if kind is not None:
+        return _inspect_registered(args, kind)
     info = inspect_dir(args.directory, verify=args.verify)
     m = info.manifest
     if args.json:
@@ -198,14 +197,13 @@ def _checked(args: argparse.Namespace) -> str:
     return "by the file headers; --verify checks every byte"
 
 
-def _inspect_baseline(args: argparse.Namespace) -> int:
-    """A baseline strategy's directory: its manifest and checkpoints (sizes, steps)."""
-    from lowdiff.baselines.base import checkpoint_files
+def _inspect_registered(args: argparse.Namespace, kind: Any) -> int:
+    """A registered method's directory (a baseline's): its manifest and checkpoints."""
     from lowdiff.format import layout
 
     m = layout.read_manifest(args.directory)
     items: list[dict[str, Any]] = []
-    for step, p in checkpoint_files(args.directory):
+    for step, p in kind.checkpoints(Path(args.directory)):
         size = (
             sum(q.stat().st_size for q in p.iterdir() if q.is_file())
             if p.is_dir()
@@ -328,54 +326,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_torture(args: argparse.Namespace) -> int:
-    from lowdiff.torture import FULL, QUICK, run_torture
-
-    if args.out is not None and args.out.is_dir() and any(args.out.iterdir()):
-        raise ValueError(
-            f"--out {args.out}: not empty (the runs of an earlier torture?); give a new or "
-            "empty folder"
-        )
-    if args.ddp is not None:
-        ignored = [o for o, given in (("--quick", args.quick), ("--kills", args.kills is not None),
-                                      ("--jobs", args.jobs != 1)) if given]  # fmt: skip
-        if ignored:
-            verb = "apply" if len(ignored) > 1 else "applies"
-            raise ValueError(
-                f"{', '.join(ignored)} {verb} to the single-process profiles, not to --ddp N "
-                "(its N is the number of kills)"
-            )
-        return _torture_ddp(args)
-    if args.strategy is not None:
-        raise ValueError("--strategy applies to the --ddp series only (lowdiff torture --ddp N)")
-    profile = QUICK if args.quick else FULL
-    if args.kills is not None:
-        profile = dataclasses.replace(profile, kills=args.kills)
-    log = None if args.json else Progress().write
-    report = run_torture(profile, out=args.out, seed=args.seed, jobs=args.jobs, log=log)
-    print(report.dumps() if args.json else report.format_text())
-    return 0 if report.ok else 1
-
-
-def _torture_ddp(args: argparse.Namespace) -> int:
-    import shutil
-    import tempfile
-
-    from lowdiff.torture.ddp import run_ddp_kills
-
-    work = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="lowdiff-ddp-"))
-    log = None if args.json else Progress().write
-    strategy = args.strategy or "both"
-    report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=strategy, log=log)
-    print(report.dumps() if args.json else report.format_text())
-    if args.out is None:
-        if report.ok:
-            shutil.rmtree(work, ignore_errors=True)
-        else:  # keep the runs of a broken promise for a look
-            print(f"runs kept in {work}", file=sys.stderr)
-    return 0 if report.ok else 1
-
-
 _DIR_HELP = "a checkpoint directory, or the URL of a remote tier (remote=, e.g. s3://bucket/run)"
 
 
@@ -391,18 +341,17 @@ def _remote_option(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lowdiff import __version__
-    from lowdiff.cli import bench, chaos, demo, plan
+    from lowdiff import __version__, methods
+    from lowdiff.cli import plan
 
     parser = argparse.ArgumentParser(
         prog="lowdiff", description="Per-iteration checkpointing for PyTorch training."
     )
     parser.add_argument("--version", action="version", version=f"lowdiff {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo.add_parser(sub)
-    bench.add_parser(sub)
     plan.add_parser(sub)
-    chaos.add_parser(sub)
+    for add_parser in methods.commands().values():  # the lab's: demo, bench, chaos, torture
+        add_parser(sub)
 
     p = sub.add_parser(
         "inspect", help="list full checkpoints, record files and the recoverable range"
@@ -450,32 +399,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser(
-        "torture",
-        help="kill, corrupt, fill the disk and fuzz; check every recovery and print the figures",
-    )
-    p.add_argument("--quick", action="store_true", help="the small profile (about a minute)")
-    p.add_argument(
-        "--kills", type=non_negative_int, default=None, help="kill plans (full profile: 240)"
-    )
-    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of every random choice")
-    p.add_argument("--jobs", type=positive_int, default=1, help="kill chains run side by side")
-    p.add_argument("--out", type=Path, default=None, help="working directory (kept)")
-    p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument(
-        "--ddp",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="run only the 2-rank DDP kill series (torchrun, gloo) with N kills",
-    )
-    p.add_argument(
-        "--strategy",
-        choices=("lowdiff", "lowdiff+", "both"),
-        default=None,
-        help="strategy of the --ddp series (default both: alternating)",
-    )
-    p.set_defaults(func=cmd_torture)
     return parser
 
 

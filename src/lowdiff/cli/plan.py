@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.plan import INPUT_SOURCES, CostModel, Plan, bench_inputs, optimize
 
 _DURATION_UNITS = {
@@ -212,14 +213,14 @@ def build_model(args: argparse.Namespace) -> CostModel:
             hint = f" ({args.from_bench} lacks the bench experiment(s) {', '.join(exps)})"
         elif args.from_bench is None:
             hint = " (or take measured costs with --from-bench RESULTS.jsonl)"
-        raise ValueError(f"missing {flags}{hint}")
+        raise InvalidArgumentError(f"missing {flags}{hint}")
     try:
         return CostModel(**values)
     except ValueError as e:
         msg = str(e)
         for fld, flag in _FLAG.items():
             msg = msg.replace(f"CostModel.{fld} ", f"{flag} ")
-        raise ValueError(msg) from None
+        raise InvalidArgumentError(msg) from None
 
 
 def _table_axes(plan: Plan, args: argparse.Namespace) -> tuple[list[int], list[int]]:

@@ -33,6 +33,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -93,14 +95,14 @@ def seeded_generator(
 def check_flat_grad(who: str, grad: torch.Tensor) -> None:
     """Raise unless ``grad`` is a 1-D contiguous floating-point tensor."""
     if not isinstance(grad, torch.Tensor):
-        raise TypeError(f"{who}: grad must be a torch.Tensor, got {type(grad).__name__}")
+        raise ArgumentTypeError(f"{who}: grad must be a torch.Tensor, got {type(grad).__name__}")
     if grad.dim() != 1 or not grad.is_contiguous():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{who}: grad must be 1-D and contiguous, got shape {tuple(grad.shape)} "
             f"(contiguous={grad.is_contiguous()})"
         )
     if not grad.is_floating_point():
-        raise TypeError(f"{who}: grad must be floating point, got {grad.dtype}")
+        raise ArgumentTypeError(f"{who}: grad must be floating point, got {grad.dtype}")
 
 
 def check_payload(who: str, payload: Mapping[str, torch.Tensor], fields: list[FieldSpec]) -> None:
@@ -112,7 +114,7 @@ def check_payload(who: str, payload: Mapping[str, torch.Tensor], fields: list[Fi
     for f in fields:
         t = payload.get(f.name)
         if t is None:
-            raise ValueError(f"{who}: payload has no field {f.name!r}; has {sorted(payload)}")
+            raise InvalidArgumentError(f"{who}: payload has no field {f.name!r}; has {sorted(payload)}")
         if (
             not isinstance(t, torch.Tensor)
             or t.dtype != f.dtype
@@ -124,7 +126,7 @@ def check_payload(who: str, payload: Mapping[str, torch.Tensor], fields: list[Fi
                 if isinstance(t, torch.Tensor)
                 else type(t).__name__
             )
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{who}: payload field {f.name!r} must be a 1-D {f.dtype} tensor of "
                 f"{f.numel} elements, got {got}"
             )
@@ -201,7 +203,7 @@ def compressor_from_spec(spec: Mapping[str, Any]) -> Compressor:
     """Rebuild a compressor from ``spec()`` output (the ``kind`` key picks the class)."""
     kind = spec.get("kind")
     if kind not in _REGISTRY:
-        raise ValueError(f"unknown compressor kind {kind!r}; known: {sorted(_REGISTRY)}")
+        raise InvalidArgumentError(f"unknown compressor kind {kind!r}; known: {sorted(_REGISTRY)}")
     kwargs = {k: v for k, v in spec.items() if k != "kind"}
     return _REGISTRY[kind](**kwargs)
 

@@ -41,6 +41,7 @@ from lowdiff.compressors.base import (
     register,
 )
 from lowdiff.compressors.sparse import _Sparsifier
+from lowdiff.errors import InvalidArgumentError
 
 __all__ = ["MergedSparse", "merge_sparse"]
 
@@ -55,7 +56,7 @@ def merge_sparse(
     same order on every rank and every device.
     """
     if not parts:
-        raise ValueError("merge_sparse needs at least one contribution")
+        raise InvalidArgumentError("merge_sparse needs at least one contribution")
     values0 = parts[0][0]
     out = torch.zeros(numel, dtype=values0.dtype, device=values0.device)
     for values, indices in parts:
@@ -82,12 +83,12 @@ class MergedSparse(Compressor):
         if not isinstance(inner, Compressor):
             inner = compressor_from_spec(inner)
         if not isinstance(inner, _Sparsifier):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"distributed LowDiff merges sparse gradients; {type(inner).__name__} is not a "
                 "sparsifier (use TopK, ApproxTopK or RandomK)"
             )
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+            raise InvalidArgumentError(f"world_size must be an int >= 1, got {world_size!r}")
         self.inner: _Sparsifier = inner
         self.world_size = world_size
 
@@ -119,7 +120,7 @@ class MergedSparse(Compressor):
             idx = mask.nonzero().view(-1)
         n = idx.numel()
         if n > cap:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"MergedSparse: {n} entries do not fit the record's {cap} (world_size "
                 f"{self.world_size} x k {self.inner.k_for(numel)})"
             )
@@ -137,11 +138,11 @@ class MergedSparse(Compressor):
         n = int(payload["count"][0])
         cap = self.capacity(numel)
         if not 0 <= n <= cap:
-            raise ValueError(f"MergedSparse: count {n} outside 0..{cap}")
+            raise InvalidArgumentError(f"MergedSparse: count {n} outside 0..{cap}")
         values = payload["values"][:n]
         indices = payload["indices"][:n].long()
         if n and (int(indices.min()) < 0 or int(indices.max()) >= numel):
-            raise ValueError(f"MergedSparse: an index lies outside 0..{numel - 1}")
+            raise InvalidArgumentError(f"MergedSparse: an index lies outside 0..{numel - 1}")
         out = torch.zeros(numel, dtype=dtype, device=values.device)
         out.index_put_((indices,), values)
         return out

@@ -17,6 +17,7 @@ from lowdiff.compressors.base import (
     register,
     seeded_generator,
 )
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["QSGD"]
 
@@ -26,10 +27,10 @@ _LEVELS = 127
 
 def _check_int(who: str, name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{who}: {name} must be an int, got {value!r}")
+        raise ArgumentTypeError(f"{who}: {name} must be an int, got {value!r}")
     result = int(value)
     if result < minimum:
-        raise ValueError(f"{who}: {name} must be >= {minimum}, got {value!r}")
+        raise InvalidArgumentError(f"{who}: {name} must be >= {minimum}, got {value!r}")
     return result
 
 
@@ -68,7 +69,7 @@ class QSGD(Compressor):
     def __init__(self, bits: int = 8, bucket_size: int = 512, seed: int = 0) -> None:
         bits = _check_int("QSGD", "bits", bits, 1)
         if bits != 8:
-            raise ValueError(f"QSGD: bits must be 8 (the only supported width), got {bits!r}")
+            raise InvalidArgumentError(f"QSGD: bits must be 8 (the only supported width), got {bits!r}")
         self.bits: int = bits
         self.bucket_size: int = _check_int("QSGD", "bucket_size", bucket_size, 1)
         self.seed: int = _check_int("QSGD", "seed", seed, 0)
@@ -88,7 +89,7 @@ class QSGD(Compressor):
     def fields(self, numel: int, dtype: torch.dtype) -> list[FieldSpec]:
         _check_int("QSGD", "numel", numel, 0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"QSGD: dtype must be a floating-point torch.dtype, got {dtype!r}")
+            raise ArgumentTypeError(f"QSGD: dtype must be a floating-point torch.dtype, got {dtype!r}")
         return [
             FieldSpec("codes", torch.int8, numel),
             FieldSpec("scales", torch.float32, self.n_buckets(numel)),

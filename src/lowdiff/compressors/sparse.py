@@ -31,6 +31,7 @@ from lowdiff.compressors.base import (
     register,
     seeded_generator,
 )
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["ApproxTopK", "RandomK", "TopK"]
 
@@ -38,36 +39,36 @@ __all__ = ["ApproxTopK", "RandomK", "TopK"]
 def _check_fraction(who: str, name: str, value: Any) -> float:
     """Validate a number in (0, 1] and return it as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{who}: {name} must be a real number, got {value!r}")
+        raise ArgumentTypeError(f"{who}: {name} must be a real number, got {value!r}")
     result = float(value)
     # Written so that NaN fails too.
     if not 0.0 < result <= 1.0:
-        raise ValueError(f"{who}: {name} must be in (0, 1], got {value!r}")
+        raise InvalidArgumentError(f"{who}: {name} must be in (0, 1], got {value!r}")
     return result
 
 
 def _check_bool(who: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{who}: {name} must be a bool, got {value!r}")
+        raise ArgumentTypeError(f"{who}: {name} must be a bool, got {value!r}")
     return value
 
 
 def _check_seed(who: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{who}: seed must be an int, got {value!r}")
+        raise ArgumentTypeError(f"{who}: seed must be an int, got {value!r}")
     result = int(value)
     if result < 0:
-        raise ValueError(f"{who}: seed must be >= 0, got {value!r}")
+        raise InvalidArgumentError(f"{who}: seed must be >= 0, got {value!r}")
     return result
 
 
 def _check_layout_args(who: str, numel: int, dtype: torch.dtype) -> None:
     if isinstance(numel, bool) or not isinstance(numel, numbers.Integral):
-        raise TypeError(f"{who}: numel must be an int, got {numel!r}")
+        raise ArgumentTypeError(f"{who}: numel must be an int, got {numel!r}")
     if numel < 0:
-        raise ValueError(f"{who}: numel must be >= 0, got {numel!r}")
+        raise InvalidArgumentError(f"{who}: numel must be >= 0, got {numel!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"{who}: dtype must be a floating-point torch.dtype, got {dtype!r}")
+        raise ArgumentTypeError(f"{who}: dtype must be a floating-point torch.dtype, got {dtype!r}")
 
 
 class _Sparsifier(Compressor):
@@ -115,7 +116,7 @@ class _Sparsifier(Compressor):
                     or residual.dtype != grad.dtype
                     or residual.device != grad.device
                 ):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"{type(self).__name__}: residual for key {key} holds "
                         f"{residual.numel()} {residual.dtype} elements on {residual.device}, "
                         f"but the gradient has {numel} {grad.dtype} elements on {grad.device}"

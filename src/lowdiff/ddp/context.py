@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lowdiff.errors import InvalidArgumentError
+
 RANK_DIR = "rank-{rank:05d}"
 
 
@@ -31,7 +33,7 @@ def assign_shards(numels: Sequence[int], world_size: int) -> list[int]:
         [0, 1, 1, 1]
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise InvalidArgumentError(f"world_size must be >= 1, got {world_size}")
     load = [0] * world_size
     owner = [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
@@ -223,7 +225,7 @@ def detect(model: torch.nn.Module) -> DistContext | None:
     if not isinstance(model, DistributedDataParallel):
         return None
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
+        raise InvalidArgumentError(
             "the model is wrapped in DistributedDataParallel but no process group is initialised; "
             "call torch.distributed.init_process_group() first"
         )

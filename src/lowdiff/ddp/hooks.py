@@ -45,7 +45,7 @@ from lowdiff.compressors.base import index_dtype_for
 from lowdiff.compressors.merged import MergedSparse, merge_sparse
 from lowdiff.compressors.sparse import _Sparsifier
 from lowdiff.ddp.context import DistContext
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import InvalidArgumentError, LowDiffError, UsageError
 from lowdiff.state.capture import ParamInfo
 
 
@@ -81,7 +81,7 @@ class IndexLayout:
 
     def __init__(self, numels: list[int], ks: list[int]) -> None:
         if len(numels) != len(ks):
-            raise ValueError(f"IndexLayout: {len(numels)} numels but {len(ks)} counts")
+            raise InvalidArgumentError(f"IndexLayout: {len(numels)} numels but {len(ks)} counts")
         self.dtypes = [wire_index_dtype(n) for n in numels]
         self.spans: list[tuple[int, int]] = [(0, 0)] * len(numels)
         off = 0
@@ -220,7 +220,7 @@ class LowDiffHookState:
         """The merged payloads of ``step`` (by optimizer index), emptied for the next step."""
         with self.lock:
             if self.payloads and self.step != step:
-                raise RuntimeError(
+                raise UsageError(
                     f"lowdiff: the DDP hook merged gradients for step {self.step}, step() is at {step}"
                 )
             out, self.payloads, self.step = self.payloads, {}, None
@@ -247,7 +247,7 @@ def lowdiff_hook(
         for p, g in zip(params, grads, strict=True):
             key = state.index.get(id(p))
             if key is None:
-                raise RuntimeError(
+                raise UsageError(
                     "lowdiff: a DDP bucket holds a parameter the optimizer does not update; "
                     "optimize every trainable parameter of the model"
                 )

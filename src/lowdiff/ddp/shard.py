@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from lowdiff.errors import InvalidArgumentError
+
 
 def shard_state_dict(osd: Mapping[str, Any], shard: Sequence[int]) -> dict[str, Any]:
     """The part of ``optimizer.state_dict()`` that belongs to ``shard`` (local numbering)."""
@@ -40,7 +42,7 @@ def merge_state_dicts(
     state: dict[int, Any] = {}
     for osd, shard in parts:
         if len(osd["param_groups"]) != len(groups):
-            raise ValueError("the shards' optimizer states have different parameter groups")
+            raise InvalidArgumentError("the shards' optimizer states have different parameter groups")
         for gi, g in enumerate(osd["param_groups"]):
             groups[gi]["params"].extend(shard[i] for i in g["params"])
         for i, v in osd["state"].items():

@@ -29,11 +29,12 @@ import torch
 
 from lowdiff.engine.core import EngineCore
 from lowdiff.engine.messages import BatchSize
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.format import layout
 from lowdiff.format.atomic import TMP_PREFIX
+from lowdiff.options import check_int
 from lowdiff.plan import AutoTuner, resolve_mtbf
 from lowdiff.state import capture as st
-from lowdiff.strategy import check_int
 
 _plan_log = logging.getLogger("lowdiff.plan")
 
@@ -150,7 +151,7 @@ class AutoPlan:
         check_int("f", f, 1)
         check_int("b", b, 1)
         if b > f:
-            raise ValueError(f"need 1 <= b <= f, got f={f}, b={b}")
+            raise InvalidArgumentError(f"need 1 <= b <= f, got f={f}, b={b}")
         self.apply(self.tuner.force(self.core.step, f, b, reason))
 
     def apply(self, entry: dict[str, Any]) -> None:

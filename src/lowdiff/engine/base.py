@@ -39,6 +39,7 @@ from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.remote_tier import RemoteSettings
 from lowdiff.engine.session import ProcessSession
 from lowdiff.engine.storage_policy import CheckpointingSuspended, StoragePolicy
+from lowdiff.errors import UsageError
 from lowdiff.plan import START_B, START_F
 from lowdiff.proc.protocol import Close, Flush, Kind
 from lowdiff.recovery.replay import RecoveryStats
@@ -262,7 +263,7 @@ class EngineStrategy(Strategy):
     def set_plan(self, f: int, b: int, reason: str = "forced") -> None:
         """Switch to (f, b) now, as the ``"auto"`` planner does (for tests and tools)."""
         if self.autoplan is None:
-            raise RuntimeError("(f, b) can change only with full_every or batch_size 'auto'")
+            raise UsageError("(f, b) can change only with full_every or batch_size 'auto'")
         self.autoplan.set_plan(f, b, reason)
 
     def _poll(self) -> None:
@@ -273,7 +274,7 @@ class EngineStrategy(Strategy):
     def begin_step(self) -> int:
         core = self.core
         if core.closed:
-            raise RuntimeError("step() after close()")
+            raise UsageError("step() after close()")
         self.check_groups()
         if not core.started:
             self._start_implicit()

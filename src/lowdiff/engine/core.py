@@ -26,7 +26,12 @@ import torch
 from lowdiff.compressors.base import Compressor
 from lowdiff.ddp.context import DistContext, JobMin, assign_shards
 from lowdiff.ddp.shard import shard_state_dict
-from lowdiff.errors import CheckpointMismatchError, LowDiffError, UnsupportedSetupError
+from lowdiff.errors import (
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    LowDiffError,
+    UnsupportedSetupError,
+)
 from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import FORMAT_NAME, FORMAT_VERSION
@@ -98,14 +103,14 @@ class EngineCore:
             ]
         for info, p in self.params:
             if p.is_sparse:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"parameter {info.name!r} is sparse; lowdiff supports dense parameters only"
                 )
         _refuse_sparse_gradients(model, {id(p) for _, p in self.params})
         self.numels = [local(p).numel() for _, p in self.params]
         devices = {p.device for _, p in self.params}
         if len(devices) > 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"all optimized parameters must be on one device, found {sorted(map(str, devices))}"
             )
         dev = next(iter(devices), torch.device("cpu"))
@@ -401,4 +406,4 @@ def _refuse_sparse_gradients(model: torch.nn.Module, optimized: set[int]) -> Non
         sparse = isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
         if sparse and id(m.weight) in optimized:
             where = f"{name}.weight" if name else "weight"
-            raise ValueError(st.sparse_gradient_error(where, f"{type(m).__name__}(sparse=True)"))
+            raise InvalidArgumentError(st.sparse_gradient_error(where, f"{type(m).__name__}(sparse=True)"))

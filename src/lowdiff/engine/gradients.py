@@ -12,20 +12,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from lowdiff.compressors import TopK
 from lowdiff.compressors.base import Compressor
 from lowdiff.compressors.merged import MergedSparse
 from lowdiff.compressors.sparse import _Sparsifier
 from lowdiff.ddp.context import DistContext
 from lowdiff.ddp.hooks import LowDiffHookState, lowdiff_hook, record_consumed
 from lowdiff.engine.core import EngineCore
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import InvalidArgumentError, LowDiffError
 from lowdiff.strategy import StepGrads, compress_grads
 
 
 def training_compressor(compressor: Compressor | None) -> Compressor:
-    """The compressor training uses: the given one, by default ``TopK(ratio=0.01)``."""
-    return TopK(ratio=0.01) if compressor is None else compressor
+    """The compressor training uses (LowDiff and compression-only train with one)."""
+    if compressor is None:
+        raise InvalidArgumentError(
+            "LowDiff trains with compressed gradients: pass compressor= (e.g. "
+            "lowdiff.TopK(ratio=0.01)), or use method='lowdiff+' to leave training unchanged"
+        )
+    return compressor
 
 
 def record_compressor(compressor: Compressor, dist: DistContext | None) -> Compressor:
@@ -34,7 +38,7 @@ def record_compressor(compressor: Compressor, dist: DistContext | None) -> Compr
     if dist is None:
         return compressor
     if not isinstance(compressor, _Sparsifier):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"distributed LowDiff merges sparse gradients across ranks; {type(compressor).__name__} "
             "is not a sparsifier (use TopK, ApproxTopK or RandomK)"
         )

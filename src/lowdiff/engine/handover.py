@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import InvalidArgumentError, LowDiffError, UsageError
 from lowdiff.proc import preempt
 from lowdiff.recovery.replay import replaying
 from lowdiff.state import capture as st
@@ -73,7 +73,7 @@ class Handover:
         """Take ``extra_state[name]`` for each step when :meth:`recapture` is next called
         after its update, instead of right after the update."""
         if name not in self.extra:
-            raise ValueError(f"extra_state has no {name!r} (it has {sorted(self.extra)})")
+            raise InvalidArgumentError(f"extra_state has no {name!r} (it has {sorted(self.extra)})")
         if name not in self.late_extra:
             self.late_extra.append(name)
 
@@ -91,7 +91,7 @@ class Handover:
         before the hand-over wins: call it only with state that belongs to the step
         waiting, never from inside the next step."""
         if name not in self.extra:
-            raise ValueError(f"extra_state has no {name!r} (it has {sorted(self.extra)})")
+            raise InvalidArgumentError(f"extra_state has no {name!r} (it has {sorted(self.extra)})")
         self._take(name, first_only=False)
 
     def _take(self, name: str, first_only: bool) -> None:
@@ -123,7 +123,7 @@ class OptimizerHooks:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         if self._handles:
-            raise RuntimeError("lowdiff is already attached to this optimizer")
+            raise UsageError("lowdiff is already attached to this optimizer")
         self.handover.deferred = True
         self._handles = [
             optimizer.register_step_pre_hook(self._on_step_pre),

@@ -28,14 +28,15 @@ from lowdiff.engine.replica_process import replica_worker_main
 from lowdiff.engine.replica_worker import ReplicaConfig
 from lowdiff.engine.resume import CheckpointingStrategy
 from lowdiff.engine.snapshot import GradSnapshotter
-from lowdiff.errors import LowDiffError, UnsupportedSetupError
+from lowdiff.errors import InvalidArgumentError, LowDiffError, UnsupportedSetupError
 from lowdiff.format import layout
+from lowdiff.options import AUTO
 from lowdiff.plan import DEFAULT_MTBF_S, resolve_mtbf
 from lowdiff.proc import holder as rp
 from lowdiff.recovery.job import apply_sharded_state
 from lowdiff.recovery.replay import RecoveryStats, apply_full_state
 from lowdiff.state import capture as st
-from lowdiff.strategy import AUTO, StepGrads
+from lowdiff.strategy import StepGrads
 
 
 class LowDiffPlusStrategy(CheckpointingStrategy):
@@ -295,7 +296,7 @@ class LowDiffPlusStrategy(CheckpointingStrategy):
     # ------------------------------------------------------------------ attach and the end
     def attach_to_optimizer(self) -> None:
         if self.options.max_lag < 2:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "attach() with strategy 'lowdiff+' needs max_lag >= 2 (a step is handed over "
                 "when the next one begins, so two snapshot slots are in use at once)"
             )

@@ -1,4 +1,4 @@
-"""Strategy ``"none"``: the compression of ``"lowdiff"``, and no checkpointing at all.
+"""Method ``"compression-only"``: the compression of ``"lowdiff"``, and no checkpointing at all.
 
 The baseline that lowdiff's overheads are measured against: training takes the same
 compressed (under DDP: merged) gradients as with ``"lowdiff"``, and nothing is written.
@@ -13,13 +13,14 @@ from lowdiff.ddp.context import DistContext
 from lowdiff.engine.base import EngineStrategy
 from lowdiff.engine.gradients import CompressedGradients, record_compressor, training_compressor
 from lowdiff.engine.options import EngineOptions
+from lowdiff.errors import UsageError
 from lowdiff.strategy import StepGrads
 
 
-class NoCheckpointStrategy(EngineStrategy):
-    """Strategy ``"none"`` (see the module docstring); the directory is ignored."""
+class CompressionOnlyStrategy(EngineStrategy):
+    """Method ``"compression-only"`` (see the module docstring); the directory is ignored."""
 
-    name = "none"
+    name = "compression-only"
     records_hparams = False
 
     def _records_compressor(self, opts: EngineOptions, dist: DistContext | None) -> Compressor:
@@ -32,7 +33,7 @@ class NoCheckpointStrategy(EngineStrategy):
     def resume(self) -> int:
         """Nothing to restore: training starts at step 0."""
         if self.core.started:
-            raise RuntimeError("resume() must be called once, before the first step()")
+            raise UsageError("resume() must be called once, before the first step()")
         self.core.started = True
         return 0
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from lowdiff.compressors.base import Compressor
 from lowdiff.engine.remote_tier import RemoteSettings
-from lowdiff.strategy import AUTO, check_int, check_int_or_auto, check_seconds
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
+from lowdiff.options import AUTO, check_int, check_int_or_auto, check_seconds
 
 STORAGE_ERROR_POLICIES = ("raise", "warn")
 
@@ -45,12 +46,12 @@ class EngineOptions:
     def __post_init__(self) -> None:
         self._check_remote()
         if self.on_storage_error not in STORAGE_ERROR_POLICIES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"on_storage_error must be one of {', '.join(map(repr, STORAGE_ERROR_POLICIES))}, "
                 f"got {self.on_storage_error!r}"
             )
         if self.compressor is not None and not isinstance(self.compressor, Compressor):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"compressor must be a lowdiff.Compressor, got {type(self.compressor).__name__}"
             )
         check_int_or_auto("full_every", self.full_every)
@@ -75,32 +76,32 @@ class EngineOptions:
     def _check_remote(self) -> None:
         if self.remote is not None:
             if not isinstance(self.remote, str):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"remote must be an fsspec URL (str), got {type(self.remote).__name__}"
                 )
             if "://" not in self.remote or self.remote.endswith("://"):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"remote must be an fsspec URL such as 's3://bucket/prefix' or "
                     f"'file:///mnt/shared/run', got {self.remote!r}"
                 )
         if self.remote_options is not None:
             if not isinstance(self.remote_options, dict):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"remote_options must be a dict of fsspec options, got {type(self.remote_options).__name__}"
                 )
             if self.remote is None:
-                raise ValueError("remote_options is given without remote=")
+                raise InvalidArgumentError("remote_options is given without remote=")
         bw = self.remote_bandwidth
         if bw is not None:
             if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"remote_bandwidth must be bytes per second > 0 or None, got {bw!r}"
                 )
             self._set("remote_bandwidth", float(bw))
         self._set("remote_timeout", check_seconds("remote_timeout", self.remote_timeout))
         idle = self.idle_timeout
         if isinstance(idle, bool) or not isinstance(idle, (int, float)) or idle < 0:
-            raise ValueError(f"idle_timeout must be a number of seconds >= 0, got {idle!r}")
+            raise InvalidArgumentError(f"idle_timeout must be a number of seconds >= 0, got {idle!r}")
         self._set("idle_timeout", float(idle))
 
     def _set(self, name: str, value: Any) -> None:
@@ -132,43 +133,43 @@ class EngineOptions:
                 storage error (``on_storage_error="warn"``).
         """
         if self.on_storage_error == "warn" and not can_suspend:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"on_storage_error='warn' is supported by strategy 'lowdiff' only, got {strategy!r}"
             )
         if replica:
             self._check_replica()
         if self.remote is not None and strategy not in ("lowdiff", "lowdiff+"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "remote= is supported by strategies 'lowdiff' and 'lowdiff+', got strategy "
                 f"{strategy!r}"
             )
         if self.remote is not None and sharded:
             # refused rather than running without the remote tier the caller asked for
-            raise ValueError(
+            raise InvalidArgumentError(
                 "remote= is not supported under fully_shard (FSDP2) yet: a new node's resume "
                 "of a fully_shard job does not download its shards; use it under DDP or in "
                 "a single process"
             )
         if ddp and self.on_storage_error == "warn":
-            raise ValueError(
+            raise InvalidArgumentError(
                 "on_storage_error='warn' is not supported under DistributedDataParallel: every "
                 "rank would have to suspend and retry checkpointing together; use 'raise' (the "
                 "job stops, and a restart resumes from the newest step every shard holds)"
             )
         auto = self.auto
         if auto and replica:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{auto[0]}='auto' is supported by strategy 'lowdiff' only, got strategy {strategy!r}"
             )
         if auto and ddp:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{auto[0]}='auto' is not supported under DistributedDataParallel yet (every rank "
                 "must use the same f and b); pass integers"
             )
 
     def _check_replica(self) -> None:
         if self.compressor is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "strategy 'lowdiff+' is for training without compression; pass compressor=None"
             )
         check_int("max_lag", self.max_lag, 1)

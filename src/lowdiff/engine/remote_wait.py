@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lowdiff.engine.session import remote_stalled
-from lowdiff.errors import RemoteStorageError
+from lowdiff.errors import InvalidArgumentError, RemoteStorageError
 from lowdiff.proc import channel
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def flush_remote(s: EngineStrategy) -> int:
     """
     url, timeout = s.options.remote, s.options.remote_timeout
     if url is None:
-        raise ValueError("flush(remote=True) needs remote=... (no remote tier is configured)")
+        raise InvalidArgumentError("flush(remote=True) needs remote=... (no remote tier is configured)")
     s.flush()
     core, session = s.core, s.session
     if session is None or not core.started or core.closed or s.policy.suspended:

@@ -13,18 +13,19 @@ from typing import Any
 
 import torch
 
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.state import capture as st
 
 
 def optimizer_class(path: str) -> type[torch.optim.Optimizer]:
     module, _, name = path.rpartition(".")
     if not (module == "torch.optim" or module.startswith("torch.optim.")):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"strategy 'lowdiff+' runs the optimizer on the CPU replica and supports torch.optim optimizers; got {path}"
         )
     cls = getattr(importlib.import_module(module), name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"{path} is not a torch.optim optimizer")
+        raise InvalidArgumentError(f"{path} is not a torch.optim optimizer")
     return cls
 
 
@@ -35,7 +36,7 @@ def balanced_shards(numels: list[int], n: int) -> list[list[int]]:
     order, and empty shards are dropped (fewer parameters than ``n``).
     """
     if n < 1:
-        raise ValueError(f"n must be at least 1, got {n}")
+        raise InvalidArgumentError(f"n must be at least 1, got {n}")
     loads = [0] * n
     members: list[list[int]] = [[] for _ in range(n)]
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):

@@ -20,6 +20,7 @@ import torch
 from lowdiff.engine.remote_tier import RemoteSettings
 from lowdiff.engine.replica_optim import ShardedOptimizer, optimizer_class
 from lowdiff.engine.worker import FullWriter
+from lowdiff.errors import UsageError
 from lowdiff.format import codec, sfile
 from lowdiff.format.sfile import plan, view_tensors
 from lowdiff.plan import DEFAULT_MTBF_S
@@ -216,7 +217,7 @@ class Replica:
         opt = self.opt
         assert opt is not None
         if step != self.step:
-            raise RuntimeError(
+            raise UsageError(
                 f"replica is at step {self.step}, received the gradients of step {step}"
             )
         grads, copies = self._slot_views(row)

@@ -24,7 +24,7 @@ from lowdiff.engine.messages import Adopt, Full
 from lowdiff.engine.resume_ddp import remote_holds_lost_job, resume_ddp
 from lowdiff.engine.session import Accepted, EarlyAnswer, ProcessSession, ask_to_take_over
 from lowdiff.engine.staging import FullStager
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import InvalidArgumentError, LowDiffError, UsageError
 from lowdiff.format import layout
 from lowdiff.proc import preempt
 from lowdiff.proc.holder import Survivor, release_survivor, remove_stale_replica, survivor_waits
@@ -56,7 +56,7 @@ class CheckpointingStrategy(EngineStrategy):
 
     def _install(self, directory: str | os.PathLike[str] | None) -> None:
         if directory is None:
-            raise ValueError(f"strategy {self.name!r} needs a checkpoint directory, got None")
+            raise InvalidArgumentError(f"strategy {self.name!r} needs a checkpoint directory, got None")
         self._install_ddp_hook()
         self.core.open_directory(directory)
         if self.options.remote is not None:
@@ -277,7 +277,7 @@ class CheckpointingStrategy(EngineStrategy):
         """
         core = self.core
         if core.started:
-            raise RuntimeError("resume() must be called once, before the first step()")
+            raise UsageError("resume() must be called once, before the first step()")
         assert core.root is not None
         if core.dist is not None:
             return resume_ddp(self)

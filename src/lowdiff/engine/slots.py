@@ -17,6 +17,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from lowdiff.engine.core import EngineCore, dumps
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.format import codec
 from lowdiff.proc import channel
 from lowdiff.proc import holder as rp
@@ -43,7 +44,7 @@ class RecordSlots:
             rp.ensure_shm_space(n * self.layout.row_bytes, "the record slots")
             tensor = torch.zeros((n, self.layout.row_bytes), dtype=torch.uint8).share_memory_()
         if tuple(tensor.shape) != (n, self.layout.row_bytes):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"record slots of shape {tuple(tensor.shape)}, expected {(n, self.layout.row_bytes)}"
             )
         self.tensor = tensor

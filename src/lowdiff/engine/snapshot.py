@@ -72,6 +72,7 @@ from typing import Any
 
 import torch
 
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.state.capture import ParamInfo, sparse_gradient_error
 from lowdiff.state.sharded import local
 
@@ -171,7 +172,7 @@ def cpu_copy_mode(mode: str = "auto") -> str:
         ValueError: If ``mode`` is not one of :data:`COPY_MODES`.
     """
     if mode not in COPY_MODES:
-        raise ValueError(f"copy_mode must be one of {COPY_MODES}, got {mode!r}")
+        raise InvalidArgumentError(f"copy_mode must be one of {COPY_MODES}, got {mode!r}")
     if mode != "auto":
         return mode
     try:
@@ -349,7 +350,7 @@ class GradSnapshotter:
         if grad is None:
             return
         if grad.is_sparse:
-            raise ValueError(sparse_gradient_error(self.params[k][0].name))
+            raise InvalidArgumentError(sparse_gradient_error(self.params[k][0].name))
         if self.deferred:
             # finish() copies every gradient (and takes the slot); what it needs of the
             # hook is the gradient and its version, to see whether it still changes

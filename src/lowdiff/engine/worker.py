@@ -48,6 +48,7 @@ import torch
 from lowdiff.engine.messages import BatchSize, Durable, Full, FullDone, Record, Stage
 from lowdiff.engine.remote_tier import RemoteSettings, drain, start_uploader
 from lowdiff.engine.writer_survivor import WriterSurvivor
+from lowdiff.errors import InvalidArgumentError, UsageError
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import _hook
 from lowdiff.format.dtypes import dtype_from_name
@@ -390,7 +391,7 @@ class _Writer:
     # -- records --------------------------------------------------------------------------
     def add_record(self, row: torch.Tensor, step: int, meta: str) -> None:
         if self.steps and step != self.steps[-1] + 1:
-            raise RuntimeError(
+            raise UsageError(
                 f"record for step {step} arrived after step {self.steps[-1]}: records must be contiguous"
             )
         n = len(self.steps)
@@ -403,7 +404,7 @@ class _Writer:
     def set_batch_size(self, b: int) -> None:
         """Write the partial batch, then batch ``b`` records per file."""
         if b < 1:
-            raise ValueError(f"batch size must be >= 1, got {b}")
+            raise InvalidArgumentError(f"batch size must be >= 1, got {b}")
         self.write_batch()
         if b != len(self.batch):
             self.batch = torch.empty((b, self.cfg.row_bytes), dtype=torch.uint8)
@@ -421,7 +422,7 @@ class _Writer:
             if self.full.persisted < 0:
                 # it never will be: the trainer died before this process could take the
                 # state it staged (handle_orphaned)
-                raise RuntimeError(
+                raise UsageError(
                     f"records {self.steps[0]}..{self.steps[-1]} were not written: this "
                     "session's first full checkpoint, which they chain from, could not be "
                     "written (the trainer died before its staged state reached this process)"
@@ -465,7 +466,7 @@ class _Writer:
     def start_full(self, step: int, entries_json: list[Any], meta: dict[str, str]) -> None:
         self.wait_full()
         if self.staging is None:
-            raise RuntimeError("full checkpoint requested before a staging buffer was sent")
+            raise UsageError("full checkpoint requested before a staging buffer was sent")
         entries = [
             sfile.TensorEntry(n, dtype_from_name(dt), tuple(shape), a, b)
             for n, dt, shape, a, b in entries_json

@@ -9,21 +9,21 @@ tier ``before_upload``, ``upload_chunk`` after each chunk sent, ``before_commit`
 a complete data object and its commit object) let tests stop,
 kill or fail a writer at a precise point; they cost one dict lookup when unused. A test
 installs them in its own process with :func:`set_fault_hook`, or in a checkpointing
-process it is about to start through the ``LOWDIFF_FAULTS`` environment variable (read
-once, when this module is imported; see :func:`parse_faults`). Both are for tests only.
+process it is about to start through the ``LOWDIFF_TEST_HOOKS`` environment variable (read
+once, when this module is imported; see :data:`HOOKS_ENV`). Both are for tests only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
+import importlib
 import os
-import signal
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from lowdiff.errors import InvalidArgumentError
 
 TMP_PREFIX = ".tmp-"
 
@@ -31,16 +31,13 @@ FAULT_POINTS = (
     "before_write", "before_fsync", "before_rename", "after_rename", "retention",
     "before_upload", "upload_chunk", "before_commit",
 )  # fmt: skip
-FAULT_KINDS = ("records", "full", "manifest", "any")
-FAULT_ACTIONS = ("kill-self", "kill-parent", "kill-both", "enospc", "eio", "slow")
-FAULT_ENV = "LOWDIFF_FAULTS"
+HOOKS_ENV = "LOWDIFF_TEST_HOOKS"
+"""``module:function`` that installs fault hooks in this process (read at import, and
+again in a background process once it has the trainer's environment): the test suite
+and ``lowdiff torture`` (``lowdiff_lab.faults:install_env_faults``) set it. Unset in
+normal use: nothing is imported."""
 PARENT_ENV = "LOWDIFF_PARENT_PID"
 """Set by the trainer for each background process it starts: its own pid."""
-SLOW_ENV = "LOWDIFF_FAULT_SLOW_S"
-"""Seconds the ``slow`` action sleeps (a disk that stalls; default 2)."""
-MARK_ENV = "LOWDIFF_FAULT_MARK"
-"""A file the ``slow`` action creates before it sleeps: a test knows the process is
-inside the stalled step (and can act while it is there)."""
 
 _HOOKS: dict[str, Callable[[Path], None]] = {}
 
@@ -48,11 +45,20 @@ _HOOKS: dict[str, Callable[[Path], None]] = {}
 def set_fault_hook(point: str, fn: Callable[[Path], None] | None) -> None:
     """Install (or with ``None`` remove) a test hook at ``point``."""
     if point not in FAULT_POINTS:
-        raise ValueError(f"unknown fault hook point {point!r}; expected one of {FAULT_POINTS}")
+        raise InvalidArgumentError(f"unknown fault hook point {point!r}; expected one of {FAULT_POINTS}")
     if fn is None:
         _HOOKS.pop(point, None)
     else:
         _HOOKS[point] = fn
+
+
+def replace_hooks(hooks: dict[str, Callable[[Path], None]]) -> None:
+    """Replace every installed hook by ``hooks`` (point -> function)."""
+    bad = set(hooks) - set(FAULT_POINTS)
+    if bad:
+        raise InvalidArgumentError(f"unknown fault hook point {sorted(bad)[0]!r}; expected one of {FAULT_POINTS}")
+    _HOOKS.clear()
+    _HOOKS.update(hooks)
 
 
 def _hook(point: str, path: Path) -> None:
@@ -61,85 +67,14 @@ def _hook(point: str, path: Path) -> None:
         fn(path)
 
 
-def file_kind(path: Path) -> str:
-    """``"records"``, ``"full"`` or ``"manifest"`` for lowdiff's files, else ``"other"``."""
-    name = path.name
-    if name == "lowdiff.json" or name.startswith(f"{TMP_PREFIX}lowdiff.json"):
-        return "manifest"
-    if path.parent.name in ("records", "full"):
-        return path.parent.name
-    return "other"
-
-
-class _Fault:
-    """Fires ``action`` at the ``nth`` time ``point`` is reached for a file of ``kind``."""
-
-    def __init__(self, point: str, kind: str, nth: int, action: str) -> None:
-        self.point, self.kind, self.nth, self.action = point, kind, nth, action
-        self.seen = 0
-
-    def __call__(self, path: Path) -> None:
-        if self.kind != "any" and file_kind(path) != self.kind:
-            return
-        self.seen += 1
-        if self.seen != self.nth:
-            return
-        if self.action in ("kill-parent", "kill-both"):
-            os.kill(parent_pid(), signal.SIGKILL)
-        if self.action in ("kill-self", "kill-both"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.action == "slow":
-            mark = os.environ.get(MARK_ENV)
-            if mark:
-                Path(mark).touch()
-            time.sleep(float(os.environ.get(SLOW_ENV, "2")))
-        if self.action in ("enospc", "eio"):
-            code = errno.ENOSPC if self.action == "enospc" else errno.EIO
-            raise OSError(code, os.strerror(code), str(path))
-
-
-def parse_faults(spec: str) -> dict[str, Callable[[Path], None]]:
-    """Parse ``"point:kind:nth:action[,...]"`` into hooks (one per point).
-
-    ``point`` is one of :data:`FAULT_POINTS`, ``kind`` one of :data:`FAULT_KINDS`,
-    ``nth`` counts matching events from 1, and ``action`` is one of :data:`FAULT_ACTIONS`:
-    SIGKILL this process, its parent or both, fail with ``ENOSPC`` / ``EIO``, or stall
-    (``slow``: create the file ``LOWDIFF_FAULT_MARK`` names, if set, sleep
-    ``LOWDIFF_FAULT_SLOW_S`` seconds, default 2, then go on).
-
-    Example:
-        >>> sorted(parse_faults("before_rename:records:2:kill-self"))
-        ['before_rename']
-    """
-    hooks: dict[str, Callable[[Path], None]] = {}
-    for item in filter(None, (x.strip() for x in spec.split(","))):
-        parts = item.split(":")
-        if len(parts) != 4:
-            raise ValueError(f"fault {item!r} is not point:kind:nth:action")
-        point, kind, nth, action = parts
-        if point not in FAULT_POINTS or kind not in FAULT_KINDS or action not in FAULT_ACTIONS:
-            raise ValueError(
-                f"fault {item!r}: point must be one of {FAULT_POINTS}, kind one of "
-                f"{FAULT_KINDS}, action one of {FAULT_ACTIONS}"
-            )
-        if not nth.isdigit() or int(nth) < 1:
-            raise ValueError(f"fault {item!r}: nth must be a positive integer")
-        hooks[point] = _Fault(point, kind, int(nth), action)
-    return hooks
-
-
-def install_faults(spec: str) -> None:
-    """Replace every installed hook by the faults of ``spec`` (see :func:`parse_faults`)."""
-    hooks = parse_faults(spec)
-    _HOOKS.clear()
-    _HOOKS.update(hooks)
-
-
-def install_env_faults() -> None:
-    """Install exactly the faults ``LOWDIFF_FAULTS`` names (none when it is unset): at
-    import, and again in a background process once it has the trainer's environment
-    (:func:`lowdiff.proc.spawn.run_in_env`)."""
-    install_faults(os.environ.get(FAULT_ENV, ""))
+def install_env_hooks() -> None:
+    """Run the installer ``LOWDIFF_TEST_HOOKS`` names, if any (see :data:`HOOKS_ENV`)."""
+    spec = os.environ.get(HOOKS_ENV)
+    if not spec:
+        _HOOKS.clear()
+        return
+    module, _, fn = spec.partition(":")
+    getattr(importlib.import_module(module), fn or "install_env_faults")()
 
 
 def parent_pid() -> int:
@@ -148,7 +83,7 @@ def parent_pid() -> int:
     return int(os.environ.get(PARENT_ENV) or os.getppid())
 
 
-install_env_faults()
+install_env_hooks()
 
 
 def nearest_existing(path: Path) -> Path:

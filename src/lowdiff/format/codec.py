@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
 from lowdiff.format.dtypes import dtype_from_name, dtype_name, itemsize
 
 _TAGS = {"__tuple__", "__dict__", "__float__", "__tensor__", "__tensor_ref__", "__str_dict__"}
@@ -110,7 +111,7 @@ def _encode(value: Any, sink: TensorSink | None, path: str) -> Any:
                 for k, v in value.items()
             ]
         }
-    raise TypeError(
+    raise ArgumentTypeError(
         f"lowdiff cannot store {type(value).__name__} at {path}: only numbers, strings, "
         "None, bools, lists, tuples, dicts and tensors are supported (no pickle)"
     )
@@ -123,7 +124,7 @@ def decode(tree: Any, source: TensorSource | None = None) -> Any:
     except ValueError:
         raise
     except (KeyError, IndexError, TypeError, AttributeError, RecursionError, OverflowError) as e:
-        raise ValueError(f"malformed lowdiff metadata ({type(e).__name__}: {e})") from None
+        raise InvalidArgumentError(f"malformed lowdiff metadata ({type(e).__name__}: {e})") from None
 
 
 def _decode(tree: Any, source: TensorSource | None) -> Any:
@@ -143,7 +144,7 @@ def _decode(tree: Any, source: TensorSource | None) -> Any:
             return {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[body]
         if tag == "__tensor_ref__":
             if source is None:
-                raise ValueError("tensor reference without a tensor source")
+                raise InvalidArgumentError("tensor reference without a tensor source")
             return source(body)
         if tag == "__tensor__":
             dtype = dtype_from_name(body["dtype"])
@@ -152,7 +153,7 @@ def _decode(tree: Any, source: TensorSource | None) -> Any:
             numel = math.prod(shape)
             # a forged shape must not allocate more than the bytes that are really there
             if any(s < 0 for s in shape) or numel * itemsize(dtype) != len(raw):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"inline tensor of shape {shape} and dtype {body['dtype']} cannot hold "
                     f"{len(raw)} bytes"
                 )
@@ -178,7 +179,7 @@ def loads(text: str, source: TensorSource | None = None) -> Any:
     try:
         tree = json.loads(text)
     except RecursionError:
-        raise ValueError("malformed lowdiff metadata (nested too deeply)") from None
+        raise InvalidArgumentError("malformed lowdiff metadata (nested too deeply)") from None
     return decode(tree, source)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
+
 _TO_NAME: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -27,7 +29,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _TO_NAME[dtype]
     except KeyError:
-        raise TypeError(f"lowdiff cannot store tensors of dtype {dtype}") from None
+        raise ArgumentTypeError(f"lowdiff cannot store tensors of dtype {dtype}") from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -35,7 +37,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _FROM_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown tensor dtype {name!r}") from None
+        raise InvalidArgumentError(f"unknown tensor dtype {name!r}") from None
 
 
 def itemsize(dtype: torch.dtype) -> int:

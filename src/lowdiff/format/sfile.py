@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from lowdiff.errors import CorruptCheckpointError, NewerFormatError
+from lowdiff.errors import CorruptCheckpointError, InvalidArgumentError, NewerFormatError
 from lowdiff.format.atomic import atomic_open
 from lowdiff.format.dtypes import dtype_from_name, dtype_name, itemsize
 
@@ -77,7 +77,7 @@ def plan(specs: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[list[
     items = list(specs)
     names = [n for n, _, _ in items]
     if len(set(names)) != len(names):
-        raise ValueError("duplicate tensor names in one file")
+        raise InvalidArgumentError("duplicate tensor names in one file")
     # stable sort: callers' order is kept within one element size
     items.sort(key=lambda it: -itemsize(it[1]))
     entries, offset = [], 0
@@ -151,7 +151,7 @@ def _checksum_field(hexdigest: str) -> bytes:
 def _as_buffer(blob: torch.Tensor | bytes | bytearray | memoryview) -> memoryview:
     if isinstance(blob, torch.Tensor):
         if blob.dtype != torch.uint8 or blob.dim() != 1 or not blob.is_contiguous():
-            raise ValueError("data blob must be a contiguous 1-D uint8 tensor")
+            raise InvalidArgumentError("data blob must be a contiguous 1-D uint8 tensor")
         return memoryview(blob.numpy()) if blob.numel() else memoryview(b"")  # type: ignore[arg-type]
     return memoryview(blob)
 
@@ -187,7 +187,7 @@ def write(
     data = _as_buffer(blob)
     size = entries[-1].end if entries else 0
     if data.nbytes != size:
-        raise ValueError(f"data blob has {data.nbytes} bytes, layout needs {size}")
+        raise InvalidArgumentError(f"data blob has {data.nbytes} bytes, layout needs {size}")
     direct = direct and _direct_source(blob, data)
     header = _header_bytes(entries, metadata, DIRECT_ALIGN if direct else 8)
     prefix = struct.pack("<Q", len(header))
@@ -363,11 +363,11 @@ def _parse_header(path: Path, head: bytes, file_size: int) -> Header:
             dtype = dtype_from_name(info["dtype"])
             # ints only: int() would accept 2.5 as 2 and "7" as 7
             if not all(type(x) is int for x in [*info["shape"], *info["data_offsets"]]):
-                raise ValueError("shape and data_offsets must be integers")
+                raise InvalidArgumentError("shape and data_offsets must be integers")
             shape = tuple(info["shape"])
             start, end = info["data_offsets"]
             if any(s < 0 for s in shape):
-                raise ValueError("negative dimension")
+                raise InvalidArgumentError("negative dimension")
             entries.append(TensorEntry(str(name), dtype, shape, start, end))
     except (KeyError, TypeError, ValueError, OverflowError) as err:
         raise CorruptCheckpointError(path, f"bad tensor entry in header ({err})") from None

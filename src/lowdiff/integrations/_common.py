@@ -11,7 +11,7 @@ from lowdiff.attach import own_strategy
 from lowdiff.attach import unwrap_optimizer as unwrap_optimizer  # used by the integrations
 from lowdiff.attach import unwrap_scheduler as unwrap_scheduler
 from lowdiff.checkpointer import Checkpointer
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import InvalidArgumentError, LowDiffError
 from lowdiff.format import codec, sfile
 from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
 from lowdiff.state.rng import RngLayout, capture_rng, restore_rng
@@ -28,10 +28,10 @@ def callback_extra_state(
     Returns a copy of ``extra_state`` (empty when None).
     """
     if "scheduler" in options:
-        raise ValueError("scheduler: the Trainer's own LR scheduler is checkpointed")
+        raise InvalidArgumentError("scheduler: the Trainer's own LR scheduler is checkpointed")
     extra = dict(extra_state or {})
     if reserved in extra:
-        raise ValueError(f"extra_state: the name {reserved!r} is taken by {owner}")
+        raise InvalidArgumentError(f"extra_state: the name {reserved!r} is taken by {owner}")
     return extra
 
 

@@ -51,7 +51,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from lowdiff.attach import attach
 from lowdiff.checkpointer import Checkpointer
-from lowdiff.errors import LowDiffError
+from lowdiff.errors import LowDiffError, UsageError
 from lowdiff.integrations._common import (
     callback_extra_state,
     capture_after,
@@ -175,7 +175,7 @@ class LowDiffCallback(TrainerCallback):
         ``args.output_dir/lowdiff-resume`` and is rewritten at every call.
         """
         if self._args is None or self._model is None:
-            raise RuntimeError(
+            raise UsageError(
                 "resume_from_checkpoint is known once the callback is given to a Trainer "
                 "(Trainer(..., callbacks=[cb]))"
             )

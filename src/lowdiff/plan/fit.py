@@ -7,6 +7,8 @@ auto mode's tuner (:mod:`.tuner`) measure seconds per write at a few sizes and n
 
 from __future__ import annotations
 
+from lowdiff.errors import InvalidArgumentError
+
 __all__ = ["fit_bandwidth", "fit_line"]
 
 
@@ -45,5 +47,5 @@ def fit_bandwidth(nbytes: list[float], seconds: list[float]) -> tuple[float, flo
             return sxx / sxy, 0.0
     total_s = sum(seconds)
     if total_s <= 0:
-        raise ValueError("cannot fit a bandwidth: every measured time is 0")
+        raise InvalidArgumentError("cannot fit a bandwidth: every measured time is 0")
     return sum(nbytes) / total_s, 0.0

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.plan.fit import fit_bandwidth
 from lowdiff.plan.model import CostModel
 
@@ -49,9 +50,9 @@ def _read_results(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
+                raise InvalidArgumentError(f"{path}:{i}: not a JSON line ({e.msg})") from None
             if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{i}: expected a JSON object")
+                raise InvalidArgumentError(f"{path}:{i}: expected a JSON object")
             if obj.get("kind") == "run":
                 run = obj
             elif obj.get("kind") == "row" or "experiment" in obj:
@@ -191,7 +192,7 @@ def cost_model_from_bench(
     """
     inputs, missing = bench_inputs(results_jsonl_path)
     if missing:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{results_jsonl_path} lacks the bench experiment(s) {', '.join(missing)} "
             f"(needed for {', '.join(k for k, v in INPUT_SOURCES.items() if v in missing)}); "
             f"run `lowdiff bench {' '.join(BENCH_EXPERIMENTS)}`"

@@ -42,6 +42,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lowdiff.errors import InvalidArgumentError
+
 __all__ = [
     "DEFAULT_B_VALUES",
     "CostModel",
@@ -106,17 +108,17 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if isinstance(self.n_gpus, bool) or not isinstance(self.n_gpus, int) or self.n_gpus < 1:
-            raise ValueError(f"CostModel.n_gpus must be an integer >= 1, got {self.n_gpus!r}")
+            raise InvalidArgumentError(f"CostModel.n_gpus must be an integer >= 1, got {self.n_gpus!r}")
         for f in fields(self):
             if f.name == "n_gpus":
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"CostModel.{f.name} must be a finite number, got {v!r}")
+                raise InvalidArgumentError(f"CostModel.{f.name} must be a finite number, got {v!r}")
             if f.name in self._POSITIVE and v <= 0:
-                raise ValueError(f"CostModel.{f.name} must be > 0, got {v!r}")
+                raise InvalidArgumentError(f"CostModel.{f.name} must be > 0, got {v!r}")
             if v < 0:
-                raise ValueError(f"CostModel.{f.name} must be >= 0, got {v!r}")
+                raise InvalidArgumentError(f"CostModel.{f.name} must be >= 0, got {v!r}")
 
     @property
     def expected_failures(self) -> float:
@@ -158,18 +160,18 @@ def young_daly_s(cost_s: float, mtbf_s: float) -> float:
     """
     for name, v, positive in (("cost_s", cost_s, False), ("mtbf_s", mtbf_s, True)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"{name} must be a finite number, got {v!r}")
+            raise InvalidArgumentError(f"{name} must be a finite number, got {v!r}")
         if v < 0 or (positive and v == 0):
-            raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {v!r}")
+            raise InvalidArgumentError(f"{name} must be {'> 0' if positive else '>= 0'}, got {v!r}")
     return math.sqrt(2.0 * cost_s * mtbf_s)
 
 
 def _check_fb(f: int, b: int) -> None:
     for name, v in (("f", f), ("b", b)):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{name} must be an integer, got {v!r}")
+            raise InvalidArgumentError(f"{name} must be an integer, got {v!r}")
     if not 1 <= b <= f:
-        raise ValueError(f"need integers 1 <= b <= f, got f={f}, b={b}")
+        raise InvalidArgumentError(f"need integers 1 <= b <= f, got f={f}, b={b}")
 
 
 def wasted_time_terms(m: CostModel, f: int, b: int) -> dict[str, float]:
@@ -237,7 +239,7 @@ def continuous_f(m: CostModel, b: int) -> float | None:
         28.2843
     """
     if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-        raise ValueError(f"b must be an integer >= 1, got {b!r}")
+        raise InvalidArgumentError(f"b must be an integer >= 1, got {b!r}")
     gain = m.c_f() - m.c_b(b)
     if gain <= 0:
         return None
@@ -342,7 +344,7 @@ def optimize_exact(m: CostModel, b_values: Iterable[int] = DEFAULT_B_VALUES) -> 
             if f >= b:
                 grid[(f, b)] = wasted_time(m, f, b)
     if not grid:
-        raise ValueError("b_values is empty")
+        raise InvalidArgumentError("b_values is empty")
     (f, b), w = min(grid.items(), key=lambda kv: (kv[1], kv[0]))
     return Plan(f=f, b=b, wasted_s=w, grid=grid, model=m)
 
@@ -351,7 +353,7 @@ def _candidates(name: str, values: Iterable[int]) -> list[int]:
     vals = list(values)
     for v in vals:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must hold integers >= 1, got {v!r}")
+            raise InvalidArgumentError(f"{name} must hold integers >= 1, got {v!r}")
     return sorted(set(vals))
 
 
@@ -385,6 +387,6 @@ def optimize(
     fs = _candidates("f_values", default_f_values(m, bs) if f_values is None else f_values)
     grid = {(f, b): wasted_time(m, f, b) for f in fs for b in bs if b <= f}
     if not grid:
-        raise ValueError(f"no candidate pair has b <= f (f_values={fs}, b_values={bs})")
+        raise InvalidArgumentError(f"no candidate pair has b <= f (f_values={fs}, b_values={bs})")
     (f, b), w = min(grid.items(), key=lambda kv: (kv[1], kv[0]))
     return Plan(f=f, b=b, wasted_s=w, grid=grid, model=m)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from lowdiff.errors import InvalidArgumentError
 from lowdiff.plan.fit import fit_bandwidth
 from lowdiff.plan.model import DEFAULT_B_VALUES, CostModel, optimize, optimize_exact, wasted_time
 
@@ -59,7 +60,7 @@ def resolve_mtbf(mtbf: float | None) -> tuple[float, str]:
             or not math.isfinite(mtbf)
             or mtbf <= 0
         ):
-            raise ValueError(f"mtbf must be a number of seconds > 0, got {mtbf!r}")
+            raise InvalidArgumentError(f"mtbf must be a number of seconds > 0, got {mtbf!r}")
         return float(mtbf), "mtbf="
     text = os.environ.get(MTBF_ENV)
     if text is not None and text.strip():
@@ -68,7 +69,7 @@ def resolve_mtbf(mtbf: float | None) -> tuple[float, str]:
         except ValueError:
             value = math.nan
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{MTBF_ENV} must be a number of seconds > 0, got {text!r}")
+            raise InvalidArgumentError(f"{MTBF_ENV} must be a number of seconds > 0, got {text!r}")
         return value, MTBF_ENV
     return DEFAULT_MTBF_S, "default"
 

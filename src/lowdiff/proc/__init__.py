@@ -6,6 +6,8 @@ import ctypes
 import os
 from typing import Any
 
+from lowdiff.errors import InvalidArgumentError
+
 _libc: Any = None
 
 
@@ -18,7 +20,7 @@ def env_choice(name: str, choices: tuple[str, ...]) -> str:
     """
     value = os.environ.get(name, "").strip().lower() or choices[0]
     if value not in choices:
-        raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}")
+        raise InvalidArgumentError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}")
     return value
 
 

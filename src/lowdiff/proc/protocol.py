@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, ClassVar
 
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
+
 STORAGE_ERRORS = frozenset(
     c.__name__
     for c in vars(builtins).values()
@@ -122,7 +124,7 @@ class SlotMessage(Message):
         if tag is not None and (
             len(tag) != 1 or tag == b"\x80" or _SLOT_KINDS.setdefault(tag, cls) is not cls
         ):
-            raise TypeError(f"{cls.__name__}: wire tag {tag!r} is not one free byte")
+            raise ArgumentTypeError(f"{cls.__name__}: wire tag {tag!r} is not one free byte")
 
 
 def encode(msg: Message) -> bytes | memoryview:
@@ -139,7 +141,7 @@ def decode(raw: bytes | memoryview) -> Any:
     if cls is None:
         return ForkingPickler.loads(raw)
     if len(raw) < _SLOT_HEAD.size:
-        raise ValueError(f"a {cls.__name__} message of {len(raw)} bytes is cut short")
+        raise InvalidArgumentError(f"a {cls.__name__} message of {len(raw)} bytes is cut short")
     _, slot, step = _SLOT_HEAD.unpack_from(raw)
     return cls(slot, step, bytes(raw[_SLOT_HEAD.size :]).decode())
 

@@ -174,7 +174,7 @@ def use_env(env: dict[str, str]) -> None:
     the process starts, and again when a new trainer takes it over."""
     os.environ.clear()
     os.environ.update(env)
-    atomic.install_env_faults()  # read at import, which ran with another environment
+    atomic.install_env_hooks()  # read at import, which ran with another environment
 
 
 def run_in_env(env: dict[str, str], target: Callable[..., None], *args: Any) -> None:

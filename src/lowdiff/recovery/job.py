@@ -37,6 +37,7 @@ from lowdiff.ddp.context import DistContext, rank_dir
 from lowdiff.ddp.shard import merge_state_dicts
 from lowdiff.errors import (
     CorruptCheckpointError,
+    InvalidArgumentError,
     NotACheckpointDirectoryError,
     RecoveryError,
     UnsupportedSetupError,
@@ -387,7 +388,7 @@ def recover_job(
     refuse_fsdp2_job(root, "reading it in one process")
     world = max(g.world_size for g in gens)
     if not 0 <= rank < world:
-        raise ValueError(f"rank must be in 0..{world - 1} for a job of {world} ranks, got {rank}")
+        raise InvalidArgumentError(f"rank must be in 0..{world - 1} for a job of {world} ranks, got {rank}")
 
     def same(value: int, what: str = "") -> int:  # noqa: ARG001 -- one process agrees with itself
         return value

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lowdiff.errors import CorruptCheckpointError, RecoveryWarning
+from lowdiff.errors import CorruptCheckpointError, InvalidArgumentError, RecoveryWarning
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX, fsync_dir
 from lowdiff.recovery.replay import RecoveryStats
@@ -136,7 +136,7 @@ def _records_before(
     """Read and verify ``path``; the entries, data and metadata of its records before ``step``."""
     first, last = _records_range(path)
     if not first < step <= last:
-        raise ValueError(f"step {step} does not split {path.name} (records {first}..{last})")
+        raise InvalidArgumentError(f"step {step} does not split {path.name} (records {first}..{last})")
     lf = sfile.read(path)
     md = dict(lf.metadata)
     n = last - first + 1

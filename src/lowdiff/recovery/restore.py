@@ -13,7 +13,12 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import CorruptCheckpointError, RecoveryError
+from lowdiff.errors import (
+    ArgumentTypeError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    RecoveryError,
+)
 from lowdiff.recovery.fsdp2 import recover_fsdp2
 from lowdiff.recovery.job import is_job_dir, job_sharding, recover_job
 from lowdiff.recovery.replay import RecoveryStats, pass_over_full, replay, warn_damaged
@@ -105,9 +110,9 @@ def restore(
         >>> step = lowdiff.restore("runs/ckpt", model, optimizer, step=120)  # doctest: +SKIP
     """
     if not isinstance(directory, (str, os.PathLike)):
-        raise TypeError(f"directory must be a path (str or os.PathLike), got {directory!r}")
+        raise ArgumentTypeError(f"directory must be a path (str or os.PathLike), got {directory!r}")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-        raise ValueError(f"step must be a non-negative int or None, got {step!r}")
+        raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
     extra = st.check_extra_state(extra_state)
     stats = recover(directory, model, optimizer, scheduler, step)
     st.apply_extra(extra, stats.extra, f"{directory} step {stats.step}")

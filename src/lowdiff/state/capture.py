@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-from lowdiff.errors import CheckpointMismatchError, LowDiffError
+from lowdiff.errors import (
+    ArgumentTypeError,
+    CheckpointMismatchError,
+    InvalidArgumentError,
+    LowDiffError,
+)
 from lowdiff.format import codec
 from lowdiff.state.rng import RngCapture as RngCapture  # re-exported: the state API
 from lowdiff.state.rng import RngLayout, capture_rng
@@ -39,9 +44,9 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any | None) ->
         TypeError / ValueError naming the argument.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise ArgumentTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
     if scheduler is None:
@@ -49,14 +54,14 @@ def check_training_objects(model: Any, optimizer: Any, scheduler: Any | None) ->
     if isinstance(scheduler, torch.optim.Optimizer) or not all(
         callable(getattr(scheduler, a, None)) for a in ("step", "state_dict", "load_state_dict")
     ):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"scheduler must be an LR scheduler (with step, state_dict and load_state_dict), got {type(scheduler).__name__}"
         )
     attached = getattr(scheduler, "optimizer", optimizer)
     # a framework's wrapper of this optimizer (Accelerate's AcceleratedOptimizer, whose
     # param_groups are the optimizer's) drives the same hyperparameters
     if attached is not optimizer and getattr(attached, "optimizer", None) is not optimizer:
-        raise ValueError("scheduler is attached to a different optimizer than the one passed")
+        raise InvalidArgumentError("scheduler is attached to a different optimizer than the one passed")
 
 
 # --------------------------------------------------------------------------- parameters
@@ -126,10 +131,10 @@ def optimizer_params(
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) in seen:
-                raise ValueError("the optimizer holds the same parameter twice")
+                raise InvalidArgumentError("the optimizer holds the same parameter twice")
             seen.add(id(p))
             if id(p) not in names:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"the optimizer updates a parameter of shape {tuple(p.shape)} that is not in the model; "
                     "pass the model whose parameters the optimizer was built from"
                 )
@@ -310,17 +315,17 @@ def check_extra_state(extra_state: Any) -> dict[str, Any]:
     if extra_state is None:
         return {}
     if not isinstance(extra_state, dict):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"extra_state must be a dict of name -> stateful object, got {type(extra_state).__name__}"
         )
     for name, obj in extra_state.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"extra_state keys must be non-empty strings, got {name!r}")
+            raise ArgumentTypeError(f"extra_state keys must be non-empty strings, got {name!r}")
         missing = [
             m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))
         ]
         if missing:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"extra_state[{name!r}] ({type(obj).__name__}) has no {' or '.join(missing)}(); "
                 "lowdiff saves and restores extra state through them"
             )
@@ -343,7 +348,7 @@ def capture_extra(extra_state: dict[str, Any]) -> Any:
         try:
             out[name] = codec.encode(sd, None, f"$.{name}")
         except TypeError as e:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"extra_state[{name!r}]: its state_dict() cannot be saved without pickling: {e}"
             ) from None
     return out
@@ -460,7 +465,7 @@ def sparse_gradient_error(name: str, source: str = "") -> str:
 def refuse_lbfgs(optimizer: torch.optim.Optimizer) -> None:
     """LBFGS evaluates its closure several times per update: no strategy can take it."""
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
+        raise InvalidArgumentError(
             "LBFGS is not supported: its step() evaluates the closure several times per "
             "update, and lowdiff records the one gradient each update applies"
         )
