@@ -1,50 +1,63 @@
-"""The package's layers point one way: no import cycle, no import that runs back up.
+"""The packages' layers point one way: no import cycle, no import that runs back up, and
+the library (``lowdiff``) never imports its lab (``lowdiff_lab``).
 
-Every ``import`` of a ``lowdiff`` module anywhere in a module counts (a function-local
-import too: hiding a cycle inside a function does not remove it), except those under
-``if TYPE_CHECKING:``, which never run.
+Every ``import`` of a ``lowdiff`` or ``lowdiff_lab`` module anywhere in a module counts: a
+function-local import too, and one under ``if TYPE_CHECKING:`` too (hiding a cycle from
+the interpreter does not remove it from the design).
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import lowdiff
+from lowdiff.format import atomic
 
-SRC = Path(lowdiff.__file__).resolve().parent
+SRC = Path(lowdiff.__file__).resolve().parent.parent
+PACKAGES = ("lowdiff", "lowdiff_lab")
 
-LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("errors", "format", "compressors", "machine", "remote")),
-    (1, ("state",)),
-    (2, ("strategy", "proc")),
-    (3, ("ddp",)),
-    (4, ("recovery",)),
-    (5, ("plan",)),
-    (6, ("engine",)),
-    (7, ("baselines",)),
-    (8, ("", "checkpointer", "attach", "exporting", "inspect", "integrations")),
-    (
-        9,
-        ("harness", "prefork", "workloads", "bench", "chaos", "torture", "cli", "demo", "__main__"),
-    ),
-]
-"""Each top-level module or package of lowdiff and its layer ("" is the package itself).
-A module may import modules of its own layer or below."""
+LAYERS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
+    "lowdiff": [
+        (0, ("errors", "options", "format", "compressors", "remote")),
+        (1, ("state",)),
+        (2, ("strategy", "proc", "methods")),
+        (3, ("ddp",)),
+        (4, ("recovery",)),
+        (5, ("plan",)),
+        (6, ("engine",)),
+        (7, ("legacy", "checkpointer")),
+        (8, ("", "attach", "exporting", "inspect", "integrations")),
+        (9, ("cli", "__main__")),
+    ],
+    "lowdiff_lab": [
+        (0, ("", "faults", "harness", "machine")),
+        (1, ("baselines",)),
+        (2, ("workloads", "prefork")),
+        (3, ("bench", "chaos", "torture", "demo")),
+        (4, ("cli", "plugin")),
+    ],
+}
+"""Each top-level module or package and its layer ("" is the package itself). A module
+may import modules of its own layer or below; the lab may import any library module."""
 
-HARNESS = ("bench", "chaos", "torture", "cli")
+LAB_AREAS = ("bench", "chaos", "torture", "cli", "demo", "baselines", "workloads")
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for p in SRC.rglob("*.py"):
-        rel = p.relative_to(SRC).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(["lowdiff", *parts])] = p
+    for pkg in PACKAGES:
+        for p in (SRC / pkg).rglob("*.py"):
+            rel = p.relative_to(SRC).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = p
     return out
 
 
@@ -52,42 +65,28 @@ MODULES = _modules()
 
 
 def _layer(module: str) -> int:
-    top = module.split(".")[1] if "." in module else ""
-    for layer, names in LAYERS:
+    pkg, _, rest = module.partition(".")
+    top = rest.split(".")[0]
+    for layer, names in LAYERS[pkg]:
         if top in names:
             return layer
     raise AssertionError(f"{module}: no layer is assigned to {top!r} (add it to LAYERS)")
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(module: str, path: Path) -> list[tuple[str, int]]:
-    """(imported lowdiff module, line) of every import that can run."""
+    """(imported module of either package, line) of every import, TYPE_CHECKING ones too."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            skip.update(id(n) for b in node.body for n in ast.walk(b))
     pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "lowdiff"]
+            out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] in PACKAGES]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(
-                    pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                    + ([base] if base else [])
-                )
-            if base.split(".")[0] != "lowdiff":
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base.split(".")[0] not in PACKAGES:
                 continue
             for a in node.names:
                 sub = f"{base}.{a.name}"
@@ -103,12 +102,25 @@ def test_every_module_has_a_layer() -> None:
         _layer(m)
 
 
+def test_the_library_never_imports_the_lab() -> None:
+    bad = [
+        f"{m}:{line} imports {dep}"
+        for m, deps in GRAPH.items()
+        if m.split(".")[0] == "lowdiff"
+        for dep, line in deps
+        if dep.split(".")[0] == "lowdiff_lab"
+    ]
+    assert bad == []
+
+
 def test_no_import_runs_back_up() -> None:
     up = [
         f"{m}:{line} imports {dep} (layer {_layer(m)} -> {_layer(dep)})"
         for m, deps in GRAPH.items()
         for dep, line in deps
-        if dep in MODULES and _layer(dep) > _layer(m)
+        if dep in MODULES
+        and dep.split(".")[0] == m.split(".")[0]
+        and _layer(dep) > _layer(m)
     ]
     assert up == []
 
@@ -128,7 +140,6 @@ def test_no_cycles() -> None:
     edges = {
         m: sorted({d for d, _ in deps if d in MODULES and d != m}) for m, deps in GRAPH.items()
     }
-    # a package's __init__ re-exporting its own submodules is not a cycle of logic
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 
@@ -158,17 +169,17 @@ def _init_reexport(cycle: list[str]) -> bool:
     )
 
 
-@pytest.mark.parametrize("area", HARNESS)
-def test_harness_uses_no_private_library_names(area: str) -> None:
-    """Harness code (bench, chaos, torture, cli) uses public or documented internal APIs:
-    it imports no ``_private`` name from another lowdiff module."""
+@pytest.mark.parametrize("area", LAB_AREAS)
+def test_the_lab_uses_no_private_library_names(area: str) -> None:
+    """Lab code uses public or documented internal APIs: it imports no ``_private`` name
+    from another module."""
     bad = []
     for m, p in MODULES.items():
-        if not m.startswith(f"lowdiff.{area}"):
+        if not m.startswith(f"lowdiff_lab.{area}"):
             continue
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lowdiff"):
-                if node.module.split(".")[1:2] == [area]:
+                if node.module.startswith(f"lowdiff_lab.{area}"):
                     continue
                 bad += [
                     f"{m}:{node.lineno} {a.name}"
@@ -176,3 +187,55 @@ def test_harness_uses_no_private_library_names(area: str) -> None:
                     if a.name.startswith("_") and not a.name.startswith("__")
                 ]
     assert bad == []
+
+
+@pytest.mark.timeout(120)
+def test_import_lowdiff_loads_no_lab_module_and_no_lab_dependency() -> None:
+    """In a fresh interpreter, ``import lowdiff`` (and building a Checkpointer of lowdiff's
+    own) imports no lab module, and none of the lab's dependencies that torch does not
+    import by itself."""
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import lowdiff\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "ck = lowdiff.Checkpointer(None, m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
+        "                          method='compression-only', compressor=lowdiff.TopK(0.5))\n"
+        "ck.close()\n"
+        "new = set(sys.modules) - before\n"
+        "lab = sorted(x for x in new if x.split('.')[0] in\n"
+        "             ('lowdiff_lab', 'psutil', 'tqdm', 'matplotlib', 'transformers'))\n"
+        "print(lab)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != atomic.HOOKS_ENV}  # the suite's faults
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True,
+        env=env,
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_library_requires_only_what_it_uses_at_run_time() -> None:
+    """The required dependencies are those the library imports (the lab's come with the
+    ``lab`` extra)."""
+    import tomllib
+
+    project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
+    required = {d.split(">")[0].split("<")[0].split("=")[0].strip() for d in project["dependencies"]}
+    imported: set[str] = set()
+    for m, p in MODULES.items():
+        if not m.startswith("lowdiff.") and m != "lowdiff":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {"torch", "safetensors", "xxhash", "numpy"}
+    assert required == third_party
+    assert third_party <= imported
+    for lab_dep in ("psutil", "tqdm", "matplotlib"):
+        assert lab_dep not in imported, f"the library imports {lab_dep}, a lab dependency"
+    assert {"psutil", "tqdm"} <= {
+        d.split(">")[0].strip() for d in project["optional-dependencies"]["lab"]
+    }

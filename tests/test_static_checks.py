@@ -10,11 +10,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PUBLIC = [
+    f"src/lowdiff/{m}"
+    for m in (
+        "__init__.py", "checkpointer.py", "attach.py", "options.py", "errors.py", "methods.py",
+        "strategy.py", "legacy.py", "inspect.py", "exporting.py", "compressors",
+        "integrations", "recovery/restore.py",
+    )
+]  # fmt: skip
+"""The modules that hold the library's public names (``lowdiff.__all__``, the
+compressors and the framework integrations)."""
 
 
 @pytest.mark.parametrize(
     "tool,args",
-    [("ruff", ["check", "src", "tests"]), ("mypy", [])],
+    [
+        ("ruff", ["check", "src", "tests"]),
+        ("mypy", []),
+        # the library's public modules, strict: what users import type-checks as written
+        ("mypy", ["--strict", "--follow-imports=silent", *PUBLIC]),
+    ],
 )
 def test_static_check(tool, args):
     if importlib.util.find_spec(tool) is None:

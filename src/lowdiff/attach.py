@@ -16,6 +16,18 @@ from the optimizer's own step hooks instead of ``ck.step()``:
 
 The pipeline is the one ``ck.step()`` runs (:class:`lowdiff.strategy.Strategy`); only the
 caller differs.
+
+- With ``torch.amp.GradScaler``: a step the scaler skips (inf or NaN gradients) calls no
+  ``optimizer.step()``, so it produces no record and no update; pass the scaler in
+  ``extra_state`` and its state after each ``update()`` is saved with the step.
+- Gradient accumulation and a scheduler stepped after ``optimizer.step()`` need nothing
+  special: a step is one ``optimizer.step()``.
+- ``optimizer.step(closure)`` (Lightning): the gradients are taken after the closure
+  ran; the closure must return the loss.
+- A crash of the trainer loses at most the last step (it is handed over when the next
+  update begins).
+- A framework's wrapper of the optimizer or scheduler (Accelerate's, Lightning's) is
+  unwrapped: the hooks go on the optimizer whose ``step()`` updates the parameters.
 """
 
 from __future__ import annotations
@@ -90,36 +102,13 @@ def attach(
     """Checkpoint every ``optimizer.step()`` of an unmodified training loop.
 
     Takes the arguments of :class:`lowdiff.Checkpointer` (lowdiff's own methods). Call
-    ``ck.resume()`` before training, and ``ck.close()`` at the end; in between, the
-    loop stays as it is::
+    ``ck.resume()`` before training and ``ck.close()`` at the end; in between the loop
+    stays as it is, ``scaler.step(optimizer)`` and ``scheduler.step()`` included (see
+    the module docstring for what is taken when).
 
-        ck = lowdiff.attach("runs/ckpt", model, optimizer, scheduler=scheduler,
-                            extra_state={"scaler": scaler, "data": loader})
-        start = ck.resume()
-        for batch in loader:                      # the loader resumes where it was
-            with torch.autocast("cuda"):
-                loss = model(batch).loss
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)                # lowdiff runs inside this step
-            scaler.update()
-            scheduler.step()
-            optimizer.zero_grad()
-        ck.close()
-
-    - With ``torch.amp.GradScaler``: a step the scaler skips (inf or NaN gradients)
-      calls no ``optimizer.step()``, so it produces no record and no update; pass the
-      scaler in ``extra_state`` and its state after each ``update()`` is saved with the
-      step and restored by ``resume()``.
-    - Gradient accumulation and a scheduler stepped after ``optimizer.step()`` need
-      nothing special: a step is one ``optimizer.step()``.
-    - ``optimizer.step(closure)`` (Lightning): the gradients are taken after the
-      closure ran; the closure must return the loss.
-    - A step is handed to the checkpointing process when the next update begins (or at
-      ``flush()`` / ``close()``): a crash of the trainer loses at most the last step.
-    - A framework's wrapper of the optimizer or scheduler (Accelerate's
-      ``AcceleratedOptimizer`` / ``AcceleratedScheduler``, Lightning's
-      ``LightningOptimizer``) is unwrapped: the hooks go on the optimizer whose ``step()``
-      updates the parameters.
+    Example:
+        >>> ck = lowdiff.attach("runs/ckpt", model, optimizer, scheduler=scheduler)  # doctest: +SKIP
+        >>> start = ck.resume()  # doctest: +SKIP
 
     Raises:
         UsageError: lowdiff is already attached to this optimizer.
@@ -139,7 +128,11 @@ def attach(
             f"lowdiff is already attached to this optimizer (directory {getattr(optimizer, _ATTACHED)}); "
             "close() that Checkpointer first"
         )
-    ck = Checkpointer(directory, model, optimizer, **options)
+    return _drive_by_hooks(Checkpointer(directory, model, optimizer, **options), directory)
+
+
+def _drive_by_hooks(ck: Checkpointer, directory: Any) -> Checkpointer:
+    """Hand ``ck``'s steps to its optimizer's hooks (closed again if that fails)."""
     impl = ck.strategy_impl
     if not isinstance(impl, EngineStrategy):
         ck.close()
@@ -152,6 +145,7 @@ def attach(
     except BaseException:
         ck.close()
         raise
+    optimizer = impl.optimizer
     setattr(optimizer, _ATTACHED, str(directory))
     impl.on_close(lambda: _detach(optimizer))
     return ck

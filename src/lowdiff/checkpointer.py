@@ -259,11 +259,7 @@ class Checkpointer:
     @property
     def strategy(self) -> str:
         """Deprecated: :attr:`method`."""
-        warnings.warn(
-            "Checkpointer.strategy is deprecated; use Checkpointer.method",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warnings.warn("Checkpointer.strategy is deprecated; use .method", DeprecationWarning, 2)
         return self._impl.name
 
     @property
@@ -407,27 +403,18 @@ class Checkpointer:
         """:class:`lowdiff.RecoveryStats` of :meth:`resume`, or None."""
         return self._impl.recovery_stats  # type: ignore[no-any-return]
 
-    @property
-    def model(self) -> torch.nn.Module:
-        """The model being trained (as passed in)."""
-        return self._impl.model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer whose updates are checkpointed (a framework's wrapper unwrapped
-        by :func:`lowdiff.attach`)."""
-        return self._impl.optimizer
-
-    @property
-    def scheduler(self) -> Any | None:
-        """The LR scheduler, or None."""
-        return self._impl.scheduler
+    model = property(lambda self: self._impl.model, doc="The model being trained.")
+    optimizer = property(
+        lambda self: self._impl.optimizer,
+        doc="The optimizer whose updates are checkpointed (a framework's wrapper unwrapped).",
+    )
+    scheduler = property(lambda self: self._impl.scheduler, doc="The LR scheduler, or None.")
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self._impl.__exit__(exc_type, *exc)
+        self._impl.__exit__(exc_type, *exc)  # close() (errors kept off an exception's way)
 
     def __repr__(self) -> str:
         return f"Checkpointer({self._impl!r})"

@@ -77,16 +77,16 @@ def translate(
 
         kw["method"] = method or "lowdiff"
         kw["compressor"] = TopK(ratio=0.01)
-    if "batch_size" in kw:
-        _warn("batch_size=", "records_per_file=", what)
-        kw.setdefault("records_per_file", kw.pop("batch_size"))
     registered = method is not None and method != "auto" and method not in BUILTIN
-    if registered:
+    if registered:  # the method's own options (a baseline's), and any it will refuse
         own = {k: kw.pop(k) for k in list(kw) if k not in known}
         if own:
             _warn(f"{', '.join(f'{k}=' for k in own)}", "method_options={...}", what)
             kw["method_options"] = {**own, **(kw.get("method_options") or {})}
         return args, kw
+    if "batch_size" in kw:
+        _warn("batch_size=", "records_per_file=", what)
+        kw.setdefault("records_per_file", kw.pop("batch_size"))
     _group(kw, what, _REPLICA, "replica", ReplicaOptions, "ReplicaOptions")
     _group(kw, what, _TIMEOUTS, "timeouts", Timeouts, "Timeouts")
     remote_flat = {k: kw.pop(k) for k in _REMOTE if k in kw}
@@ -132,7 +132,7 @@ def accepts_old_spellings(what: str, known: tuple[str, ...]) -> Callable[[Callab
             rest, kwargs = translate(what, known, rest, kwargs)
             return fn(*head, *rest, **kwargs)
 
-        return call  # type: ignore[return-value]
+        return call
 
     return wrap
 

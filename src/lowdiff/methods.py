@@ -68,7 +68,7 @@ _METHODS: dict[str, Any] = {}
 _MODULES: dict[str, str] = {}
 """Registered method name -> the module to import ahead (process servers)."""
 _KINDS: list[DirectoryKind] = []
-_COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
+_COMMANDS: dict[str, Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = {}
 _loaded = False
 _lock = threading.Lock()
 
@@ -99,7 +99,7 @@ def register_directory_kind(kind: DirectoryKind) -> None:
         _KINDS.append(kind)
 
 
-def register_command(name: str, add_parser: Callable[[argparse._SubParsersAction], None]) -> None:
+def register_command(name: str, add_parser: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]) -> None:
     """Add a ``lowdiff NAME`` command: ``add_parser(subparsers)`` adds its parser, whose
     ``func`` default runs it."""
     _COMMANDS[name] = add_parser
@@ -173,7 +173,7 @@ def directory_kind(root: Path) -> DirectoryKind | None:
     return next((k for k in _KINDS if k.matches(root)), None)
 
 
-def commands() -> dict[str, Callable[[argparse._SubParsersAction], None]]:
+def commands() -> dict[str, Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
     """The registered CLI commands."""
     load_plugins()
     return dict(_COMMANDS)

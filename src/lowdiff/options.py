@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
 
-AUTO = "auto"
+AUTO: Literal["auto"] = "auto"
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:

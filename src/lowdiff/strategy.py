@@ -145,7 +145,12 @@ class StepTimings:
 
     @classmethod
     def of(cls, times: dict[str, float]) -> StepTimings:
-        return cls(**{k: (int(v) if k == "steps" else v) for k, v in times.items()})
+        """From :attr:`Strategy.pipeline_s`."""
+        t = times
+        return cls(
+            t["begin"], t["take_gradients"], t["compress"], t["hparams"], t["update"],
+            t["after_update"], int(t["steps"]),
+        )  # fmt: skip
 
     @property
     def overhead_s(self) -> float:

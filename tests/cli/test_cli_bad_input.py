@@ -24,7 +24,7 @@ from lowdiff_lab.torture.report import TortureReport
         (["torture", "--seed", "x"], "--seed"),
         (["inspect"], "directory"),
         (["frobnicate"], "invalid choice"),
-        (["bench", "--iters", "0"], "--iters: expected an integer >= 1, got 0"),
+        (["bench", "--steps", "0"], "--steps: expected an integer >= 1, got 0"),
         (["bench", "--repeats", "0"], "--repeats: expected an integer >= 1, got 0"),
         # an option a subcommand does not have: its own error and usage
         (["bench", "--bogus"], "lowdiff bench: error: unrecognized arguments: --bogus"),
@@ -41,7 +41,7 @@ def test_invalid_argument_values(argv, needle, capsys) -> None:
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["torture", "--strategy", "lowdiff+"], "--strategy applies to the --ddp series only"),
+        (["torture", "--method", "lowdiff+"], "--method applies to the --ddp series only"),
         (["torture", "--ddp", "2", "--kills", "3"], "--kills applies to the single-process"),
         (["torture", "--ddp", "2", "--quick", "--jobs", "2"], "--quick, --jobs apply to"),
     ],

@@ -26,7 +26,9 @@ import lowdiff
 
 if not hasattr(torch.distributed.fsdp, "fully_shard"):
     pytest.skip("fully_shard (FSDP2) is public from torch 2.6", allow_module_level=True)
-from lowdiff.checkpointer import STRATEGIES
+from lowdiff.methods import method_names
+
+STRATEGIES = method_names()
 
 WORLD = 2
 REFUSED = [s for s in STRATEGIES if s != "lowdiff+"]

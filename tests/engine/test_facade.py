@@ -59,11 +59,11 @@ def test_own_strategy_is_typed_and_refuses_a_baseline(tmp_path: Path) -> None:
     [
         ("lowdiff", LowDiffStrategy),
         ("lowdiff+", LowDiffPlusStrategy),
-        ("none", CompressionOnlyStrategy),
+        ("compression-only", CompressionOnlyStrategy),
     ],
 )
 def test_each_name_has_its_own_peer_class(strategy: str, cls: type) -> None:
-    assert lowdiff.checkpointer.strategy_class(strategy) is cls
+    assert lowdiff.methods.method_class(strategy) is cls
     assert cls.name == strategy
 
 
@@ -103,7 +103,7 @@ def test_options_are_frozen() -> None:
     [
         ("lowdiff+", {"compressor": lowdiff.TopK(0.1)}, "without compression"),
         ("lowdiff+", {"max_lag": 0}, "max_lag"),
-        ("lowdiff+", {"idle_timeout": -1}, "idle_timeout"),
+        ("lowdiff+", {"idle_timeout": -1}, "Timeouts.idle"),
         ("lowdiff+", {"full_every": "auto"}, "'lowdiff' only"),
         ("lowdiff+", {"on_storage_error": "warn"}, "'lowdiff' only"),
         ("none", {"on_storage_error": "warn"}, "'lowdiff' only"),

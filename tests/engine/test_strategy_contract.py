@@ -9,7 +9,10 @@ import pytest
 import torch
 
 import lowdiff
-from lowdiff.checkpointer import STRATEGIES, strategy_class
+from lowdiff.methods import method_class as strategy_class
+from lowdiff.methods import method_names
+
+STRATEGIES = method_names()
 from lowdiff.strategy import Strategy
 
 SRC = Path(lowdiff.__file__).parent
@@ -59,7 +62,7 @@ def test_the_engine_does_not_import_the_baselines():
 def test_unknown_strategy_and_option_are_clear_errors(tmp_path):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="strategy must be one of .*'dcp-async', got 'bogus'"):
+    with pytest.raises(ValueError, match="method must be one of .*'dcp-async'.*, got 'bogus'"):
         lowdiff.Checkpointer(model, opt, tmp_path / "a", strategy="bogus")
     with pytest.raises(TypeError, match="max_lag"):
         lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="torch-save", max_lag=3)

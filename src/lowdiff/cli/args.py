@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 from lowdiff.errors import InvalidArgumentError
 from lowdiff.format.atomic import nearest_existing
@@ -78,3 +80,23 @@ def fmt_bytes(n: float | None) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+class DeprecatedFlag(argparse.Action):
+    """A flag of lowdiff 0.1 that still works for one release: it stores into the new
+    flag's destination and says on stderr which flag replaces it.
+
+    Example:
+        >>> p.add_argument("--out-dir", action=DeprecatedFlag, new="--out", dest="out")  # doctest: +SKIP
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, new: str, **kwargs: Any) -> None:
+        self.new = new
+        kwargs.setdefault("help", argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self, parser: Any, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        print(f"lowdiff: warning: {option} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)

@@ -61,7 +61,8 @@ def replace_hooks(hooks: dict[str, Callable[[Path], None]]) -> None:
     _HOOKS.update(hooks)
 
 
-def _hook(point: str, path: Path) -> None:
+def fault_point(point: str, path: Path) -> None:
+    """Run the hook installed at ``point`` (a test's), if any, for ``path``."""
     fn = _HOOKS.get(point)
     if fn is not None:
         fn(path)
@@ -118,16 +119,16 @@ def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     f = open(tmp, "w+b")  # noqa: SIM115 -- closed below on every path
     try:
-        _hook("before_write", tmp)
+        fault_point("before_write", tmp)
         yield f
         f.flush()
-        _hook("before_fsync", tmp)
+        fault_point("before_fsync", tmp)
         os.fsync(f.fileno())
         f.close()
-        _hook("before_rename", tmp)
+        fault_point("before_rename", tmp)
         os.replace(tmp, path)
         fsync_dir(path.parent)
-        _hook("after_rename", path)
+        fault_point("after_rename", path)
     except BaseException as e:
         f.close()
         with contextlib.suppress(FileNotFoundError):

@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from lowdiff.attach import own_strategy
 from lowdiff.attach import unwrap_optimizer as unwrap_optimizer  # used by the integrations
 from lowdiff.attach import unwrap_scheduler as unwrap_scheduler
 from lowdiff.checkpointer import Checkpointer
@@ -19,44 +18,24 @@ from lowdiff.state.rng import RngLayout, capture_rng, restore_rng
 log = logging.getLogger("lowdiff.integrations")
 
 
-def callback_extra_state(
-    options: dict[str, Any], extra_state: dict[str, Any] | None, reserved: str, owner: str
-) -> dict[str, Any]:
-    """Check a framework callback's options: the framework's own scheduler is the one
-    checkpointed, and ``reserved`` is the name the framework's state is saved under.
+CALLBACK_OPTIONS: tuple[str, ...] = (
+    "extra_state", "log_stats", "method", "compressor", "full_every", "records_per_file",
+    "keep_full", "max_inflight", "on_storage_error", "mtbf", "replica", "remote", "timeouts",
+)  # fmt: skip
+"""The keyword options of the framework callbacks (those of :func:`lowdiff.attach`, less
+``scheduler``: the framework's own LR scheduler is the one checkpointed)."""
 
-    Returns a copy of ``extra_state`` (empty when None).
+
+def callback_extra_state(
+    extra_state: dict[str, Any] | None, reserved: str, owner: str
+) -> dict[str, Any]:
+    """A copy of a framework callback's ``extra_state`` (empty when None), where
+    ``reserved`` is the name the framework's state is saved under.
     """
-    if "scheduler" in options:
-        raise InvalidArgumentError("scheduler: the Trainer's own LR scheduler is checkpointed")
     extra = dict(extra_state or {})
     if reserved in extra:
         raise InvalidArgumentError(f"extra_state: the name {reserved!r} is taken by {owner}")
     return extra
-
-
-def capture_after(ck: Checkpointer, name: str) -> None:
-    """Take ``extra_state[name]`` again when :func:`recapture` is called, for every step
-    still waiting for its hand-over (the mechanism ``attach`` uses for a ``GradScaler``,
-    whose state after ``update()`` belongs to the step).
-
-    A framework updates its own counters (a global step, an epoch) after
-    ``optimizer.step()`` returned, so the state of step *n* is known only then.
-    """
-    own_strategy(ck).capture_after_update(name)
-
-
-def recapture(ck: Checkpointer, name: str) -> None:
-    """Take ``extra_state[name]`` now for the steps waiting for it (see :func:`capture_after`)."""
-    own_strategy(ck).recapture(name)
-
-
-def retake(ck: Checkpointer, name: str) -> None:
-    """Take ``extra_state[name]`` again for every step not handed over yet, replacing
-    what :func:`recapture` took: for what the framework changes after it counted the step
-    and before the next update (an evaluation, a log, a save). See
-    :meth:`lowdiff.engine.base.EngineStrategy.retake`."""
-    own_strategy(ck).retake(name)
 
 
 def rng_state() -> dict[str, Any]:

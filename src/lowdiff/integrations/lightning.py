@@ -59,22 +59,24 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from lowdiff.attach import attach
-from lowdiff.checkpointer import Checkpointer
+from lowdiff.checkpointer import Checkpointer, Method
+from lowdiff.compressors.base import Compressor
 from lowdiff.errors import LowDiffError
 from lowdiff.integrations._common import (
+    CALLBACK_OPTIONS,
     callback_extra_state,
-    capture_after,
-    recapture,
     rng_state,
     set_rng_state,
     stats_for_logging,
     unwrap_optimizer,
 )
+from lowdiff.legacy import accepts_old_spellings
+from lowdiff.options import RemoteOptions, ReplicaOptions, Timeouts
 
 try:  # the unified package, else the standalone one
     import lightning.pytorch as pl
@@ -172,9 +174,10 @@ class LowDiffCallback(pl.Callback):
         extra_state: more state to save with every step (``{"name": obj}``, see
             :class:`lowdiff.Checkpointer`); the name ``"lightning_fit_loop"`` is taken.
         log_stats: log ``ck.stats`` through the LightningModule's loggers.
-        **options: the options of :func:`lowdiff.attach` (``compressor``, ``full_every``,
-            ``batch_size``, ``strategy``, ``keep_full``, ...), except ``scheduler``: the
-            Trainer's LR scheduler is used.
+        method, compressor, full_every, records_per_file, keep_full, max_inflight,
+            on_storage_error, mtbf, replica, remote, timeouts: as for
+            :class:`lowdiff.Checkpointer` (the Trainer's own LR scheduler is the one
+            checkpointed).
 
     Example:
         >>> cb = LowDiffCallback("runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
@@ -186,19 +189,36 @@ class LowDiffCallback(pl.Callback):
     ``strategy="lowdiff+"``) training after a resume is bit-identical.
     """
 
+    @accepts_old_spellings("LowDiffCallback", CALLBACK_OPTIONS)
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
         extra_state: dict[str, Any] | None = None,
         log_stats: bool = True,
-        **options: Any,
+        method: Method | str = "auto",
+        compressor: Compressor | None = None,
+        full_every: int | Literal["auto"] = 30,
+        records_per_file: int | Literal["auto"] = 3,
+        keep_full: int | None = 2,
+        max_inflight: int | None = None,
+        on_storage_error: Literal["raise", "warn"] = "raise",
+        mtbf: float | None = None,
+        replica: ReplicaOptions | None = None,
+        remote: RemoteOptions | str | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
-        extra_state = callback_extra_state(options, extra_state, FIT_LOOP, "the fit loop")
+        extra_state = callback_extra_state(extra_state, FIT_LOOP, "the fit loop")
         self.directory = directory
         self.extra_state = extra_state
         self.log_stats = log_stats
-        self.options = options
+        self.options: dict[str, Any] = dict(
+            method=method, compressor=compressor, full_every=full_every,
+            records_per_file=records_per_file, keep_full=keep_full, max_inflight=max_inflight,
+            on_storage_error=on_storage_error, mtbf=mtbf, replica=replica, remote=remote,
+            timeouts=timeouts,
+        )  # fmt: skip
+        """The options :func:`lowdiff.attach` is called with."""
         self.ck: Checkpointer | None = None
         """The checkpointer, from ``on_fit_start`` on."""
         self.resumed_step: int | None = None
@@ -230,14 +250,14 @@ class LowDiffCallback(pl.Callback):
             self.ck.close()
         fit_state = _FitLoopState(trainer)
         ck = attach(
+            self.directory,
             model,
             unwrap_optimizer(trainer.optimizers[0]),
-            self.directory,
             scheduler=scheduler,
             extra_state={FIT_LOOP: fit_state, **self.extra_state},
             **self.options,
         )
-        capture_after(ck, FIT_LOOP)
+        ck.capture_after_update(FIT_LOOP)
         self.ck, self._fit_state, self._trained = ck, fit_state, False
         self.resumed_step = ck.resume()  # restores the fit loop through load_state_dict
         if self.resumed_step:
@@ -264,7 +284,7 @@ class LowDiffCallback(pl.Callback):
         if self.ck is None:
             return
         if not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            recapture(self.ck, FIT_LOOP)
+            self.ck.recapture(FIT_LOOP)
         # else on_train_epoch_end takes it: taken here, the epoch's last step would resume
         # into the next epoch with the epoch counter one ahead
         if (
@@ -284,7 +304,7 @@ class LowDiffCallback(pl.Callback):
         # Lightning's own end-of-epoch checkpoints take it, with the RNG states after the
         # epoch's validation (a resume at this step does not run it again)
         self._fit_state.rng = rng_state()
-        recapture(self.ck, FIT_LOOP)
+        self.ck.recapture(FIT_LOOP)
         self._fit_state.rng = None
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from lowdiff.format import layout
-from lowdiff.format.atomic import _hook
+from lowdiff.format.atomic import fault_point
 from lowdiff.proc.child_end import ChildEnd
 from lowdiff.proc.locks import acquire_flock
 from lowdiff.proc.protocol import Close, Closed, Kind, Message, unexpected
@@ -104,7 +104,7 @@ def retain_files(directory: Path, keep: int | None) -> int:
         for q in (commit_path(p), p):  # without its commit file a checkpoint is never read
             with contextlib.suppress(FileNotFoundError):
                 q.unlink()
-        _hook("retention", p)
+        fault_point("retention", p)
     return len(doomed)
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lowdiff.cli.args import method_list, output_dir, positive_int
+from lowdiff.cli.args import DeprecatedFlag, method_list, output_dir, positive_int
 from lowdiff_lab.bench import FULL_WORKLOAD, QUICK_WORKLOAD, run_bench
 from lowdiff_lab.bench.core import BenchSettings
 from lowdiff_lab.bench.experiments import DEFAULT_EXPERIMENTS, EXPERIMENTS
@@ -40,12 +40,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workload", default=None, help="workload name (see lowdiff_lab.workloads.zoo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
-        "--iters",
+        "--steps",
+        dest="iters",
         type=positive_int,
         default=None,
-        help="iterations per timed block, at least (rounded up to a multiple of every "
+        help="training steps per timed block, at least (rounded up to a multiple of every "
         "checkpoint interval of the experiment; default 20)",
     )
+    p.add_argument("--iters", action=DeprecatedFlag, new="--steps", dest="iters", type=positive_int)
     p.add_argument(
         "--repeats",
         type=positive_int,

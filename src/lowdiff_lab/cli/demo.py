@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lowdiff.cli.args import output_file
+from lowdiff.cli.args import DeprecatedFlag, output_file
 from lowdiff_lab.demo import (
     COMPRESSORS,
     STRATEGIES,
@@ -63,17 +63,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seeds the model, the data order and the kill step"
     )
     p.add_argument(
-        "--strategy",
+        "--method",
+        dest="strategy",
         choices=STRATEGIES,
         default="lowdiff",
-        help="checkpointing strategy (default lowdiff)",
+        help="checkpointing method (default lowdiff)",
     )
+    p.add_argument("--strategy", action=DeprecatedFlag, new="--method", choices=STRATEGIES)
     p.add_argument(
         "--compressor",
         choices=sorted(COMPRESSORS),
         default="topk",
         action=_Given,
-        help="gradient compressor of strategy lowdiff (default topk; lowdiff+ trains "
+        help="gradient compressor of method lowdiff (default topk; lowdiff+ trains "
         "without compression and refuses one)",
     )
     p.add_argument(
@@ -87,12 +89,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--full-every", type=int, default=None, help="steps between full checkpoints (default 30)"
     )
     p.add_argument(
-        "--batch-size", type=int, default=None, help="records per write batch (default 3)"
+        "--records-per-file",
+        dest="records_per_file",
+        type=int,
+        default=None,
+        help="records written per file (default 3)",
     )
     p.add_argument(
         "--keep-full", type=int, default=None, help="full checkpoints to keep (default 2)"
     )
-    p.add_argument("--train-batch-size", type=int, default=None, help="training sequences per step")
+    p.add_argument(
+        "--batch-size",
+        dest="train_batch_size",
+        type=int,
+        default=None,
+        help="training sequences per step",
+    )
+    p.add_argument(
+        "--train-batch-size",
+        action=DeprecatedFlag,
+        new="--batch-size",
+        dest="train_batch_size",
+        type=int,
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per training sequence")
     p.add_argument(
         "--threads",
@@ -101,14 +120,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="torch threads of each training process (default: CPU count)",
     )
     p.add_argument(
-        "--out-dir",
+        "--out",
+        dest="out_dir",
         default=None,
         help="where runs, dumps and logs go (default: a fresh temporary directory, kept)",
     )
+    p.add_argument("--out-dir", action=DeprecatedFlag, new="--out", dest="out_dir")
     p.add_argument(
-        "--json", default=None, metavar="FILE", help="also write the report as JSON here"
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="FILE",
+        help="print the report as JSON instead of text (with FILE: also write it there)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", dest="no_progress", action="store_true", help="no progress display")
+    p.add_argument(
+        "--no-progress",
+        action=DeprecatedFlag,
+        new="--quiet",
+        dest="no_progress",
+        nargs=0,
+        const=True,
+    )
     p.set_defaults(func=run_demo)
     return p
 
@@ -142,7 +176,7 @@ def resolve_settings(args: argparse.Namespace) -> DemoSettings:
         model=args.model,
         steps=args.steps,
         full_every=args.full_every,
-        batch_size=args.batch_size,
+        batch_size=args.records_per_file,
         keep_full=args.keep_full,
         train_batch_size=args.train_batch_size,
         seq_len=args.seq_len,
@@ -158,7 +192,7 @@ def run_demo(args: argparse.Namespace) -> int:
     """
     try:
         settings = resolve_settings(args)
-        if args.json:
+        if args.json not in (None, "-"):
             output_file(Path(args.json), "--json")  # checked now, written after the demo
     except ValueError as e:
         print(f"lowdiff demo: error: {e}", file=sys.stderr)
@@ -174,8 +208,11 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    print(format_report(report))
-    if args.json:
+    if args.json == "-":
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report))
+    if args.json not in (None, "-"):
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))

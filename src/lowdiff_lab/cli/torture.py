@@ -7,7 +7,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from lowdiff.cli.args import non_negative_int, positive_int
+from lowdiff.cli.args import DeprecatedFlag, non_negative_int, positive_int
 from lowdiff.errors import InvalidArgumentError
 from lowdiff_lab.harness import Progress
 
@@ -31,11 +31,13 @@ def cmd_torture(args: argparse.Namespace) -> int:
             )
         return _torture_ddp(args)
     if args.strategy is not None:
-        raise InvalidArgumentError("--strategy applies to the --ddp series only (lowdiff torture --ddp N)")
+        raise InvalidArgumentError(
+            "--method applies to the --ddp series only (lowdiff torture --ddp N)"
+        )
     profile = QUICK if args.quick else FULL
     if args.kills is not None:
         profile = dataclasses.replace(profile, kills=args.kills)
-    log = None if args.json else Progress().write
+    log = None if args.json or args.quiet else Progress().write
     report = run_torture(profile, out=args.out, seed=args.seed, jobs=args.jobs, log=log)
     print(report.dumps() if args.json else report.format_text())
     return 0 if report.ok else 1
@@ -48,7 +50,7 @@ def _torture_ddp(args: argparse.Namespace) -> int:
     from lowdiff_lab.torture.ddp import run_ddp_kills
 
     work = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="lowdiff-ddp-"))
-    log = None if args.json else Progress().write
+    log = None if args.json or args.quiet else Progress().write
     strategy = args.strategy or "both"
     report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=strategy, log=log)
     print(report.dumps() if args.json else report.format_text())
@@ -81,9 +83,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run only the 2-rank DDP kill series (torchrun, gloo) with N kills",
     )
     p.add_argument(
-        "--strategy",
+        "--method",
+        dest="strategy",
         choices=("lowdiff", "lowdiff+", "both"),
         default=None,
-        help="strategy of the --ddp series (default both: alternating)",
+        help="method of the --ddp series (default both: alternating)",
     )
+    p.add_argument(
+        "--strategy", action=DeprecatedFlag, new="--method", choices=("lowdiff", "lowdiff+", "both")
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_torture)
