@@ -32,11 +32,11 @@ LAYERS: dict[str, list[tuple[int, tuple[str, ...]]]] = {
         (5, ("plan",)),
         (6, ("engine",)),
         (7, ("legacy", "checkpointer")),
-        (8, ("", "attach", "exporting", "inspect", "integrations")),
+        (8, ("", "attach", "exporting", "inspection", "integrations")),
         (9, ("cli", "__main__")),
     ],
     "lowdiff_lab": [
-        (0, ("", "faults", "harness", "machine")),
+        (0, ("", "faults", "harness", "machine", "checkpointers")),
         (1, ("baselines",)),
         (2, ("workloads", "prefork")),
         (3, ("bench", "chaos", "torture", "demo")),

@@ -14,7 +14,7 @@ PUBLIC = [
     f"src/lowdiff/{m}"
     for m in (
         "__init__.py", "checkpointer.py", "attach.py", "options.py", "errors.py", "methods.py",
-        "strategy.py", "legacy.py", "inspect.py", "exporting.py", "compressors",
+        "strategy.py", "legacy.py", "inspection.py", "exporting.py", "compressors",
         "integrations", "recovery/restore.py",
     )
 ]  # fmt: skip

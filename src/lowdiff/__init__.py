@@ -29,7 +29,7 @@ from lowdiff.errors import (
     UsageError,
 )
 from lowdiff.exporting import export
-from lowdiff.inspect import DirectoryInfo, JobInfo, inspect_dir, inspect_job, verify_dir
+from lowdiff.inspection import DirectoryInfo, JobInfo, inspect_dir, inspect_job, verify_dir
 from lowdiff.methods import DirectoryKind, register_method
 from lowdiff.options import RemoteOptions, ReplicaOptions, Timeouts
 from lowdiff.recovery.replay import RecoveryStats

@@ -47,18 +47,12 @@ from lowdiff.errors import (
 from lowdiff.format import codec, layout, sfile
 from lowdiff.format.atomic import nearest_existing
 from lowdiff.recovery.fsdp2 import newest_fsdp2_state
-from lowdiff.recovery.job import (
-    generations,
-    is_job_dir,
-    job_sharding,
-    plan_sharded,
-    scan_dirs,
-    serving_generation,
-    shard_files,
-)
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.job import serving_generation
+from lowdiff.recovery.job_layout import generations, is_job_dir, job_sharding
 from lowdiff.recovery.restore import recover
 from lowdiff.recovery.scan import make_plan, scan
+from lowdiff.recovery.shards import plan_sharded, scan_dirs, shard_files
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state import capture as st
 from lowdiff.state.model_config import MODEL_CONFIG_KEY, model_config_entry
 from lowdiff.state.record import RecordLayout
@@ -165,39 +159,14 @@ def rebuild(
         headers, rls = _fsdp2_headers(root, step)
     else:
         headers, rls = _full_headers(root, step)
-    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    osds = []
-    for s, (h, rl) in enumerate(zip(headers, rls, strict=True)):
-        mine = {st.canonical_name(p.name) for p in rl.params}
-        for e in h.entries:
-            if e.name.startswith("model/"):
-                # canonical: a compiled model's checkpoint of before names were
-                name = st.canonical_name(e.name[len("model/") :])
-                if s == 0 or name in mine:  # other shards: only the parameters they own
-                    shapes[name] = (e.dtype, e.shape)
-        try:
-            osd = codec.loads(h.metadata["optim"], lambda _: torch.empty(0))
-            shard = codec.loads(h.metadata.get("shard", "null"))
-        except (KeyError, ValueError) as e:
-            raise CorruptCheckpointError(h.path, f"bad optimizer metadata ({e})") from None
-        osds.append((osd, shard if isinstance(shard, list) else [p.index for p in rl.params]))
+    shapes, osds = _shapes_and_optim(headers, rls)
     own = headers[0].metadata
     aliases = {
         st.canonical_name(a): st.canonical_name(c)
         for a, c in json.loads(own["model_aliases"]).items()
     }
     bnames = {st.canonical_name(n) for n, _, _ in rls[0].buffers}
-    model = torch.nn.Module()
-    params: dict[str, torch.nn.Parameter] = {}
-    for name, (dtype, shape) in shapes.items():
-        t = torch.zeros(shape, dtype=dtype)
-        if name in bnames:
-            _set_path(model, name, t, False)
-        else:  # optimized, or frozen (in the state dict but not in the optimizer)
-            params[name] = torch.nn.Parameter(t, requires_grad=t.is_floating_point())
-            _set_path(model, name, params[name], True)
-    for alias, canon in aliases.items():
-        _set_path(model, alias, params[canon], canon in params)
+    model, params = _stand_in_model(shapes, aliases, bnames)
     merged = merge_state_dicts(osds, 0)
     ordered_names = [
         st.canonical_name(p.name) for p in sorted((p for rl in rls for p in rl.params), key=_index)
@@ -219,6 +188,53 @@ def rebuild(
     return model, optimizer, stats
 
 
+def _shapes_and_optim(
+    headers: list[sfile.Header], rls: list[RecordLayout]
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], list[tuple[dict[str, Any], list[int]]]]:
+    """The dtype and shape of every model tensor, by canonical name (shard 0's, and the
+    parameters each other shard owns), and each shard's optimizer state dict (tensors
+    left empty) with the indices of the parameters it holds."""
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    osds = []
+    for s, (h, rl) in enumerate(zip(headers, rls, strict=True)):
+        mine = {st.canonical_name(p.name) for p in rl.params}
+        for e in h.entries:
+            if e.name.startswith("model/"):
+                # canonical: a compiled model's checkpoint of before names were
+                name = st.canonical_name(e.name[len("model/") :])
+                if s == 0 or name in mine:  # other shards: only the parameters they own
+                    shapes[name] = (e.dtype, e.shape)
+        try:
+            osd = codec.loads(h.metadata["optim"], lambda _: torch.empty(0))
+            shard = codec.loads(h.metadata.get("shard", "null"))
+        except (KeyError, ValueError) as e:
+            raise CorruptCheckpointError(h.path, f"bad optimizer metadata ({e})") from None
+        osds.append((osd, shard if isinstance(shard, list) else [p.index for p in rl.params]))
+    return shapes, osds
+
+
+def _stand_in_model(
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    aliases: dict[str, str],
+    bnames: set[str],
+) -> tuple[torch.nn.Module, dict[str, torch.nn.Parameter]]:
+    """A module holding a zero tensor of every shape under its name (a buffer for the
+    names in ``bnames``, else a parameter), and each alias as a second name of its
+    tensor; returns it and its parameters by name."""
+    model = torch.nn.Module()
+    params: dict[str, torch.nn.Parameter] = {}
+    for name, (dtype, shape) in shapes.items():
+        t = torch.zeros(shape, dtype=dtype)
+        if name in bnames:
+            _set_path(model, name, t, False)
+        else:  # optimized, or frozen (in the state dict but not in the optimizer)
+            params[name] = torch.nn.Parameter(t, requires_grad=t.is_floating_point())
+            _set_path(model, name, params[name], True)
+    for alias, canon in aliases.items():
+        _set_path(model, alias, params[canon], canon in params)
+    return model, params
+
+
 def _index(p: Any) -> int:
     return int(p.index)
 
@@ -230,7 +246,7 @@ def _first_manifest(root: Path) -> dict[str, Any]:
 
 
 def export(
-    path: str | Path,
+    directory: str | Path,
     step: int | None = None,
     out: str | Path | None = None,
     *,
@@ -239,7 +255,7 @@ def export(
     """Write the state at ``step`` (None: the newest recoverable step) to ``out``.
 
     Args:
-        path: a lowdiff checkpoint directory, or a distributed job's (any world size).
+        directory: a lowdiff checkpoint directory, or a distributed job's (any world size).
         step: a recoverable step (for a job: one every shard serves); None: the newest.
         out: the file (``safetensors``, ``torch``) or directory (``dcp``, ``hf``) to write;
             a directory must not exist yet or be empty, a file may exist (it is replaced
@@ -266,7 +282,7 @@ def export(
         raise InvalidArgumentError("out is required: the file or directory to write")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise InvalidArgumentError(f"step must be a non-negative int or None, got {step!r}")
-    root, dest = Path(path), Path(out)
+    root, dest = Path(directory), Path(out)
     if not root.is_dir():
         raise NotACheckpointDirectoryError(f"{root} does not exist or is not a directory")
     if dest.resolve().is_relative_to(root.resolve()):
@@ -384,7 +400,7 @@ def _write_dcp(
     tmp.mkdir()
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)  # type: ignore[attr-defined]
 
 
 def _write_hf(tmp: Path, model: torch.nn.Module, entry: Mapping[str, Any]) -> None:
@@ -417,12 +433,12 @@ def _write_hf(tmp: Path, model: torch.nn.Module, entry: Mapping[str, Any]) -> No
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # an export prints what it wrote, not a bar per shard
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one line per export, no bar
     try:
         hf.save_pretrained(str(tmp))
     finally:
         if bar:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
     _usual_file_modes(tmp)
 
 

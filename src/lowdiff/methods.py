@@ -35,9 +35,9 @@ PLUGIN_GROUP = "lowdiff.plugins"
 """The entry-point group whose callables register methods, directory kinds and commands."""
 
 BUILTIN: dict[str, str] = {
-    "lowdiff": "lowdiff.engine.lowdiff:LowDiffStrategy",
-    "lowdiff+": "lowdiff.engine.lowdiff_plus:LowDiffPlusStrategy",
-    "compression-only": "lowdiff.engine.none:CompressionOnlyStrategy",
+    "lowdiff": "lowdiff.engine.trainer.strategy:LowDiffStrategy",
+    "lowdiff+": "lowdiff.engine.trainer.strategy:LowDiffPlusStrategy",
+    "compression-only": "lowdiff.engine.trainer.strategy:CompressionOnlyStrategy",
 }
 """lowdiff's own methods: name -> ``module:class`` (imported on first use)."""
 

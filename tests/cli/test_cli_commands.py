@@ -202,7 +202,7 @@ def test_inspect_dir_of_a_job_names_inspect_job(tmp_path):
     """A distributed job's root is not one directory's worth of files: inspect_dir says
     so and names lowdiff.inspect_job, instead of summarising nothing."""
     from lowdiff.format import layout
-    from lowdiff.recovery.job import job_manifest
+    from lowdiff.recovery.job_layout import job_manifest
 
     job = tmp_path / "job"
     (job / "rank-00000").mkdir(parents=True)

@@ -102,9 +102,9 @@ def test_close_after_a_peer_died_makes_this_shard_durable(tmp_path: Path) -> Non
     assert (out / "rank0.txt").read_text() == "4"
     # the killed rank's replica waits idle_timeout for a restarted rank: let it go (it
     # persists what it holds, frees its shared memory and exits)
-    from lowdiff.proc.holder import release_survivor
+    from lowdiff.proc.holder import release_orphan
 
-    assert release_survivor(tmp_path / "ck" / "rank-00001", 60.0)  # it was there
+    assert release_orphan(tmp_path / "ck" / "rank-00001", 60.0)  # it was there
 
 
 def test_an_exchange_a_dead_peer_never_joined_keeps_the_values(monkeypatch) -> None:

@@ -15,9 +15,9 @@ from lowdiff.compressors.merged import merge_sparse
 from lowdiff.ddp import assign_shards
 from lowdiff.ddp.shard import merge_state_dicts, shard_state_dict
 from lowdiff.errors import RecoveryError
-from lowdiff.inspect import inspect_job
-from lowdiff.recovery.job import plan_sharded
+from lowdiff.inspection import inspect_job
 from lowdiff.recovery.scan import FileInfo, Scan
+from lowdiff.recovery.shards import plan_sharded
 from lowdiff.state.capture import diff_states, snapshot_state
 
 

@@ -224,7 +224,7 @@ def _read_in_one_process(tmp: Path, job: Path) -> None:
     RNG, scheduler and extra state), equal to the uninterrupted run's shards joined."""
     n_checked, problems = lowdiff.verify_dir(job)
     assert n_checked > 0 and problems == []
-    from lowdiff.inspect import inspect_job
+    from lowdiff.inspection import inspect_job
 
     assert inspect_job(job).describe() == "FSDP2 job, 2 ranks"
     refs = [torch.load(tmp / f"ref-state-rank{r}.pt") for r in range(WORLD)]

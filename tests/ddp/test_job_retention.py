@@ -23,10 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lowdiff
 from lowdiff.ddp.context import rank_dir
-from lowdiff.engine.worker import job_retention_floor, job_world_size, retention
+from lowdiff.engine.process.full_writer import job_retention_floor, job_world_size, retention
 from lowdiff.format import layout
 from lowdiff.proc.holder import wait_until_written
-from lowdiff.recovery.job import job_manifest
+from lowdiff.recovery.job_layout import job_manifest
 from lowdiff.state.capture import diff_states, snapshot_state
 from lowdiff_lab.faults import FAULT_ENV
 

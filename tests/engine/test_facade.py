@@ -10,10 +10,12 @@ import torch
 
 import lowdiff
 import lowdiff.checkpointer
-from lowdiff.engine.lowdiff import LowDiffStrategy
-from lowdiff.engine.lowdiff_plus import LowDiffPlusStrategy
-from lowdiff.engine.none import CompressionOnlyStrategy
 from lowdiff.engine.options import EngineOptions
+from lowdiff.engine.trainer.strategy import (
+    CompressionOnlyStrategy,
+    LowDiffPlusStrategy,
+    LowDiffStrategy,
+)
 
 
 def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -346,7 +346,7 @@ def test_payload_runs_write_what_a_copy_per_field_writes(compressor):
     """Record payloads are written run by run (fields end to end with one dtype, one
     concatenation each); the row must hold exactly what a copy per field writes, also
     when a parameter has no payload this step, and a wrong-sized payload is an error."""
-    from lowdiff.engine.slots import RecordSlots, _SlotDsts
+    from lowdiff.engine.trainer.slots import RecordSlots, _SlotDsts
     from lowdiff.state.record import RecordLayout
 
     torch.manual_seed(0)

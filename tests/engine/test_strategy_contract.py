@@ -11,9 +11,9 @@ import torch
 import lowdiff
 from lowdiff.methods import method_class as strategy_class
 from lowdiff.methods import method_names
+from lowdiff.strategy import Strategy
 
 STRATEGIES = method_names()
-from lowdiff.strategy import Strategy
 
 SRC = Path(lowdiff.__file__).parent
 

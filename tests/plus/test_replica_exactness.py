@@ -217,7 +217,7 @@ def _run_case(tmp_path: Path, case: Case, copy_mode: str | None = None) -> None:
 def test_every_persisted_step_equals_the_trainer(tmp_path, monkeypatch, case, copy_mode):
     """Under both places the CPU snapshot copies can run (``copy_mode="auto"`` picks one
     by the machine's cores)."""
-    import lowdiff.engine.snapshot as snapshot
+    import lowdiff.engine.trainer.snapshot as snapshot
 
     real = snapshot.cpu_copy_mode
     monkeypatch.setattr(snapshot, "cpu_copy_mode", lambda _mode="auto": real(copy_mode))

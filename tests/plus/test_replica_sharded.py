@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine.replica_optim import ShardedOptimizer, balanced_shards
+from lowdiff.engine.replica.optim import ShardedOptimizer, balanced_shards
 from lowdiff.format import codec
 from lowdiff.proc import holder as rp
 from lowdiff.state.capture import diff_states, snapshot_state

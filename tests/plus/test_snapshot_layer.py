@@ -1,4 +1,4 @@
-"""LowDiff+ layer-wise gradient snapshots (``lowdiff.engine.snapshot``), in process.
+"""LowDiff+ layer-wise gradient snapshots (``lowdiff.engine.trainer.snapshot``), in process.
 
 ``GradSnapshotter`` is driven directly with plain CPU tensors as slot rows and the
 record layout ``Checkpointer`` would build; no checkpointing process is started.
@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lowdiff.compressors.base import NoCompression
 from lowdiff.ddp.context import DistContext
 from lowdiff.ddp.hooks import PlusHookState, plus_hook
-from lowdiff.engine.snapshot import SERIAL_ELEMS, GradSnapshotter, _same_bytes, plan_blocks
+from lowdiff.engine.trainer.snapshot import GradSnapshotter
+from lowdiff.engine.trainer.snapshot_plan import SERIAL_ELEMS, plan_blocks, same_bytes
 from lowdiff.state.capture import ParamInfo, RngLayout, optimizer_params
 from lowdiff.state.record import RecordLayout
 
@@ -420,7 +421,7 @@ def test_large_gradients_are_copied_in_pieces(rigs, kw, strided):
     bi = rig.snap.block_of[k]
     # cut for any thread but the trainer's (inline copies on the trainer's thread take
     # each gradient whole, with the intra-op threads)
-    cuts = rig.snap.pieces[bi]
+    cuts = rig.snap.cpu.pieces[bi]
     assert cuts is not None
     want = 10_000 if kw else SERIAL_ELEMS  # the smaller of a chunk and a piece
     assert cuts[rig.snap.blocks[bi].members.index(k)] == want
@@ -514,7 +515,7 @@ def test_clipping_every_step_defers_the_copies_to_finish(rigs):
 
 
 def test_auto_copy_mode_takes_the_thread_only_with_a_spare_core(monkeypatch):
-    import lowdiff.engine.snapshot as snapshot
+    import lowdiff.engine.trainer.snapshot as snapshot
 
     monkeypatch.setattr(snapshot.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3}, raising=False)
     monkeypatch.setattr(snapshot.torch, "get_num_threads", lambda: 4)
@@ -546,11 +547,11 @@ def test_inline_copies_need_no_thread_and_count_their_bytes():
 
 def test_same_bytes_compares_bits_not_values():
     z, nz = torch.zeros(3), torch.tensor([0.0, -0.0, 0.0])
-    assert torch.equal(z, nz) and not _same_bytes([z], [nz])  # -0.0 == 0.0 as values
+    assert torch.equal(z, nz) and not same_bytes([z], [nz])  # -0.0 == 0.0 as values
     nan = torch.tensor([float("nan"), 1.0])
-    assert _same_bytes([nan, z], [nan.clone(), z.clone()])  # NaN has its own bits
-    assert not _same_bytes([z], [torch.zeros(3, dtype=torch.float64)])
-    assert not _same_bytes([z], [torch.zeros(1, 3)])
+    assert same_bytes([nan, z], [nan.clone(), z.clone()])  # NaN has its own bits
+    assert not same_bytes([z], [torch.zeros(3, dtype=torch.float64)])
+    assert not same_bytes([z], [torch.zeros(1, 3)])
 
 
 # ----------------------------------------------------------------------------- DDP

@@ -19,7 +19,7 @@ import torch
 
 import lowdiff
 from lowdiff.cli.main import main
-from lowdiff.recovery.job import generations
+from lowdiff.recovery.job_layout import generations
 from lowdiff.state.capture import diff_states, snapshot_state
 from lowdiff_lab.prefork import PreforkServer
 from lowdiff_lab.torture.ddp import JOB_MODULE, _free_port
@@ -127,7 +127,7 @@ def test_two_ranks_resume_in_four(prefork, tmp_path):
     assert diff_states(_load(old / "state-4-rank0.pt"), _restored(ck, 4)) == []
     assert diff_states(_load(new / "state-12-rank0.pt"), _restored(ck, 12)) == []
     # inspect, verify and export see both generations
-    from lowdiff.inspect import inspect_job, verify_dir
+    from lowdiff.inspection import inspect_job, verify_dir
 
     job = inspect_job(ck)
     assert job.world_size == 4 and job.recoverable == (0, 13) and len(job.shards) == 6
@@ -178,8 +178,8 @@ def test_generation_without_a_full_checkpoint_is_passed_over(prefork, tmp_path):
     """A job that died before its new generation's first full checkpoint: the next resume
     starts from the old generation again, in a newer generation."""
     from lowdiff.format import layout
-    from lowdiff.recovery.job import generation_dir, job_manifest
-    from lowdiff.recovery.scan import is_empty_dir
+    from lowdiff.recovery.directory import is_empty_dir
+    from lowdiff.recovery.job_layout import generation_dir, job_manifest
 
     ck, old, new = tmp_path / "ck", tmp_path / "old", tmp_path / "new"
     _job(prefork, 2, ck, old, "--steps", "8", "--save-steps", "8")
@@ -195,7 +195,7 @@ def test_generation_without_a_full_checkpoint_is_passed_over(prefork, tmp_path):
 def test_a_plain_process_is_refused_on_a_job_directory(tmp_path):
     """Writing a job's directory from one plain process would fork its chain: refused."""
     from lowdiff.format import layout
-    from lowdiff.recovery.job import job_manifest
+    from lowdiff.recovery.job_layout import job_manifest
 
     d = tmp_path / "job"
     d.mkdir()

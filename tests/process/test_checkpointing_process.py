@@ -86,7 +86,7 @@ def test_dead_checkpointing_process_is_reported(tmp_path):
         lowdiff.CheckpointWorkerError, match="exited unexpectedly|closed its connection"
     ):
         _train(model, opt, ck, 10)
-    prefix = f"lowdiff-{ck.strategy_impl.core.run_id[:16]}-"
+    prefix = f"lowdiff-{ck.strategy_impl.directory.run_id[:16]}-"
     left = [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     assert left, "the killed process published no shared memory"
     ck.strategy_impl._release()

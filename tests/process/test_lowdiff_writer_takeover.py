@@ -194,7 +194,7 @@ def test_a_recovery_that_fails_leaves_the_writer_for_the_next_trainer(tmp_path):
     )  # fmt: skip
     assert out.returncode != 0
     assert "lowdiff.json" in out.stderr and "CorruptCheckpointError" in out.stderr
-    assert _wait_for(lambda: rp.survivor_idle(ckdir)) and rp.pid_alive(started)
+    assert _wait_for(lambda: rp.orphan_idle(ckdir)) and rp.pid_alive(started)
     # the failing trainer's request had been accepted before it failed: it took the
     # slots made ahead (t1), and waiting again the writer made the next ones (t2)
     assert _wait_for(lambda: any(n.endswith("-t2-slots") for n in _segments(survivor.run_id)))

@@ -12,21 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowdiff.engine.messages import Full, Record
-from lowdiff.engine.worker import WorkerConfig, _Writer
+from lowdiff.engine.wire.configs import WriterConfig
+from lowdiff.engine.wire.messages import Full, Record
+from lowdiff.engine.writer.writer import Writer
 from lowdiff.format import layout
 from lowdiff.proc import channel
 from lowdiff.proc.child_end import ChildEnd
-from lowdiff.recovery.scan import is_empty_dir
+from lowdiff.recovery.directory import is_empty_dir
 
 
-def _writer(root: Path) -> _Writer:
+def _writer(root: Path) -> Writer:
     for sub in (layout.FULL_DIR, layout.RECORDS_DIR):
         (root / sub).mkdir(parents=True)
-    cfg = WorkerConfig(str(root), batch_size=2, keep_full=2, row_bytes=8, layout_id="x", run_id="r")
+    cfg = WriterConfig(str(root), batch_size=2, keep_full=2, row_bytes=8, layout_id="x", run_id="r")
     requests, results = multiprocessing.Pipe(duplex=False)
     slots = torch.zeros((4, 8), dtype=torch.uint8)
-    return _Writer(
+    return Writer(
         cfg, slots, channel.Counters(channel.new_counters()), ChildEnd(requests, results)
     )
 

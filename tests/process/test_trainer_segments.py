@@ -96,14 +96,14 @@ def test_a_writer_without_room_for_the_staging_buffer_still_makes_the_slots(pref
     its own at its first full checkpoint) instead of the takeover being refused."""
     from types import SimpleNamespace
 
-    from lowdiff.engine.writer_survivor import WriterSurvivor
+    from lowdiff.engine.writer.main import WriterProcess
 
     run_id = prefix[len("lowdiff-") :] + "0" * 16
     w = SimpleNamespace(cfg=SimpleNamespace(root=str(tmp_path), run_id=run_id, row_bytes=64))
-    survivor = WriterSurvivor(w)
+    survivor = WriterProcess(w)
     st = os.statvfs("/dev/shm")
     survivor.staging_bytes = st.f_bavail * st.f_frsize + (1 << 30)
-    made = survivor._make_segments(2)
+    made = survivor.make_segments(2)
     try:
         assert made.staging is None and "staging" not in made.info
         assert made.n_slots == 2 and tuple(made.slots.shape) == (2, 64)
@@ -112,7 +112,7 @@ def test_a_writer_without_room_for_the_staging_buffer_still_makes_the_slots(pref
     assert _names(prefix) == []
 
     survivor.staging_bytes = 1 << 20  # room for it: made
-    made = survivor._make_segments(2)
+    made = survivor.make_segments(2)
     try:
         assert made.staging is not None and made.info["staging_bytes"] == 1 << 20
     finally:

@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lowdiff.engine.messages import Record, Stage, Step
+from lowdiff.engine.wire.messages import Record, Stage, Step
 from lowdiff.proc.protocol import Close, Flushed, Kind, SlotMessage, decode, encode
 
 

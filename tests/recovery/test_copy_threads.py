@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from lowdiff.errors import CheckpointMismatchError
-from lowdiff.recovery import replay
-from lowdiff.recovery.replay import RecoveryStats, apply_full_state, one_copy_thread
+from lowdiff.recovery import full_state as replay
+from lowdiff.recovery.full_state import apply_full_state, one_copy_thread
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state.capture import diff_states, snapshot_state
 
 pytestmark = pytest.mark.skipif(

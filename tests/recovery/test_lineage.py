@@ -21,8 +21,8 @@ from torch import nn
 import lowdiff
 from lowdiff.errors import RecoveryWarning
 from lowdiff.format import layout, sfile
-from lowdiff.recovery.job import plan_sharded
 from lowdiff.recovery.scan import FileInfo, Scan, make_plan, recoverable_intervals, scan
+from lowdiff.recovery.shards import plan_sharded
 from lowdiff.state.capture import diff_states, snapshot_state, state_tensors
 
 pytestmark = pytest.mark.multiprocess

@@ -24,7 +24,7 @@ import lowdiff.recovery.quarantine as quarantine
 from lowdiff.errors import CorruptCheckpointError, RecoveryWarning
 from lowdiff.format import layout, sfile
 from lowdiff.recovery.quarantine import quarantine_beyond, split_records
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state.capture import diff_states, snapshot_state
 
 pytestmark = pytest.mark.multiprocess

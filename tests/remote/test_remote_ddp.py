@@ -136,7 +136,7 @@ def _lagging(rank: int, tmp: Path, url: str, mark: str) -> None:
     while not Path(mark).exists():  # rank 1's uploader is inside rec-4-5's commit
         assert time.monotonic() < deadline, "rank 1's upload of rec-4-5 never started"
         time.sleep(0.02)
-    core = ck.strategy_impl.core  # type: ignore[attr-defined]
+    core = ck.strategy_impl.progress  # type: ignore[attr-defined]
     while rank == 0 and core.remote_durable < 8:
         assert time.monotonic() < deadline, "rank 0's uploads did not reach step 8"
         time.sleep(0.02)

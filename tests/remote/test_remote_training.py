@@ -275,9 +275,9 @@ def test_options_are_checked(tmp_path: Path) -> None:
     m, o, s, c = _build(0)
     with pytest.raises(ValueError, match="remote must be an fsspec URL"):
         lowdiff.Checkpointer(m, o, tmp_path, remote="/not/a/url")
-    with pytest.raises(TypeError, match="remote_options must be a dict"):
+    with pytest.raises(TypeError, match="storage_options must be a dict"):
         lowdiff.Checkpointer(m, o, tmp_path, remote="file:///x", remote_options=["a"])
-    with pytest.raises(ValueError, match="remote_bandwidth"):
+    with pytest.raises(ValueError, match="bandwidth"):
         lowdiff.Checkpointer(m, o, tmp_path, remote="file:///x", remote_bandwidth=0)
     with pytest.raises(ValueError, match="remote= is supported by strategies"):
         lowdiff.Checkpointer(m, o, None, strategy="none", remote="file:///x")

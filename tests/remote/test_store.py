@@ -9,7 +9,7 @@ import pytest
 import lowdiff.errors as lowdiff_errors
 from lowdiff.errors import CorruptCheckpointError, NotACheckpointDirectoryError, RecoveryWarning
 from lowdiff.remote import RemoteStore, fetch, reach
-from lowdiff.remote.store import COMMIT_SUFFIX, DATA_DIR
+from lowdiff.remote.commit import COMMIT_SUFFIX, DATA_DIR
 from lowdiff.remote.uploader import Uploader
 
 from .conftest import Backend, MotoServer, new_bucket

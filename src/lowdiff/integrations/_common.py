@@ -12,7 +12,8 @@ from lowdiff.attach import unwrap_scheduler as unwrap_scheduler
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.errors import InvalidArgumentError, LowDiffError
 from lowdiff.format import codec, sfile
-from lowdiff.recovery.scan import is_empty_dir, make_plan, scan
+from lowdiff.recovery.directory import is_empty_dir
+from lowdiff.recovery.scan import make_plan, scan
 from lowdiff.state.rng import RngLayout, capture_rng, restore_rng
 
 log = logging.getLogger("lowdiff.integrations")

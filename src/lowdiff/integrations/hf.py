@@ -44,20 +44,19 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from lowdiff.attach import attach
-from lowdiff.checkpointer import Checkpointer
+from lowdiff.checkpointer import Checkpointer, Method
+from lowdiff.compressors.base import Compressor
 from lowdiff.errors import LowDiffError, UsageError
 from lowdiff.integrations._common import (
+    CALLBACK_OPTIONS,
     callback_extra_state,
-    capture_after,
     not_single_process,
-    recapture,
-    retake,
     rng_state,
     saved_extra,
     set_rng_state,
@@ -65,6 +64,8 @@ from lowdiff.integrations._common import (
     unwrap_optimizer,
     unwrap_scheduler,
 )
+from lowdiff.legacy import accepts_old_spellings
+from lowdiff.options import RemoteOptions, ReplicaOptions, Timeouts
 from lowdiff.proc.holder import wait_until_written
 
 log = logging.getLogger("lowdiff.integrations.hf")
@@ -116,9 +117,10 @@ class LowDiffCallback(TrainerCallback):
         extra_state: more state to save with every step (``{"name": obj}``, see
             :class:`lowdiff.Checkpointer`); the name ``"hf_trainer"`` is taken.
         log_stats: add ``ck.stats`` to the Trainer's logs (``on_log``).
-        **options: the options of :func:`lowdiff.attach` (``compressor``, ``full_every``,
-            ``batch_size``, ``strategy``, ``keep_full``, ...), except ``scheduler``:
-            the Trainer's own LR scheduler is used.
+        method, compressor, full_every, records_per_file, keep_full, max_inflight,
+            on_storage_error, mtbf, replica, remote, timeouts: as for
+            :class:`lowdiff.Checkpointer` (the Trainer's own LR scheduler is the one
+            checkpointed).
 
     Example:
         >>> cb = LowDiffCallback("runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP
@@ -139,21 +141,36 @@ class LowDiffCallback(TrainerCallback):
     ``on_step_begin``, and a resumed run fetches them from other RNG states.
     """
 
+    @accepts_old_spellings("LowDiffCallback", CALLBACK_OPTIONS)
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
         extra_state: dict[str, Any] | None = None,
         log_stats: bool = True,
-        **options: Any,
+        method: Method | str = "auto",
+        compressor: Compressor | None = None,
+        full_every: int | Literal["auto"] = 30,
+        records_per_file: int | Literal["auto"] = 3,
+        keep_full: int | None = 2,
+        max_inflight: int | None = None,
+        on_storage_error: Literal["raise", "warn"] = "raise",
+        mtbf: float | None = None,
+        replica: ReplicaOptions | None = None,
+        remote: RemoteOptions | str | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
-        extra_state = callback_extra_state(
-            options, extra_state, TRAINER_STATE, "the Trainer's state"
-        )
+        extra_state = callback_extra_state(extra_state, TRAINER_STATE, "the Trainer's state")
         self.directory = Path(directory)
         self.extra_state = extra_state
         self.log_stats = log_stats
-        self.options = options
+        self.options: dict[str, Any] = dict(
+            method=method, compressor=compressor, full_every=full_every,
+            records_per_file=records_per_file, keep_full=keep_full, max_inflight=max_inflight,
+            on_storage_error=on_storage_error, mtbf=mtbf, replica=replica, remote=remote,
+            timeouts=timeouts,
+        )  # fmt: skip
+        """The options :func:`lowdiff.attach` is called with."""
         self.ck: Checkpointer | None = None
         """The checkpointer, from ``on_train_begin`` on."""
         self._args: TrainingArguments | None = None
@@ -183,7 +200,7 @@ class LowDiffCallback(TrainerCallback):
             return None
         # a killed trainer's checkpointing process may still be writing its last records
         # (then it waits for the next trainer, which takes it over)
-        wait_until_written(self.directory, float(self.options.get("start_timeout", 120.0)))
+        wait_until_written(self.directory, (self.options["timeouts"] or Timeouts()).start)
         found = saved_extra(self.directory)
         if found is None:
             return None
@@ -252,14 +269,7 @@ class LowDiffCallback(TrainerCallback):
         train_dataloader: Any = None,
         **kwargs: Any,
     ) -> None:
-        if args.world_size > 1:
-            raise not_single_process("lowdiff.integrations.hf.LowDiffCallback")
-        if args.ignore_data_skip:
-            raise LowDiffError(
-                "LowDiffCallback needs TrainingArguments(ignore_data_skip=False): a resumed "
-                "Trainer must skip the batches already trained, or the data order after a "
-                "resume differs from the run that stopped"
-            )
+        _refuse_setup(args)
         if model is None or optimizer is None:
             raise LowDiffError("on_train_begin: the Trainer passed no model or optimizer")
         if self.ck is not None:
@@ -267,34 +277,20 @@ class LowDiffCallback(TrainerCallback):
         hf_state_step = state.global_step  # from the resume point's trainer_state.json, else 0
         progress = _TrainerProgress(state)
         ck = attach(
+            self.directory,
             model,
             unwrap_optimizer(optimizer),
-            self.directory,
             scheduler=unwrap_scheduler(lr_scheduler),
             extra_state={TRAINER_STATE: progress, **self.extra_state},
             **self.options,
         )
-        capture_after(ck, TRAINER_STATE)
+        ck.capture_after_update(TRAINER_STATE)
         self.ck, self._progress = ck, progress
         start = ck.resume()  # restores TrainerState through progress.load_state_dict
         if start == 0:
             progress.rng = None
             return
-        if self._resume_step is None or hf_state_step != state.global_step:
-            ck.close()
-            self.ck = None
-            raise LowDiffError(
-                f"{self.directory} resumes at optimizer step {start} (global step "
-                f"{state.global_step}), but the Trainer starts at global step {hf_state_step}: "
-                "call trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint)"
-            )
-        if start != self._resume_step:
-            ck.close()
-            self.ck = None
-            raise LowDiffError(
-                f"{self.directory}: resume() reached step {start}, the resume point was made for "
-                f"step {self._resume_step} (a damaged file?); take resume_from_checkpoint again"
-            )
+        self._check_resume_point(start, hf_state_step, state.global_step)
         # the resume point's trainer_state.json holds no callback states: the Trainer's
         # next checkpoint of its own looks each of its stateful callbacks up there
         # (typed as a list of callbacks, a dict of their states once built or loaded)
@@ -309,6 +305,27 @@ class LowDiffCallback(TrainerCallback):
             self._rng_at_resume = rng_state()
         log.info("lowdiff: resumed at optimizer step %d, global step %d", start, state.global_step)
 
+    def _check_resume_point(self, start: int, hf_state_step: int, global_step: int) -> None:
+        """Close the checkpointer and raise unless the Trainer resumed from this callback's
+        resume point (``hf_state_step``: its global step before ``resume()``) and lowdiff
+        reached the step that point was made for."""
+        assert self.ck is not None
+        if self._resume_step is None or hf_state_step != global_step:
+            self.ck.close()
+            self.ck = None
+            raise LowDiffError(
+                f"{self.directory} resumes at optimizer step {start} (global step "
+                f"{global_step}), but the Trainer starts at global step {hf_state_step}: "
+                "call trainer.train(resume_from_checkpoint=callback.resume_from_checkpoint)"
+            )
+        if start != self._resume_step:
+            self.ck.close()
+            self.ck = None
+            raise LowDiffError(
+                f"{self.directory}: resume() reached step {start}, the resume point was made for "
+                f"step {self._resume_step} (a damaged file?); take resume_from_checkpoint again"
+            )
+
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -321,21 +338,21 @@ class LowDiffCallback(TrainerCallback):
             # the previous step's last chance: what the Trainer changed since (the FLOs at a
             # log, the best metric after an evaluation), without the RNG states: the Trainer
             # has fetched this step's batches already
-            retake(self.ck, TRAINER_STATE)
+            self.ck.retake(TRAINER_STATE)
             self._progress.rng = None  # this step's own record carries none
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.ck is not None:
-            recapture(self.ck, TRAINER_STATE)
+            self.ck.recapture(TRAINER_STATE)
 
     def _after_step(self) -> None:
         """The Trainer evaluated, saved or began an epoch after the step waiting for its
         hand-over: take its ``TrainerState`` and the RNG states again."""
         if self.ck is not None and self._progress is not None:
             self._progress.rng = rng_state()
-            retake(self.ck, TRAINER_STATE)
+            self.ck.retake(TRAINER_STATE)
 
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -384,6 +401,19 @@ class _CallbackStates(dict):  # type: ignore[type-arg]
 
     def __missing__(self, key: str) -> None:
         return None
+
+
+def _refuse_setup(args: TrainingArguments) -> None:
+    """Raise for training arguments that :meth:`LowDiffCallback.on_train_begin` cannot
+    checkpoint: several processes, or batches not skipped at a resume."""
+    if args.world_size > 1:
+        raise not_single_process("lowdiff.integrations.hf.LowDiffCallback")
+    if args.ignore_data_skip:
+        raise LowDiffError(
+            "LowDiffCallback needs TrainingArguments(ignore_data_skip=False): a resumed "
+            "Trainer must skip the batches already trained, or the data order after a "
+            "resume differs from the run that stopped"
+        )
 
 
 def _mid_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> bool:

@@ -7,6 +7,8 @@ error at once, a live one is waited for while it makes progress (its ``BEAT`` co
 see :mod:`lowdiff.proc.channel`), and only ``stall_timeout`` seconds without progress end
 a wait. An error the process reports (:class:`~lowdiff.proc.protocol.Failed`) is raised
 again in the trainer as :class:`lowdiff.CheckpointWorkerError`, with the child's traceback.
+Reading the replies and watching the process are :class:`lowdiff.proc.conn.ProcessConn`'s,
+which the link extends with the start, the handshake and the requests.
 
 The process's end is :class:`lowdiff.proc.child_end.ChildEnd`: it reports ready or
 failed, serves requests until the trainer closes it or dies, and drains what a dead
@@ -18,26 +20,18 @@ Used by LowDiff's writer, LowDiff+'s replica and the baselines' processes.
 from __future__ import annotations
 
 import contextlib
-import os
-import select
-import signal
 import threading
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from lowdiff.errors import CheckpointWorkerError, DurabilityWarning
-from lowdiff.proc import channel, preempt
-from lowdiff.proc.protocol import Failed, Kind, Message, Ready, encode
-from lowdiff.proc.spawn import (
-    exit_message,
-    process_context,
-    run_in_env,
-    trainer_env,
-)
+from lowdiff.proc import preempt
+from lowdiff.proc.conn import ProcessConn
+from lowdiff.proc.protocol import Kind, Message, encode
+from lowdiff.proc.spawn import process_context, run_in_env, trainer_env
 
 EARLY_BYTES = 32 << 10
 """Most bytes of requests written before the process is ready: half a pipe's default
@@ -65,8 +59,9 @@ class _Start:
                 c.close()
 
 
-class ProcessLink:
-    """The trainer's end of one background process.
+class ProcessLink(ProcessConn):
+    """The trainer's end of one background process: a :class:`ProcessConn` that also
+    starts the process, waits for its ``Ready`` and sends it requests.
 
     Args:
         what: how messages name the process (``"the checkpointing process"``).
@@ -84,22 +79,8 @@ class ProcessLink:
         start_timeout: float,
         on_message: Callable[[Message], None] | None = None,
     ) -> None:
-        self.what = what
-        self.stall_timeout = stall_timeout
+        super().__init__(what, stall_timeout=stall_timeout, on_message=on_message)
         self.start_timeout = start_timeout
-        self.on_message = on_message
-        self.proc: Any = None
-        self.requests: Connection | None = None
-        self.results: Connection | None = None
-        self.counters: Any = None
-        """The trainer's view of the shared counters (:func:`lowdiff.proc.channel.view`)."""
-        self.error: CheckpointWorkerError | None = None
-        self.replies: Counter[Kind] = Counter()
-        self.info: dict[str, Any] | None = None
-        """What the process reported with ``Ready``."""
-        self._poller: Any = None
-        self._sentinel = -1
-        self._maybe_gone = True
         self._await_ready = False
         self._starting: _Start | None = None
         """A start running on a thread (``start(background=True)``), not yet taken up."""
@@ -187,13 +168,7 @@ class ProcessLink:
         started): nothing of it may be read, waited for or raised while the new one is
         still starting."""
         self.close_pipes()
-        self.proc = None
-        self.error = None
-        self.info = None
-        self.replies = Counter()
-        self._poller = None
-        self._sentinel = -1
-        self._maybe_gone = True
+        self._forget()
 
     def finish_start(self, block: bool = True, timeout: float | None = None) -> None:
         """Take up the process a thread asked the fork server for (waits for that, up to
@@ -231,46 +206,14 @@ class ProcessLink:
     def adopt(
         self, proc: Any, requests: Connection, results: Connection, counters: Any = None
     ) -> None:
-        """Take over a started process's pipes (``requests`` may be ``results``: duplex)."""
-        self.proc, self.requests, self.results = proc, requests, results
-        self.counters = None if counters is None else channel.view(counters)
-        self.error = None
-        self.replies = Counter()
-        self._poller = select.poll()
-        self._poller.register(results.fileno(), select.POLLIN)
-        self._sentinel = proc.sentinel
-        self._poller.register(self._sentinel, select.POLLIN)
-        self._maybe_gone = False
+        """Take over a started process's pipes (see :meth:`ProcessConn.adopt`); its
+        ``Ready`` is no longer waited for by :meth:`ensure_ready`."""
+        super().adopt(proc, requests, results, counters)
         self._await_ready = False
-
-    def attach(
-        self,
-        pid: int,
-        conn: Connection,
-        info: dict[str, Any] | None = None,
-        counters: Any = None,
-    ) -> None:
-        """Take over a duplex connection to a running process that this one did not start,
-        as a ready process (one that outlived the trainer that started it, reached through
-        its socket, which has already answered ``info`` about itself).
-
-        Its liveness is watched through a pidfd (:class:`RunningProcess`); its exit code is
-        never known.
-
-        Raises:
-            ProcessLookupError: the process is gone.
-        """
-        self.adopt(RunningProcess(pid), conn, conn, counters)
-        self.replies[Kind.READY] += 1
-        self.info = info
 
     @property
     def started(self) -> bool:
         return self.proc is not None or self._starting is not None
-
-    @property
-    def ready(self) -> bool:
-        return self.replies[Kind.READY] > 0
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Message, early: bool = False) -> None:
@@ -296,52 +239,6 @@ class ProcessLink:
                 self.finish_start()
                 self.check(force=True)
 
-    def poll(self) -> None:
-        """Read every message waiting, without blocking (one ``poll(2)`` when none is)."""
-        res = self.results
-        if res is None or not self._io_ready():
-            return
-        with preempt.busy():
-            try:
-                while res.poll():
-                    self._handle(res.recv())
-            except (EOFError, OSError):
-                pass
-
-    def _io_ready(self) -> bool:
-        events = self._poller.poll(0)
-        if not events:
-            return False
-        if any(fd == self._sentinel for fd, _ in events):
-            self._maybe_gone = True
-        return True
-
-    def _handle(self, msg: Message) -> None:
-        self.replies[msg.kind] += 1
-        if isinstance(msg, Failed):
-            if self.error is None:
-                self.error = CheckpointWorkerError(
-                    f"{self.what} failed: {msg.name}: {msg.text}", msg.traceback, msg.storage
-                )
-        elif isinstance(msg, Ready):
-            self.info = msg.info
-        elif self.on_message is not None:
-            self.on_message(msg)
-
-    def check(self, force: bool = False) -> None:
-        """Raise what the process reported, or that it is gone (``force``: the pipe closed)."""
-        self.poll()
-        if self.error is not None:
-            raise self.error
-        proc = self.proc
-        if proc is not None and self._maybe_gone and not proc.is_alive():
-            self.poll()  # an error it sent just before exiting
-            if self.error is not None:
-                raise self.error
-            raise CheckpointWorkerError(exit_message(self.what, proc, ready=self.ready))
-        if force:
-            raise CheckpointWorkerError(f"{self.what} closed its connection")
-
     # ------------------------------------------------------------------ waits
     def wait(
         self,
@@ -359,25 +256,6 @@ class ProcessLink:
         with preempt.busy():
             self.ensure_ready(check)
             self._wait(ready, what, timeout, check)
-
-    def _wait(
-        self,
-        ready: Callable[[], bool],
-        what: str,
-        timeout: float | None,
-        check: Callable[[], None] | None,
-    ) -> None:
-        channel.wait_until(
-            ready,
-            proc=self.proc,
-            results=self.results,
-            progress=self.progress,
-            check=check or self.check,
-            stall_timeout=self.stall_timeout,
-            what=what,
-            deadline=None if timeout is None else time.monotonic() + timeout,
-            who=self.what,
-        )
 
     def request(
         self,
@@ -397,13 +275,6 @@ class ProcessLink:
         self.send(msg)
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         self.wait(lambda: self.replies[reply] > seen, what or repr(reply.value), left, check)
-
-    def progress(self) -> int:
-        """Grows whenever the process makes progress: its ``BEAT`` counter, or (for a
-        process that keeps no counters) the messages it sent."""
-        if self.counters is not None:
-            return int(self.counters[channel.BEAT])
-        return sum(self.replies.values())
 
     # ------------------------------------------------------------------ the end
     def join(self) -> bool:
@@ -454,36 +325,3 @@ class ProcessLink:
                 with contextlib.suppress(OSError):
                     c.close()
         self.requests = self.results = None
-
-
-class RunningProcess:
-    """A running process that this one did not start, watched the way a
-    ``multiprocessing.Process`` child is: :attr:`sentinel` (a pidfd) turns readable when
-    it exits. See :meth:`ProcessLink.attach`.
-
-    Raises:
-        ProcessLookupError: the process is gone already.
-    """
-
-    exitcode: int | None = None
-    """Never known: only a process's parent learns its exit status."""
-    sentinel: int = -1
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.sentinel = os.pidfd_open(pid)
-
-    def is_alive(self) -> bool:
-        return not select.select([self.sentinel], [], [], 0)[0]
-
-    def join(self, timeout: float | None = None) -> None:
-        select.select([self.sentinel], [], [], timeout)
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self.sentinel, signal.SIGKILL)
-
-    def __del__(self) -> None:
-        if self.sentinel >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.sentinel)

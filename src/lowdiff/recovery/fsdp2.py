@@ -22,8 +22,10 @@ import torch
 from lowdiff.ddp.context import rank_dir
 from lowdiff.errors import CheckpointMismatchError, RecoveryError
 from lowdiff.format import layout, sfile
-from lowdiff.recovery.job import Generation, generations, scan_dirs
-from lowdiff.recovery.replay import RecoveryStats, apply_full_state
+from lowdiff.recovery.full_state import apply_full_state
+from lowdiff.recovery.job_layout import Generation, generations
+from lowdiff.recovery.shards import scan_dirs
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state import capture as st
 from lowdiff.state.record import RecordLayout
 from lowdiff.state.sharded import is_dtensor, local

@@ -1,341 +1,77 @@
 """Recovery of a distributed job: one agreed step, the whole state on every rank.
 
-Every rank scans every shard directory (``DIR/rank-NNNNN/``, headers only), computes the
-newest step that every shard can reach from a common full checkpoint, and the ranks
-take the minimum over all of them (an all-reduce), so they agree even if one rank's
-checkpointing process published a file after another rank looked. Each rank then reads
-the full checkpoint of every shard (parameters and optimizer state of the shard; its
-own shard also gives its buffers, RNG and scheduler) and replays the records of every
-shard: the gradient of each parameter comes from the shard that owns it, and its own
-records restore its per-rank state. At the end the ranks check that they reached the
-same step.
+A job may have been resumed at other world sizes, each writing a generation of shards
+(:mod:`lowdiff.recovery.job_layout`). Readers take the newest generation that serves the
+step asked for (:func:`serving_generation`), and rank ``r`` of the reader takes the
+per-rank state of the generation's rank ``min(r, W - 1)``; the shards of that generation
+are then read and replayed at one step every rank agrees on
+(:mod:`lowdiff.recovery.shards`). A generation 0 that a single process wrote is recovered
+as that process's directory.
 
-A job resumed at another world size writes a new generation of shards (``DIR/gen-G/``,
-see :class:`Generation`); readers take the newest generation that serves the step asked
-for, and rank ``r`` of the reader takes the per-rank state of the generation's rank
-``min(r, W - 1)``.
+Call sequence (:func:`recover_generations`, under a process group; :func:`recover_job`
+runs the same in one process, where every agreement is with itself):
 
-Lineage is checked per shard: each rank's files name its own session's run, so a shard's
-chain takes only record files that follow the state it has reached (see
-:mod:`lowdiff.recovery.scan`), and the agreed step is one every shard reaches that way.
+0) (all ranks) pick the newest generation every rank can serve the step from;
+1) (all ranks) agree on the target step (the minimum over the ranks) and the full
+   checkpoint to start from;
+2) (every rank) load every shard's full state and replay every shard's records;
+3) (all ranks) check that they reached the same step.
 """
 
 from __future__ import annotations
 
-import re
-import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from lowdiff.compressors.base import compressor_from_spec
-from lowdiff.ddp.context import DistContext, rank_dir
-from lowdiff.ddp.shard import merge_state_dicts
+from lowdiff.ddp.context import DistContext
 from lowdiff.errors import (
     CorruptCheckpointError,
     InvalidArgumentError,
     NotACheckpointDirectoryError,
     RecoveryError,
-    UnsupportedSetupError,
 )
-from lowdiff.format import codec, layout, sfile
-from lowdiff.recovery.compat import check_compatible_sharded
-from lowdiff.recovery.replay import (
-    RecoveryStats,
-    apply_full_state,
-    pass_over_full,
-    replay,
-    replay_records,
-    state_run,
-    warn_damaged,
-    warn_foreign,
+from lowdiff.recovery.job_layout import (
+    JOB_KIND,
+    Generation,
+    generation_dir,
+    generations,
+    is_job_dir,
+    job_manifest,
+    job_sharding,
+    rank_root,
+    refuse_fsdp2_job,
 )
+from lowdiff.recovery.replay import pass_over_full, replay, warn_damaged
 from lowdiff.recovery.scan import (
-    FileInfo,
-    Foreign,
-    Scan,
-    abandoned,
     chain_from,
     make_plan,
     merge_intervals,
-    passed_over,
     recoverable_intervals,
     scan,
-    search_chain,
     usable,
 )
-from lowdiff.state import capture as st
-from lowdiff.state.record import RecordLayout
-from lowdiff.state.sharded import FSDP2
+from lowdiff.recovery.shards import apply_sharded_state, plan_sharded, recover_shards, scan_dirs
+from lowdiff.recovery.stats import RecoveryStats
 
-JOB_KIND = "distributed"
-GEN_DIR = "gen-{gen}"
-
-
-def job_manifest(
-    world_size: int,
-    strategy: str,
-    generation: int = 0,
-    start_step: int = 0,
-    sharding: str | None = None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "format": "lowdiff",
-        "kind": JOB_KIND,
-        "strategy": strategy,
-        "world_size": world_size,
-        "shards": [rank_dir(Path("."), r).name for r in range(world_size)],
-    }
-    if sharding is not None:
-        # each shard holds every parameter's rank-local slice (fully_shard), not whole
-        # parameters: readers that merge DDP shards must not take it for one
-        body["sharding"] = sharding
-    if generation:
-        body.update(generation=generation, start_step=start_step)
-    return body
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One world size's stretch of a job: its shard directories and the step it began at.
-
-    Generation 0 is the job directory itself: ``DIR/rank-NNNNN/`` of a distributed job,
-    or ``DIR`` alone when a single process wrote it (``single``). Generation ``g >= 1``
-    lives in ``DIR/gen-g/``, with a job manifest of its own naming its world size and
-    ``start_step``, the step it resumed at.
-    """
-
-    index: int
-    root: Path
-    world_size: int
-    start_step: int
-    strategy: str | None
-    single: bool = False
-
-    def shard_dirs(self) -> list[Path]:
-        return (
-            [self.root] if self.single else [rank_dir(self.root, r) for r in range(self.world_size)]
-        )
-
-
-def generation_dir(job: Path, gen: int) -> Path:
-    """Where generation ``gen`` of the job in ``job`` keeps its rank directories."""
-    return job if gen == 0 else job / GEN_DIR.format(gen=gen)
-
-
-def _read(root: Path) -> dict[str, Any] | None:
-    try:
-        return layout.read_manifest(root)
-    except Exception:
-        return None
-
-
-def generations(job: str | Path) -> list[Generation]:
-    """Every generation of the job in ``job``, oldest first (empty: none was started).
-
-    A ``gen-g`` directory counts once its job manifest is written (by rank 0 of the
-    generation, before any rank writes a file there).
-    """
-    job = Path(job)
-    out = []
-    m = _read(job)
-    if m is not None and m.get("kind") == JOB_KIND:
-        out.append(Generation(0, job, int(m["world_size"]), 0, m.get("strategy")))
-    elif m is not None and "record_layout" in m:
-        out.append(Generation(0, job, 1, 0, m.get("strategy"), single=True))
-    if job.is_dir():
-        for d in job.iterdir():
-            g = re.fullmatch(r"gen-(\d+)", d.name)
-            gm = _read(d) if g and d.is_dir() else None
-            if g and gm is not None and gm.get("kind") == JOB_KIND and gm.get("generation"):
-                out.append(
-                    Generation(
-                        int(g.group(1)),
-                        d,
-                        int(gm["world_size"]),
-                        int(gm["start_step"]),
-                        gm.get("strategy"),
-                    )
-                )
-    return sorted(out, key=lambda g: g.index)
-
-
-def job_sharding(job: Path) -> str | None:
-    """How the job in ``job`` sharded its state: ``"fsdp2"`` (:data:`lowdiff.state.sharded.FSDP2`)
-    or None (DDP, or a single process)."""
-    m = _read(job)
-    return None if m is None else m.get("sharding")
-
-
-def refuse_fsdp2_job(job: Path, what: str) -> None:
-    """Raise :class:`UnsupportedSetupError` when ``job`` was written under ``fully_shard``."""
-    if job_sharding(job) == FSDP2:
-        m = _read(job) or {}
-        raise UnsupportedSetupError(
-            f"{job} was written under fully_shard (FSDP2) by {m.get('world_size')} ranks: "
-            "each shard directory holds every parameter's rank-local slice, and "
-            f"{what} is not supported for such a job; resume it with strategy "
-            f"'lowdiff+' under torchrun with {m.get('world_size')} ranks and the "
-            "fully_shard model, or read it in one process with lowdiff.restore or "
-            "`lowdiff export`"
-        )
-
-
-def is_job_dir(root: Path) -> bool:
-    """True when ``root`` holds a distributed job: a job manifest, or a generation begun
-    by a job that resumed a single process's directory."""
-    m = _read(root)
-    if m is not None and m.get("kind") == JOB_KIND:
-        return True
-    return any(not g.single for g in generations(root))
-
-
-def rank_root(job: Path, rank: int, world_size: int) -> Path:
-    """The shard directory rank ``rank`` of a ``world_size``-rank job writes in ``job``.
-
-    That of the newest generation when it has this world size, else the next generation's
-    (a resume then reshards into it; :meth:`LowDiffStrategy._resume_dist` may still move
-    on to a later one when the newest generation turns out to hold no usable step).
-    """
-    gens = generations(job)
-    if not gens:
-        return rank_dir(job, rank)
-    g = gens[-1]
-    if not g.single and g.world_size == world_size:
-        return rank_dir(g.root, rank)
-    return rank_dir(generation_dir(job, g.index + 1), rank)
-
-
-def shard_scans(root: Path, world_size: int) -> list[Scan]:
-    """Scan every shard directory; raise naming the ones that are missing."""
-    return scan_dirs(root, [rank_dir(root, r) for r in range(world_size)])
-
-
-def scan_dirs(root: Path, dirs: list[Path]) -> list[Scan]:
-    """Scan the shard directories ``dirs`` of ``root``; raise naming those without a manifest."""
-    world_size = len(dirs)
-    missing = [d.name for d in dirs if not (d / layout.MANIFEST).exists()]
-    if missing:
-        raise RecoveryError(
-            f"{root}: shard directories without a manifest: {', '.join(missing)}; a distributed "
-            f"checkpoint needs all {world_size} shards"
-        )
-    return [scan(d) for d in dirs]
-
-
-def plan_sharded(
-    scans: list[Scan], target: int | None, bad: AbstractSet[Path] = frozenset()
-) -> tuple[int, int]:
-    """(target step, full-checkpoint step) that every shard can serve."""
-    steps = [{f.first_step for f in sc.fulls if f.path not in usable(sc, bad)} for sc in scans]
-    common = set.intersection(*steps) if steps else set()
-    if not common:
-        raise RecoveryError(
-            f"{scans[0].root.parent}: no full checkpoint is present and intact in every shard"
-        )
-    options = [(min(chain_from(sc, f, bad)[0] for sc in scans), f) for f in sorted(common)]
-    if target is None:
-        reach, f = max(options)
-        return reach, f
-    fits = [f for reach, f in options if f <= target <= reach]
-    if not fits:
-        have = ", ".join(f"{lo}..{hi}" for lo, hi in merge_intervals((f, r) for r, f in options))
-        raise RecoveryError(
-            f"{scans[0].root.parent}: step {target} is not recoverable in every shard; "
-            f"recoverable: {have or 'nothing'}"
-        )
-    return target, max(fits)
-
-
-def shard_files(
-    sc: Scan, full: int, target: int, bad: AbstractSet[Path]
-) -> tuple[FileInfo, list[FileInfo], list[Foreign]]:
-    """A shard's full checkpoint at ``full``, its record files up to ``target``, and the
-    files of another trajectory its chain passed over on the way."""
-    gone = abandoned(sc, bad)
-    out = usable(sc, bad)
-    f = next(x for x in sc.fulls if x.first_step == full and x.path not in out)
-    c = search_chain(sc, full, f.run_id, out)
-    files = [r for r in c.files if r.first_step < target]
-    return f, files, passed_over(gone, c, full, target)
-
-
-def _cloner(tensors: dict[str, torch.Tensor]) -> Any:
-    return lambda name: tensors[name].clone()
-
-
-def load_full_sharded(
-    fulls: list[FileInfo],
-    own: int,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any | None,
-    stats: RecoveryStats,
-) -> None:
-    """Verify every shard's full checkpoint and load their union into the live objects."""
-    parts = []
-    for info in fulls:
-        t0 = time.perf_counter()
-        raw = sfile.read_raw(info.path)
-        stats.read_s += time.perf_counter() - t0
-        stats.bytes_read += len(raw)
-        stats.files_read += 1
-        lf = sfile.decode(info.path, raw)
-        if not isinstance(codec.loads(lf.metadata.get("shard", "null")), list):
-            raise CorruptCheckpointError(info.path, "no shard list in a distributed checkpoint")
-        parts.append((lf.tensors, lf.metadata))
-    apply_sharded_state(parts, own, model, optimizer, scheduler, stats, where=fulls[own].path.name)
-
-
-def apply_sharded_state(
-    parts: list[tuple[dict[str, torch.Tensor], dict[str, str]]],
-    own: int,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any | None,
-    stats: RecoveryStats,
-    *,
-    where: str,
-) -> None:
-    """Load the union of every shard's full state (from files or from the replicas).
-
-    Parameters and optimizer state come from the shard that owns them; buffers, RNG and
-    scheduler from shard ``own`` (this rank's).
-    """
-    param_names = {info.name for info, _ in st.optimizer_params(model, optimizer)}
-    tensors: dict[str, torch.Tensor] = {}
-    osds = []
-    for s, (ts, md) in enumerate(parts):
-        shard = codec.loads(md["shard"])
-        osds.append((codec.loads(md["optim"], _cloner(ts)), shard))
-        for k, v in ts.items():
-            if s == own:
-                if not k.startswith("optim/"):
-                    tensors[k] = v
-            elif k.startswith("model/") and k[len("model/") :] in param_names:
-                tensors[k] = v
-    otensors, ojson = st.optimizer_state_tensors(optimizer, merge_state_dicts(osds, own))
-    md = dict(parts[own][1])
-    md["optim"] = ojson
-    tensors.update(otensors)
-    apply_full_state(tensors, md, model, optimizer, scheduler, stats, where=where)
-
-
-def recover_sharded(
-    root: Path,
-    ctx: DistContext,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any | None = None,
-    step: int | None = None,
-) -> RecoveryStats:
-    """Bring every rank to one agreed step (None: the newest every rank can reach), from
-    whichever generation of the job serves it (see :func:`recover_generations`)."""
-    return recover_generations(root, ctx, model, optimizer, scheduler, step)[1]
+__all__ = [
+    "generation_intervals",
+    "recover_generations",
+    "recover_job",
+    "serving_generation",
+    # re-exported: lowdiff.engine imports these from here (they live in job_layout and shards)
+    "JOB_KIND",
+    "Generation",
+    "apply_sharded_state",
+    "generation_dir",
+    "generations",
+    "is_job_dir",
+    "job_manifest",
+    "job_sharding",
+    "rank_root",
+    "refuse_fsdp2_job",
+]
 
 
 def recover_generations(
@@ -388,7 +124,9 @@ def recover_job(
     refuse_fsdp2_job(root, "reading it in one process")
     world = max(g.world_size for g in gens)
     if not 0 <= rank < world:
-        raise InvalidArgumentError(f"rank must be in 0..{world - 1} for a job of {world} ranks, got {rank}")
+        raise InvalidArgumentError(
+            f"rank must be in 0..{world - 1} for a job of {world} ranks, got {rank}"
+        )
 
     def same(value: int, what: str = "") -> int:  # noqa: ARG001 -- one process agrees with itself
         return value
@@ -485,7 +223,7 @@ def _recover_any(
         agree(stats.step, "the recovered step")
         return g, stats
     own = min(rank, g.world_size - 1)
-    return g, _recover_shards(
+    return g, recover_shards(
         g.root, g.shard_dirs(), own, model, optimizer, scheduler, step, agree_min, agree
     )
 
@@ -505,64 +243,4 @@ def _recover_single(
             pass_over_full(e, bad, skipped)
             continue
         stats.skipped = skipped + stats.skipped
-        return stats
-
-
-def _recover_shards(
-    root: Path,
-    dirs: list[Path],
-    own: int,
-    model: Any,
-    optimizer: Any,
-    scheduler: Any | None,
-    step: int | None,
-    agree_min: Callable[[int], int],
-    agree: Callable[[int, str], int],
-) -> RecoveryStats:
-    """Load every shard's state at one step into the live objects (``own``: this rank's
-    per-rank state); ``agree_min`` / ``agree`` make the ranks of a job settle on one step
-    (identities in a single process)."""
-    t_start = time.perf_counter()
-    scans = scan_dirs(root, dirs)
-    skipped = warn_damaged([pw for sc in scans for pw in sc.problems])
-    rls = [RecordLayout.from_json(sc.manifest["record_layout"]) for sc in scans]
-    check_compatible_sharded(rls, [sc.manifest for sc in scans], model, optimizer, scheduler)
-    compressor = compressor_from_spec(scans[own].manifest["compressor"])
-    bad: set[Path] = set()
-    while True:
-        try:
-            local_target, _ = plan_sharded(scans, step, bad)
-        except RecoveryError as e:
-            if not bad:
-                raise
-            damaged = "; ".join(f"{Path(p).name}: {why}" for p, why in skipped)
-            raise RecoveryError(f"{e} (damaged: {damaged})") from None
-        target = agree_min(local_target)
-        target, full = plan_sharded(scans, target, bad)
-        agree(full, "the full checkpoint to start from")
-        picked = [shard_files(sc, full, target, bad) for sc in scans]
-        stats = RecoveryStats(full_step=full, step=full)
-        try:
-            load_full_sharded([f for f, _, _ in picked], own, model, optimizer, scheduler, stats)
-        except CorruptCheckpointError as e:
-            pass_over_full(e, bad, skipped)
-            continue
-        stats.skipped += warn_foreign([x for _, _, foreign in picked for x in foreign])
-        replay_records(
-            [(rl, files) for rl, (_, files, _) in zip(rls, picked, strict=True)],
-            own,
-            full,
-            target,
-            model,
-            optimizer,
-            scheduler,
-            compressor,
-            stats,
-            strict=step is not None,
-        )
-        agree(stats.step, "the recovered step")
-        own_full, own_files, _ = picked[own]
-        stats.state_run_id = state_run(own_full, own_files, stats.step)
-        stats.skipped = skipped + stats.skipped
-        stats.total_s = time.perf_counter() - t_start
         return stats

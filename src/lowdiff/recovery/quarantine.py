@@ -27,7 +27,7 @@ import torch
 from lowdiff.errors import CorruptCheckpointError, InvalidArgumentError, RecoveryWarning
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX, fsync_dir
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.stats import RecoveryStats
 
 
 def quarantine_beyond(root: Path, stats: RecoveryStats, run_id: str) -> list[Path]:
@@ -48,6 +48,27 @@ def quarantine_beyond(root: Path, stats: RecoveryStats, run_id: str) -> list[Pat
         >>> quarantine_beyond(root, stats, run_id)  # doctest: +SKIP
     """
     s = stats.step
+    move, straddling = _beyond(root, stats)
+    if not move and not straddling:
+        return []
+    dest = (
+        root / layout.QUARANTINE_DIR / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + run_id[:8])
+    )
+    dest.mkdir(parents=True, exist_ok=True)
+    moved, split = _split_straddling(root, straddling, s, dest)
+    moved += [_move(p, dest) for p in move if p.exists()]
+    _fsync_moves(root, dest, [*move, *(p for p, _, _ in straddling)])
+    what = f"moved {len(moved)} file(s) that are damaged or past the recovered step {s} to {dest}"
+    if split:
+        what += f"; kept the records before step {s} of " + ", ".join(split)
+    warnings.warn(f"lowdiff: {what}", RecoveryWarning, stacklevel=4)
+    return moved
+
+
+def _beyond(root: Path, stats: RecoveryStats) -> tuple[list[Path], list[tuple[Path, int, int]]]:
+    """The files of ``root`` to move whole (damaged, or past ``stats.step``), and the
+    record files that straddle the step, as ``(path, first, last)``."""
+    s = stats.step
     damaged = {Path(p).resolve() for p, _ in stats.skipped if _inside(Path(p), root)}
     move: list[Path] = [p for p in _files(root, layout.FULL_DIR) if p.resolve() in damaged]
     straddling: list[tuple[Path, int, int]] = []
@@ -61,13 +82,15 @@ def quarantine_beyond(root: Path, stats: RecoveryStats, run_id: str) -> list[Pat
             move.append(p)
         elif r is not None and r[0] < s <= r[1]:
             straddling.append((p, r[0], r[1]))
-    move = list(dict.fromkeys(move))
-    if not move and not straddling:
-        return []
-    dest = (
-        root / layout.QUARANTINE_DIR / (_dt.datetime.now().strftime("%Y%m%d-%H%M%S-") + run_id[:8])
-    )
-    dest.mkdir(parents=True, exist_ok=True)
+    return list(dict.fromkeys(move)), straddling
+
+
+def _split_straddling(
+    root: Path, straddling: list[tuple[Path, int, int]], s: int, dest: Path
+) -> tuple[list[Path], list[str]]:
+    """Publish the records before step ``s`` of each straddling file as a file of their
+    own, then move the file to ``dest``; returns the moved paths and the splits made
+    (``"old -> new"``)."""
     moved: list[Path] = []
     split: list[str] = []
     published: set[Path] = set()
@@ -88,13 +111,7 @@ def quarantine_beyond(root: Path, stats: RecoveryStats, run_id: str) -> list[Pat
         if kept in published:
             split.append(f"{p.name} -> {kept.name}")
         moved.append(_move(p, dest))
-    moved += [_move(p, dest) for p in move if p.exists()]
-    _fsync_moves(root, dest, [*move, *(p for p, _, _ in straddling)])
-    what = f"moved {len(moved)} file(s) that are damaged or past the recovered step {s} to {dest}"
-    if split:
-        what += f"; kept the records before step {s} of " + ", ".join(split)
-    warnings.warn(f"lowdiff: {what}", RecoveryWarning, stacklevel=4)
-    return moved
+    return moved, split
 
 
 def split_records(path: Path, step: int) -> Path:

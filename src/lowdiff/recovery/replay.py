@@ -1,4 +1,8 @@
-"""Recovery: load a full checkpoint, then replay records through the user's optimizer.
+"""Recovery: replay records through the user's optimizer, on top of a full state.
+
+The full state is loaded first (:mod:`lowdiff.recovery.full_state`); :func:`replay` does
+both for a single process's directory, :func:`replay_records` the records of every shard
+of a distributed job.
 
 Replay of a model on a GPU is pipelined: a reader thread reads, verifies and decodes the
 next record files (and decompresses their gradients) while the main thread runs
@@ -21,8 +25,6 @@ job's (:mod:`lowdiff.recovery.job`) are in :mod:`lowdiff.recovery.restore`.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import queue
@@ -30,182 +32,23 @@ import threading
 import time
 import warnings
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lowdiff.compressors.base import Compressor, compressor_from_spec
-from lowdiff.errors import (
-    CheckpointMismatchError,
-    CorruptCheckpointError,
-    RecoveryError,
-    RecoveryWarning,
-)
+from lowdiff.errors import CorruptCheckpointError, RecoveryError, RecoveryWarning
 from lowdiff.format import codec, layout, sfile
 from lowdiff.recovery.compat import check_compatible
+from lowdiff.recovery.full_state import (
+    apply_full_state as apply_full_state,  # re-exported: lowdiff.engine imports it from here
+)
+from lowdiff.recovery.full_state import load_full, load_scheduler
 from lowdiff.recovery.scan import FileInfo, Foreign, Plan, Scan
+from lowdiff.recovery.stats import RecoveryStats as RecoveryStats
 from lowdiff.state import capture as st
 from lowdiff.state.record import RecordLayout
-from lowdiff.state.sharded import shard_model_state, shard_optimizer_state
-
-
-@dataclass
-class RecoveryStats:
-    """What a recovery did and how long each part took (seconds)."""
-
-    full_step: int
-    step: int
-    records_replayed: int = 0
-    read_s: float = 0.0
-    decode_s: float = 0.0
-    replay_s: float = 0.0
-    total_s: float = 0.0
-    records_s: float = 0.0
-    """Wall time of the records' replay alone (their reading, decoding and optimizer
-    steps, which overlap), without the full checkpoint's load."""
-    bytes_read: int = 0
-    files_read: int = 0
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    """Damaged files, and record files of another trajectory, passed over: (path, reason)."""
-    source: str = "disk"
-    extra: Any = None
-    """The extra state (``extra_state=``) of the recovered step, as saved (a JSON tree),
-    or None when none was saved; applied by ``resume()`` / ``restore(extra_state=...)``."""
-    state_run_id: str | None = None
-    """The run that produced the recovered state: the ``run_id`` of the last record file
-    replayed, or of the full checkpoint when no record was (None: not recorded, or
-    recovered from memory). A session that resumes from this state names it as the
-    ``follows`` of its first record file."""
-    adopted_pid: int | None = None
-    """The checkpointing process that outlived the crashed trainer and that this trainer
-    took over (its pid: LowDiff's writer, LowDiff+'s replica), or None when a new process
-    was started."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def load_full(
-    info: FileInfo,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    stats: RecoveryStats,
-    *,
-    restore_rng: bool = True,
-) -> None:
-    """Verify a full checkpoint and load it into the live objects."""
-    t0 = time.perf_counter()
-    raw = sfile.read_raw(info.path)
-    t1 = time.perf_counter()
-    lf = sfile.decode(info.path, raw)
-    if (lf.metadata.get("run_id") or None) != info.run_id:
-        raise CorruptCheckpointError(info.path, "the file changed since the directory was scanned")
-    stats.read_s += t1 - t0
-    stats.bytes_read += len(raw)
-    stats.files_read += 1
-    apply_full_state(
-        lf.tensors,
-        lf.metadata,
-        model,
-        optimizer,
-        scheduler,
-        stats,
-        where=info.path.name,
-        restore_rng=restore_rng,
-    )
-
-
-def apply_full_state(
-    tensors: dict[str, torch.Tensor],
-    md: dict[str, str],
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    stats: RecoveryStats,
-    *,
-    where: str,
-    restore_rng: bool = True,
-) -> None:
-    """Load a full state (tensors + metadata, from a file or from the replica in memory).
-
-    The copies run on one thread (:func:`one_copy_thread`): they are memory-bound, and a
-    parallel copy stalls whenever a background process (the one the state comes from,
-    busy answering the new trainer) holds one of the cores its threads wait for."""
-    t1 = time.perf_counter()
-    aliases = json.loads(md["model_aliases"])
-    msd = {
-        st.canonical_name(k[len("model/") :]): v
-        for k, v in tensors.items()
-        if k.startswith("model/")
-    }
-    for alias, canon in aliases.items():
-        msd[st.canonical_name(alias)] = msd[st.canonical_name(canon)]
-    with one_copy_thread():
-        osd = codec.loads(md["optim"], lambda name: tensors[name].clone())
-        sched_state = codec.loads(md["scheduler"])
-        t2 = time.perf_counter()
-        target = st.unwrap_model(model)
-        msd = shard_model_state(msd, target)
-        try:
-            target.load_state_dict(msd, strict=True)
-        except RuntimeError as e:
-            raise CheckpointMismatchError(
-                f"{where}: the model does not match the checkpoint: {e}"
-            ) from None
-        try:
-            osd = shard_optimizer_state(st.match_param_layout(osd, optimizer), optimizer)
-            optimizer.load_state_dict(osd)
-        except (ValueError, KeyError) as e:
-            raise CheckpointMismatchError(
-                f"{where}: the optimizer does not match the checkpoint: {e}"
-            ) from None
-    _load_scheduler(scheduler, sched_state, where)
-    stats.extra = json.loads(md["extra"]) if "extra" in md else None
-    if restore_rng:
-        st.restore_rng(
-            {k: v for k, v in tensors.items() if k.startswith("rng.")}, json.loads(md["rng"])
-        )
-    t3 = time.perf_counter()
-    stats.decode_s += t2 - t1
-    stats.replay_s += t3 - t2
-
-
-def _load_scheduler(scheduler: Any | None, state: Any, where: str) -> None:
-    if scheduler is None:
-        return
-    if state is None:
-        raise CheckpointMismatchError(
-            f"{where}: a scheduler was passed, but the checkpoint holds no scheduler state"
-        )
-    scheduler.load_state_dict(state)
-
-
-@functools.cache
-def _openmp_backend() -> bool:
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-@contextlib.contextmanager
-def one_copy_thread() -> Iterator[None]:
-    """Run the block with one intra-op thread, then restore the caller's count.
-
-    For copies only: a copy's result does not depend on the thread count, whereas an
-    optimizer step's reductions may, so replay never runs under it. Measured on 2 cores
-    (``benchmarks/first_steps.py``): the optimizer state of a 3.3M-parameter model cloned
-    out of a surviving replica took 2 to 50 ms with 2 threads, 3 to 12 ms with one."""
-    n = torch.get_num_threads()
-    if n == 1 or not _openmp_backend():
-        yield  # ATen's native thread pool cannot be resized once it ran (it would warn)
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
 
 _END = object()
 _REPLAY = threading.local()
@@ -549,7 +392,7 @@ def _apply_record_state(
     t0 = time.perf_counter()
     st.apply_hparams(optimizer, codec.decode(meta["hp_after"]))
     st.set_buffers(model, rl.buffer_values(views))
-    _load_scheduler(scheduler, codec.decode(meta["sched"]), "record")
+    load_scheduler(scheduler, codec.decode(meta["sched"]), "record")
     stats.extra = meta.get("extra")
     st.restore_rng(rl.rng_tensors(views), meta["rng"])
     stats.replay_s += time.perf_counter() - t0

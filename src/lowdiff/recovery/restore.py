@@ -20,9 +20,11 @@ from lowdiff.errors import (
     RecoveryError,
 )
 from lowdiff.recovery.fsdp2 import recover_fsdp2
-from lowdiff.recovery.job import is_job_dir, job_sharding, recover_job
-from lowdiff.recovery.replay import RecoveryStats, pass_over_full, replay, warn_damaged
+from lowdiff.recovery.job import recover_job
+from lowdiff.recovery.job_layout import is_job_dir, job_sharding
+from lowdiff.recovery.replay import pass_over_full, replay, warn_damaged
 from lowdiff.recovery.scan import make_plan, scan
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state import capture as st
 from lowdiff.state.sharded import FSDP2, refuse_sharded
 

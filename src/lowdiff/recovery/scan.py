@@ -18,7 +18,6 @@ the resumed one. A file without ``follows`` (older format) chains as before.
 from __future__ import annotations
 
 import bisect
-import re
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -26,13 +25,16 @@ from pathlib import Path
 
 from lowdiff.errors import (
     CorruptCheckpointError,
-    LowDiffError,
     NewerFormatError,
     NotACheckpointDirectoryError,
     RecoveryError,
 )
 from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
+from lowdiff.recovery.directory import check_directory  # lowdiff.engine imports it from here
+from lowdiff.recovery.directory import (
+    is_empty_dir as is_empty_dir,  # re-exported: lowdiff.engine imports it from here
+)
 
 
 @dataclass
@@ -101,77 +103,6 @@ class Plan:
     record_files: list[FileInfo]
     foreign: list[Foreign] = field(default_factory=list)
     """Record files of another trajectory passed over on the way to ``target``."""
-
-
-def is_empty_dir(root: Path) -> bool:
-    if not root.exists():
-        return True
-    # lock files, and a replica descriptor (LowDiff+ checks and cleans it up on resume)
-    ignorable = {
-        layout.LOCK_FILE,
-        layout.WRITER_LOCK_FILE,
-        layout.REPLICA_LOG,
-        layout.PLAN_FILE,
-        ".lowdiff.replica.json",
-    }
-    entries = list(root.iterdir())
-    if all(
-        _unused_subdir(p) for p in entries if p.name in (layout.FULL_DIR, layout.RECORDS_DIR)
-    ) and _own_manifest(root):
-        # a manifest and no checkpoint file: the trainer that created the directory died
-        # before its first full checkpoint was written, so nothing was ever durable (a
-        # manifest lowdiff cannot read is not its own: published atomically, lowdiff's is
-        # never torn; it stays, and is refused as the file it is)
-        ignorable.add(layout.MANIFEST)
-    return all(
-        p.name in ignorable or p.name.startswith(TMP_PREFIX) or _unused_subdir(p) for p in entries
-    )
-
-
-def _own_manifest(root: Path) -> bool:
-    """Whether ``root`` has no manifest, or one lowdiff wrote (intact)."""
-    if not (root / layout.MANIFEST).exists():
-        return True
-    try:
-        layout.read_manifest(root)
-    except (LowDiffError, OSError, ValueError):
-        return False
-    return True
-
-
-def _unused_subdir(p: Path) -> bool:
-    """``full/`` or ``records/`` holding nothing but temp files: what a trainer killed
-    while it created the directory leaves behind before its first manifest."""
-    return (
-        p.name in (layout.FULL_DIR, layout.RECORDS_DIR)
-        and p.is_dir()
-        and all(q.name.startswith(TMP_PREFIX) for q in p.iterdir())
-    )
-
-
-def check_directory(root: Path, advice: str = " Use an empty or new directory.") -> None:
-    """Raise :class:`NotACheckpointDirectoryError` unless ``root`` is empty or lowdiff's
-    (``advice`` ends the message: a trainer's, by default; a reader's is '')."""
-    if root.exists() and not root.is_dir():
-        raise NotACheckpointDirectoryError(f"{root} is a file, not a checkpoint directory")
-    if is_empty_dir(root) or (root / layout.MANIFEST).exists():
-        return
-    if all(
-        (p.is_dir() and re.fullmatch(r"rank-\d{5}", p.name)) or p.name.startswith(TMP_PREFIX)
-        for p in root.iterdir()
-    ):
-        return  # a distributed job's root while its ranks are starting
-    names = sorted(p.name for p in root.iterdir())
-    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-    hint = ""
-    if (root / layout.FULL_DIR).exists() or (root / layout.RECORDS_DIR).exists():
-        hint = (
-            f" It has lowdiff's sub-directories but no {layout.MANIFEST}: the manifest was deleted."
-        )
-    raise NotACheckpointDirectoryError(
-        f"{root} is not empty and holds no {layout.MANIFEST}: it is not a lowdiff checkpoint directory "
-        f"(found: {shown}).{hint}{advice}"
-    )
 
 
 def scan(root: str | Path) -> Scan:
@@ -285,6 +216,11 @@ def _full_run(s: Scan, start: int, exclude: AbstractSet[Path]) -> str | None:
     return None
 
 
+_State = tuple[int, str | None]
+"""A state a chain reaches: its step and the run that produced it (None: unknown)."""
+_Moves = dict[_State, list[tuple[FileInfo, _State]]]
+
+
 def search_chain(
     s: Scan, start: int, origin: str | None, exclude: AbstractSet[Path] = frozenset()
 ) -> Chain:
@@ -296,23 +232,50 @@ def search_chain(
     Among the ways forward the one reaching furthest wins; ties go to the file with the
     smallest first step and then the most records (the order recovery always used).
     """
-    owner0 = origin
     files = sorted(
         (f for f in s.records if f.path not in exclude), key=lambda f: (f.first_step, -f.last_step)
     )
+    moves, rejected = _ways_forward(files, (start, origin))
+    # every move goes to a later step: settle the states from the last step back
+    best: dict[_State, tuple[int, int]] = {}  # state -> (reach, index of the move taken or -1)
+    for state in sorted(moves, key=lambda x: x[0], reverse=True):
+        reach, pick = state[0], -1
+        for i, (_, nxt) in enumerate(moves[state]):
+            if best[nxt][0] > reach:
+                reach, pick = best[nxt][0], i
+        best[state] = (reach, pick)
+    used: list[FileInfo] = []
+    foreign: list[Foreign] = []
+    state = (start, origin)
+    while True:
+        foreign.extend(
+            x for x in rejected[state] if x.file.path not in {y.file.path for y in foreign}
+        )
+        pick = best[state][1]
+        if pick < 0:
+            break
+        f, state = moves[state][pick]
+        used.append(f)
+    return Chain(best[(start, origin)][0], used, foreign)
+
+
+def _ways_forward(
+    files: list[FileInfo], first: _State
+) -> tuple[_Moves, dict[_State, list[Foreign]]]:
+    """Every state reachable from ``first`` through ``files`` (sorted by first step), with
+    the files that take each one further (and the state each leads to), and the files
+    that would hold its step but follow another run there (rejected, named)."""
     firsts = [f.first_step for f in files]
     longest = max((f.last_step - f.first_step for f in files), default=0)
-
-    State = tuple[int, str | None]
-    moves: dict[State, list[tuple[FileInfo, State]]] = {}
-    rejected: dict[State, list[Foreign]] = {}
-    todo: list[State] = [(start, owner0)]
+    moves: _Moves = {}
+    rejected: dict[_State, list[Foreign]] = {}
+    todo: list[_State] = [first]
     while todo:
         state = todo.pop()
         if state in moves:
             continue
         step, owner = state
-        ok: list[tuple[FileInfo, State]] = []
+        ok: list[tuple[FileInfo, _State]] = []
         bad: list[Foreign] = []
         lo = bisect.bisect_left(firsts, step - longest)
         hi = bisect.bisect_right(firsts, step)
@@ -331,27 +294,7 @@ def search_chain(
             ok.append((f, nxt))
             todo.append(nxt)
         moves[state], rejected[state] = ok, bad
-    # every move goes to a later step: settle the states from the last step back
-    best: dict[State, tuple[int, int]] = {}  # state -> (reach, index of the move taken or -1)
-    for state in sorted(moves, key=lambda x: x[0], reverse=True):
-        reach, pick = state[0], -1
-        for i, (_, nxt) in enumerate(moves[state]):
-            if best[nxt][0] > reach:
-                reach, pick = best[nxt][0], i
-        best[state] = (reach, pick)
-    used: list[FileInfo] = []
-    foreign: list[Foreign] = []
-    state = (start, owner0)
-    while True:
-        foreign.extend(
-            x for x in rejected[state] if x.file.path not in {y.file.path for y in foreign}
-        )
-        pick = best[state][1]
-        if pick < 0:
-            break
-        f, state = moves[state][pick]
-        used.append(f)
-    return Chain(best[(start, owner0)][0], used, foreign)
+    return moves, rejected
 
 
 def chain_from(

@@ -30,7 +30,8 @@ from lowdiff.errors import (
     RemoteStorageError,
 )
 from lowdiff.format import layout, sfile
-from lowdiff.remote.store import DATA_DIR, Commit, RemoteStore
+from lowdiff.remote.commit import DATA_DIR, Commit
+from lowdiff.remote.store import RemoteStore
 
 
 @dataclass

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +37,8 @@ import xxhash
 from lowdiff.errors import CorruptCheckpointError, RemoteStorageError
 from lowdiff.format import layout
 from lowdiff.format.atomic import atomic_open
+from lowdiff.remote.commit import COMMIT_SUFFIX, DATA_DIR, TMP_MARK, Commit
 
-COMMIT_SUFFIX = ".commit"
-DATA_DIR = "data"
-TMP_MARK = ".tmp-"
-COMMIT_FORMAT_VERSION = 1
 CHUNK_BYTES = 8 << 20
 """Bytes per write to the remote file (the unit of the bandwidth cap and of progress)."""
 SINGLE_PUT_BYTES = 64 << 20
@@ -83,60 +78,87 @@ def _base(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 
 
-def _canonical(obj: Any) -> bytes:
-    return (json.dumps(obj, sort_keys=True, indent=1, allow_nan=False) + "\n").encode("utf-8")
+class _Transfer:
+    """The bytes of one remote tier's uploads and downloads: streamed in chunks of
+    :data:`CHUNK_BYTES` (or sent in one PUT), hashed on the way, paced to ``bandwidth``
+    (bytes per second, or None), each chunk sent reported to ``progress``."""
 
+    def __init__(
+        self, fs: Any, bandwidth: float | None, progress: Callable[[int], None] | None
+    ) -> None:
+        self.fs, self.bandwidth, self.progress = fs, bandwidth, progress
 
-def _body_hash(body: Any) -> str:
-    compact = json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
-    return "xxh3:" + xxhash.xxh3_64_hexdigest(compact)
+    def put(self, local: Path, key: str, hook: Callable[[str], None] | None) -> tuple[int, str]:
+        """Upload the file ``local`` to ``key``; returns its size and xxh3-64. Small files
+        go in one PUT when no cap is set, others in chunks (so memory stays bounded)."""
+        if self.bandwidth is None and local.stat().st_size <= SINGLE_PUT_BYTES:
+            return self._put_whole(local, key, hook)
+        return self._put_chunks(local, key, hook)
 
+    def _put_whole(
+        self, local: Path, key: str, hook: Callable[[str], None] | None
+    ) -> tuple[int, str]:
+        """One PUT of the whole file (read once, hashed from memory): what a plain
+        ``put_file`` of a file this size does, so an upload costs no more than one."""
+        data = local.read_bytes()
+        digest = xxhash.xxh3_64_hexdigest(data)
+        if hook is not None:
+            hook("chunk")
+        self.fs.pipe_file(key, data)
+        if self.progress is not None:
+            self.progress(len(data))
+        return len(data), digest
 
-@dataclass(frozen=True)
-class Commit:
-    """A published object: the local ``name`` it stands for, its data key (relative to
-    the remote root), its size and the xxh3-64 of its bytes."""
+    def _put_chunks(
+        self, local: Path, key: str, hook: Callable[[str], None] | None
+    ) -> tuple[int, str]:
+        """Stream the file in chunks (a multipart upload on S3 past its block size),
+        keeping to the bandwidth cap."""
+        h = xxhash.xxh3_64()
+        size = 0
+        t0 = time.monotonic()
+        with open(local, "rb") as src, self.fs.open(key, "wb") as dst:
+            while chunk := src.read(CHUNK_BYTES):
+                dst.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+                if self.progress is not None:
+                    self.progress(len(chunk))
+                if hook is not None:
+                    hook("chunk")
+                self._throttle(size, t0)
+        return size, h.hexdigest()
 
-    name: str
-    object: str
-    size: int
-    xxh3: str
+    def _throttle(self, sent: int, t0: float) -> None:
+        """Sleep so that ``sent`` bytes since ``t0`` stay within the bandwidth cap."""
+        if self.bandwidth:
+            ahead = sent / self.bandwidth - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
 
-    def encode(self) -> bytes:
-        body = {
-            "format": "lowdiff",
-            "format_version": COMMIT_FORMAT_VERSION,
-            "name": self.name,
-            "object": self.object,
-            "size": self.size,
-            "xxh3": self.xxh3,
-        }
-        return _canonical({"checksum": _body_hash(body), "lowdiff_commit": body})
-
-    @staticmethod
-    def decode(where: str, raw: bytes) -> Commit:
-        """Parse and check a commit object read from ``where``; raises
-        :class:`CorruptCheckpointError` naming it when any byte is off."""
+    def get(self, key: str, dest: Path, commit: Commit, where: str) -> None:
+        """Download ``key`` (``commit``'s data object, ``where`` in messages) to ``dest``,
+        published atomically once its size and checksum match the commit's."""
+        h = xxhash.xxh3_64()
+        size = 0
+        dest.parent.mkdir(parents=True, exist_ok=True)
         try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CorruptCheckpointError(
-                where, "commit object is not valid JSON (torn or corrupt)"
-            ) from None
-        if not isinstance(obj, dict) or set(obj) != {"checksum", "lowdiff_commit"}:
-            raise CorruptCheckpointError(where, "not a lowdiff commit object")
-        body = obj["lowdiff_commit"]
-        if obj["checksum"] != _body_hash(body) or _canonical(obj) != raw:
-            raise CorruptCheckpointError(where, "commit object checksum mismatch")
-        if body.get("format") != "lowdiff" or body.get("format_version") != COMMIT_FORMAT_VERSION:
-            raise CorruptCheckpointError(where, "foreign or newer commit object")
-        try:
-            c = Commit(str(body["name"]), str(body["object"]), int(body["size"]), str(body["xxh3"]))
-        except (KeyError, TypeError, ValueError):
-            raise CorruptCheckpointError(where, "commit object misses a field") from None
-        if not c.object.startswith(f"{DATA_DIR}/{c.name}.") or c.size < 0:
-            raise CorruptCheckpointError(where, "commit object names a foreign data object")
-        return c
+            with self.fs.open(key, "rb") as src, atomic_open(dest) as f:
+                while chunk := src.read(CHUNK_BYTES):
+                    f.write(chunk)
+                    h.update(chunk)
+                    size += len(chunk)
+                    if size > commit.size:
+                        break
+                if size != commit.size:
+                    raise CorruptCheckpointError(
+                        where,
+                        f"{size} bytes or more, the commit says {commit.size} (truncated or replaced)",
+                    )
+                if h.hexdigest() != commit.xxh3:
+                    raise CorruptCheckpointError(where, "checksum mismatch with its commit")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(where, "committed but missing") from None
 
 
 class RemoteStore:
@@ -175,8 +197,8 @@ class RemoteStore:
         self.root = str(root).rstrip("/")
         protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.local = "file" in protocol or "local" in protocol
-        self.bandwidth = bandwidth
-        self.progress = progress
+        self.transfer = _Transfer(fs, bandwidth, progress)
+        """Moves the bytes: the bandwidth cap and the progress reports live there."""
 
     def sub(self, rel: str) -> RemoteStore:
         """The remote tier in the folder ``rel`` under this one, on the same file system
@@ -279,10 +301,7 @@ class RemoteStore:
         token = uuid.uuid4().hex[:16]
         obj = f"{DATA_DIR}/{name}.{token}"
         self._makedirs(obj)
-        if self.bandwidth is None and local.stat().st_size <= SINGLE_PUT_BYTES:
-            size, digest = self._put_whole(local, obj, hook)
-        else:
-            size, digest = self._put_chunks(local, obj, hook)
+        size, digest = self.transfer.put(local, self.key(obj), hook)
         remote_size = int(self._info(obj)["size"])
         if remote_size != size:
             raise RemoteStorageError(
@@ -301,51 +320,10 @@ class RemoteStore:
                 self.fs.rm_file(self.key(old.object))
         return commit
 
-    def _put_whole(
-        self, local: Path, obj: str, hook: Callable[[str], None] | None
-    ) -> tuple[int, str]:
-        """One PUT of the whole file (read once, hashed from memory): what a plain
-        ``put_file`` of a file this size does, so an upload costs no more than one."""
-        data = local.read_bytes()
-        digest = xxhash.xxh3_64_hexdigest(data)
-        if hook is not None:
-            hook("chunk")
-        self.fs.pipe_file(self.key(obj), data)
-        if self.progress is not None:
-            self.progress(len(data))
-        return len(data), digest
-
-    def _put_chunks(
-        self, local: Path, obj: str, hook: Callable[[str], None] | None
-    ) -> tuple[int, str]:
-        """Stream the file in chunks (a multipart upload on S3 past its block size),
-        keeping to the bandwidth cap."""
-        h = xxhash.xxh3_64()
-        size = 0
-        t0 = time.monotonic()
-        with open(local, "rb") as src, self.fs.open(self.key(obj), "wb") as dst:
-            while chunk := src.read(CHUNK_BYTES):
-                dst.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
-                if self.progress is not None:
-                    self.progress(len(chunk))
-                if hook is not None:
-                    hook("chunk")
-                self._throttle(size, t0)
-        return size, h.hexdigest()
-
     def _info(self, rel: str) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             self.fs.invalidate_cache(self.key(rel))
         return self.fs.info(self.key(rel))  # type: ignore[no-any-return]
-
-    def _throttle(self, sent: int, t0: float) -> None:
-        """Sleep so that ``sent`` bytes since ``t0`` stay within the bandwidth cap."""
-        if self.bandwidth:
-            ahead = sent / self.bandwidth - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
 
     def _makedirs(self, rel: str) -> None:
         if self.local:  # object stores have no folders to make
@@ -381,27 +359,7 @@ class RemoteStore:
         """Download ``commit``'s data object to ``dest`` (published atomically), checking
         its size and checksum; :class:`CorruptCheckpointError` naming the object when
         they differ (``dest`` is then untouched)."""
-        where = self.where(commit.object)
-        h = xxhash.xxh3_64()
-        size = 0
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with self.fs.open(self.key(commit.object), "rb") as src, atomic_open(dest) as f:
-                while chunk := src.read(CHUNK_BYTES):
-                    f.write(chunk)
-                    h.update(chunk)
-                    size += len(chunk)
-                    if size > commit.size:
-                        break
-                if size != commit.size:
-                    raise CorruptCheckpointError(
-                        where,
-                        f"{size} bytes or more, the commit says {commit.size} (truncated or replaced)",
-                    )
-                if h.hexdigest() != commit.xxh3:
-                    raise CorruptCheckpointError(where, "checksum mismatch with its commit")
-        except FileNotFoundError:
-            raise CorruptCheckpointError(where, "committed but missing") from None
+        self.transfer.get(self.key(commit.object), dest, commit, self.where(commit.object))
 
     # ------------------------------------------------------------------ cleaning
     def clean(self) -> list[str]:

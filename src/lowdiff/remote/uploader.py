@@ -7,6 +7,8 @@ commit, computes the newest step the remote tier can recover (its durable step: 
 committed full checkpoint through committed record files without a gap) and reports it.
 It never blocks the writer: a failed upload (an endpoint that does not answer, an error
 of the store) is reported and retried with a growing pause, and the local tier goes on.
+What is committed, the durable step and the remote's retention are kept by its
+:class:`~lowdiff.remote.ledger.RemoteLedger`.
 
 On start it cleans what a crashed writer left on the remote (:meth:`RemoteStore.clean`)
 and catches up: every local full checkpoint and record file that the remote lacks, or
@@ -29,34 +31,14 @@ from typing import Any
 import xxhash
 
 from lowdiff.format import layout
-from lowdiff.format.atomic import _hook
-from lowdiff.remote.store import Commit, RemoteStore
+from lowdiff.format.atomic import fault_point
+from lowdiff.remote.commit import Commit
+from lowdiff.remote.ledger import RemoteLedger
+from lowdiff.remote.store import RemoteStore
 
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
 """Pauses between attempts of a failed upload (doubling from the first to the most)."""
-
-
-def reach(fulls: set[int], records: set[tuple[int, int]]) -> int:
-    """The newest step recoverable from full checkpoints at ``fulls`` and record files
-    ``(first, last)``, or -1: from a full checkpoint at F, a file with ``first <= s <=
-    last`` takes step ``s`` to ``last + 1``.
-
-    Example:
-        >>> reach({0}, {(0, 2), (3, 5), (7, 8)})
-        6
-    """
-    best = -1
-    by_first = sorted(records)
-    for f in fulls:
-        cur, moved = f, True
-        while moved:
-            moved = False
-            for first, last in by_first:
-                if first <= cur <= last:
-                    cur, moved = last + 1, True
-        best = max(best, cur)
-    return best
 
 
 def file_hash(path: Path) -> tuple[int, str]:
@@ -111,16 +93,15 @@ class Uploader:
         for _ in PurePosixPath(tier).parts:
             self.job_root = self.job_root.parent
         self.keep_full, self.bandwidth = keep_full, bandwidth
-        self.on_durable, self.on_progress, self.on_error = on_durable, on_progress, on_error
+        self.on_progress, self.on_error = on_progress, on_error
         self.cond = threading.Condition()
         self.queue: list[str] = []
         self.inflight: str | None = None
         self.ready = False
         """Cleaning and catch-up are done (the queue holds everything the remote lacks)."""
         self.stopping = False
-        self.fulls: set[int] = set()
-        self.records: set[tuple[int, int]] = set()
-        self.durable = -1
+        self.ledger = RemoteLedger(on_durable)
+        """What the remote tier holds committed, and its durable step."""
         self.uploaded = 0
         self.uploaded_bytes = 0
         self.upload_s = 0.0
@@ -137,6 +118,11 @@ class Uploader:
         self.job_store: RemoteStore | None = None
         """The tier at ``url`` (the job's, in a distributed job; else ``store``)."""
         self.thread = threading.Thread(target=self._run, name="lowdiff-upload", daemon=True)
+
+    @property
+    def durable(self) -> int:
+        """The newest step the remote tier can recover (-1: none yet)."""
+        return self.ledger.durable
 
     # ------------------------------------------------------------------ the writer's side
     def start(self) -> None:
@@ -273,7 +259,7 @@ class Uploader:
                 except FileNotFoundError:
                     continue
                 if same:
-                    self._committed(name)
+                    self.ledger.committed(name)
                 else:
                     missing.append((step, name))
         self._upload_manifest()
@@ -282,7 +268,7 @@ class Uploader:
             self.queue[:0] = [n for n in queued if n not in self.queue]
             self.ready = True
             self.cond.notify_all()
-        self._report()
+        self.ledger.report()
         return True
 
     def _upload_manifest(self) -> None:
@@ -317,73 +303,19 @@ class Uploader:
             return True  # gone (a later session quarantined it): nothing to publish
         if name.startswith(layout.FULL_DIR + "/"):
             self._upload_manifest()  # a reader of the remote needs the manifest first
-        _hook("before_upload", local)
+        fault_point("before_upload", local)
         self._sent = 0
         t0 = time.perf_counter()
-        commit = store.put(local, name, hook=lambda stage: _hook(_POINTS[stage], local))
+        commit = store.put(local, name, hook=lambda stage: fault_point(_POINTS[stage], local))
         self.upload_s += time.perf_counter() - t0
         self.uploaded += 1
         self.uploaded_bytes += commit.size
-        self._committed(name)
+        self.ledger.committed(name)
         if name.startswith(layout.FULL_DIR + "/") and self.keep_full is not None:
-            self._retention()
-        self._report()
+            self.ledger.retain(store, self.keep_full, self.job_store, self.siblings)
+        self.ledger.report()
         self._progress()
         return True
-
-    def _committed(self, name: str) -> None:
-        folder, _, base = name.partition("/")
-        if folder == layout.FULL_DIR:
-            s = layout.parse_full_name(base)
-            if s is not None:
-                self.fulls.add(s)
-        elif folder == layout.RECORDS_DIR:
-            r = layout.parse_records_name(base)
-            if r is not None:
-                self.records.add(r)
-
-    def _report(self) -> None:
-        d = reach(self.fulls, self.records)
-        if d > self.durable:
-            self.durable = d
-            self.on_durable(d)
-
-    def _retention(self) -> None:
-        """Keep the newest ``keep_full`` committed full checkpoints on the remote and the
-        record files that reach them; unpublish the rest (commit first, then data)."""
-        store = self.store
-        assert store is not None and self.keep_full is not None
-        fulls = store.fulls()[0]
-        steps = sorted(fulls)
-        if len(steps) <= self.keep_full:
-            return
-        oldest_kept = steps[-self.keep_full]
-        if self.siblings:
-            oldest_kept = min(oldest_kept, self._job_floor())
-        for r, c in store.records()[0].items():
-            if r[1] < oldest_kept:
-                store.delete(c.name)
-                self.records.discard(r)
-        for s in steps:
-            if s < oldest_kept:
-                store.delete(fulls[s].name)
-                self.fulls.discard(s)
-
-    def _job_floor(self) -> int:
-        """The newest full checkpoint every shard of the generation has committed (0 when
-        none is common, or a shard cannot be listed: nothing goes). The argument of
-        :func:`lowdiff.engine.worker.job_retention_floor` holds here too: each shard
-        commits in step order and deletes only below a step it has seen in every shard."""
-        job = self.job_store
-        assert job is not None
-        common: set[int] | None = None
-        for rel in self.siblings:
-            try:
-                steps = set(job.sub(rel).fulls()[0])
-            except Exception:  # noqa: BLE001 -- any failure of the store: keep everything
-                return 0
-            common = steps if common is None else common & steps
-        return max(common) if common else 0
 
 
 _POINTS = {"chunk": "upload_chunk", "commit": "before_commit"}

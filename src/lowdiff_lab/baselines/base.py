@@ -2,10 +2,11 @@
 
 A baseline is a checkpointing strategy lowdiff is compared against (``torch-save``,
 ``checkfreq``, ``gemini``, ``naive-dc``, ``dcp-async``). Users get one through the same
-call as lowdiff's own strategies, ``lowdiff.Checkpointer(model, opt, DIR,
-strategy="checkfreq", ...)``, and drive it with the same loop::
+call as lowdiff's own methods, ``lowdiff.Checkpointer(DIR, model, opt,
+method="checkfreq", ...)`` (registered by :mod:`lowdiff_lab.plugin`), and drive it with
+the same loop::
 
-    ck = Checkpointer(model, opt, DIR, strategy=..., full_every=f)  # validates, locks DIR
+    ck = Checkpointer(DIR, model, opt, method=..., full_every=f)  # validates, locks DIR
     start = ck.resume()     # restores the newest checkpoint, or writes the step-0 one
     for step in range(start, total):
         ...; loss.backward()
@@ -57,8 +58,8 @@ from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.format.sfile import open_regular
 from lowdiff.options import check_int
 from lowdiff.proc.locks import lock_directory
-from lowdiff.recovery.replay import RecoveryStats
-from lowdiff.recovery.scan import check_directory, is_empty_dir
+from lowdiff.recovery.directory import check_directory, is_empty_dir
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state import capture as st
 from lowdiff.state.sharded import refuse_sharded
 from lowdiff.strategy import StepGrads, Strategy, compress_grads

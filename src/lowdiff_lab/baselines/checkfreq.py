@@ -1,4 +1,4 @@
-"""``strategy="checkfreq"``: CheckFreq's two-phase checkpoint and its adaptive interval.
+"""``method="checkfreq"``: CheckFreq's two-phase checkpoint and its adaptive interval.
 
 CheckFreq (Mohan, Phanishayee, Chidambaram, FAST'21) makes frequent checkpoints cheap by
 splitting each one into two phases pipelined with training, and by choosing how often to
@@ -31,7 +31,7 @@ and exposed as ``ck.interval`` and in ``ck.stats``.
 
 Call sequence::
 
-    ck = Checkpointer(model, opt, DIR, strategy="checkfreq", full_every="auto")
+    ck = Checkpointer(DIR, model, opt, method="checkfreq", full_every="auto")
     start = ck.resume()   # (trainer) waits for a previous session's persist process,
                           # restores the newest checkpoint, spawns the persist process
     for step in range(start, total):
@@ -43,7 +43,7 @@ Call sequence::
     ck.close()            # (trainer) wait for the last persist, stop the process
 
 Files: ``DIR/full/ckpt-{step:012d}.pt`` and its ``.commit`` digest, exactly what
-``strategy="torch-save"`` writes, so recovery is the same: the newest intact file. The
+``method="torch-save"`` writes, so recovery is the same: the newest intact file. The
 persist process holds ``DIR/.lowdiff.writer.lock``; when the trainer dies it still
 writes a snapshot it was already handed, then exits, and a new session waits for it.
 
@@ -324,7 +324,7 @@ class CheckFreqCheckpointer(BaselineCheckpointer):
     previous persist).
 
     Example:
-        >>> ck = lowdiff.Checkpointer(model, opt, "runs/cf", strategy="checkfreq",
+        >>> ck = lowdiff.Checkpointer("runs/cf", model, opt, method="checkfreq",
         ...                           full_every="auto")  # doctest: +SKIP
         >>> start = ck.resume()  # doctest: +SKIP
     """

@@ -122,7 +122,7 @@ class Persister:
 
     def tensors(self, entries: list[Entry]) -> list[torch.Tensor]:
         """Tensors over the shared buffer, each with a storage of its own (no copy), so
-        that ``torch.save`` writes exactly the bytes that ``strategy="torch-save"`` does."""
+        that ``torch.save`` writes exactly the bytes that ``method="torch-save"`` does."""
         out = []
         for start, end, dtype, shape in entries:
             numel = math.prod(shape)

@@ -1,4 +1,4 @@
-"""``strategy="dcp-async"``: PyTorch's own ``torch.distributed.checkpoint.async_save``.
+"""``method="dcp-async"``: PyTorch's own ``torch.distributed.checkpoint.async_save``.
 
 What a user of the PyTorch ecosystem picks today (torchtitan's checkpointer is built on
 it). Every ``full_every`` steps, on the training process:
@@ -210,7 +210,7 @@ class DCPAsyncCheckpointer(BaselineCheckpointer):
         The other arguments are those of :class:`lowdiff.Checkpointer`.
 
     Example:
-        >>> ck = lowdiff.Checkpointer(model, opt, "ck", strategy="dcp-async", full_every=1)  # doctest: +SKIP
+        >>> ck = lowdiff.Checkpointer("ck", model, opt, method="dcp-async", full_every=1)  # doctest: +SKIP
         >>> start = ck.resume()  # doctest: +SKIP
     """
 

@@ -38,7 +38,7 @@ from lowdiff.errors import (
 )
 from lowdiff.format import layout
 from lowdiff.proc.locks import acquire_flock, lock_holder
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state import capture as st
 from lowdiff_lab.baselines.files import commit_path, published, quarantine, verify_commit
 from lowdiff_lab.baselines.training_state import check_scheduler

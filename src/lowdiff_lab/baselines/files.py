@@ -28,7 +28,7 @@ import xxhash
 from lowdiff.errors import CorruptCheckpointError
 from lowdiff.format import layout
 from lowdiff.format.atomic import atomic_open, fsync_dir, write_bytes_atomic
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.stats import RecoveryStats
 
 COMMIT_SUFFIX = ".commit"
 """A checkpoint file ``X`` is published only once ``X.commit`` (its digest) exists."""

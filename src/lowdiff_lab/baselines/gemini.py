@@ -1,4 +1,4 @@
-"""``strategy="gemini"``: in-memory checkpoints kept by a separate process, rare persistence.
+"""``method="gemini"``: in-memory checkpoints kept by a separate process, rare persistence.
 
 Gemini (Wang et al., SOSP'23) checkpoints into CPU memory instead of storage: the state
 is copied every ``full_every`` steps into host memory that a training failure does not
@@ -58,7 +58,7 @@ checkpoint and stops the holder.
 
 Call sequence::
 
-    ck = Checkpointer(model, opt, DIR, strategy="gemini", full_every=1, persist_every=10)
+    ck = Checkpointer(DIR, model, opt, method="gemini", full_every=1, method_options={"persist_every": 10})
     start = ck.resume()   # (trainer) memory -> peer -> disk; attaches to a live holder or
                           # spawns one; copies the recovered state into memory
     for step in range(start, total):
@@ -107,7 +107,7 @@ from lowdiff.format import layout
 from lowdiff.format.atomic import remove_stale_temps
 from lowdiff.options import check_int
 from lowdiff.proc.protocol import Closed, Flushed, Message, unexpected
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state import capture as st
 from lowdiff_lab.baselines.base import BaselineCheckpointer
 from lowdiff_lab.baselines.gemini_copy import CopyWorker
@@ -159,7 +159,7 @@ class GeminiCheckpointer(BaselineCheckpointer):
     Other arguments as for :class:`~lowdiff_lab.baselines.base.BaselineCheckpointer`.
 
     Example:
-        >>> ck = lowdiff.Checkpointer(model, opt, "ckpt", strategy="gemini",  # doctest: +SKIP
+        >>> ck = lowdiff.Checkpointer("ckpt", model, opt, method="gemini",  # doctest: +SKIP
         ...                           full_every=1, persist_every=10)
         >>> start = ck.resume()  # doctest: +SKIP
     """

@@ -29,7 +29,8 @@ from lowdiff.errors import (
     RecoveryWarning,
 )
 from lowdiff.proc import holder as rp
-from lowdiff.recovery.replay import RecoveryStats, apply_full_state
+from lowdiff.recovery.full_state import apply_full_state
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff_lab.baselines.base import load_state, published, quarantine, restore_state
 from lowdiff_lab.baselines.gemini_protocol import PREFIX, SUFFIX, checkpoint_file
 from lowdiff_lab.baselines.gemini_ring import PeerRing

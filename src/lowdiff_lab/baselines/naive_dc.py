@@ -1,4 +1,4 @@
-"""``strategy="naive-dc"``: the LowDiff paper's "Naïve DC" baseline.
+"""``method="naive-dc"``: the LowDiff paper's "Naïve DC" baseline.
 
 Synchronous, dense differential checkpointing as the LowDiff paper constructs it (its
 own baseline, not a reimplementation of Check-N-Run): a full checkpoint every
@@ -147,7 +147,7 @@ class NaiveDCCheckpointer(BaselineCheckpointer):
     ``checkpoints`` counts both kinds.
 
     Example:
-        >>> ck = lowdiff.Checkpointer(model, opt, "ckpt", strategy="naive-dc",
+        >>> ck = lowdiff.Checkpointer("ckpt", model, opt, method="naive-dc",
         ...                           full_every=100, ratio=0.01)  # doctest: +SKIP
         >>> start = ck.resume()  # doctest: +SKIP
     """

@@ -22,7 +22,7 @@ import torch
 from lowdiff.compressors.base import check_payload, compressor_from_spec
 from lowdiff.errors import CorruptCheckpointError, RecoveryWarning
 from lowdiff.format import layout
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff_lab.baselines.files import commit_path, load_state, published, quarantine
 from lowdiff_lab.baselines.naive_dc_record import (
     DIFF_DIR,

@@ -1,4 +1,4 @@
-"""``strategy="torch-save"``: a synchronous ``torch.save`` of the whole state.
+"""``method="torch-save"``: a synchronous ``torch.save`` of the whole state.
 
 What most training scripts do: every ``full_every`` steps, training stops while model,
 optimizer, scheduler and RNG states are serialised and written. Files are

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 import lowdiff
+from lowdiff_lab import checkpointers
 from lowdiff_lab.machine import total_memory_bytes
 from lowdiff_lab.workloads import zoo
 
@@ -209,11 +210,11 @@ def make_checkpointer(
         raise ValueError(f"arm {arm.label!r}: strategy {arm.strategy!r} needs a compression ratio")
     else:
         compressor = None
-    ck = lowdiff.Checkpointer(
+    ck = checkpointers.build(
+        None if arm.strategy == "none" else directory,
         model,
         opt,
-        None if arm.strategy == "none" else directory,
-        strategy=arm.strategy,
+        arm.strategy,
         compressor=compressor,
         full_every=arm.full_every,
         **kwargs,

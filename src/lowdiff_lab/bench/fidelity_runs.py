@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import lowdiff
+from lowdiff_lab import checkpointers
 from lowdiff_lab.bench.core import BenchSettings, build_workload, crash_after, make_optimizer
 from lowdiff_lab.bench.fidelity_metrics import difference, model_tensors
 from lowdiff_lab.bench.fidelity_plan import Case, Setting
@@ -108,11 +109,11 @@ def case_checkpointer(
 ) -> Any:  # lowdiff.Checkpointer or a baseline
     """The case's Checkpointer on its own directory, in its setting's compression."""
     a = case.arm
-    return lowdiff.Checkpointer(
+    return checkpointers.build(
+        case.directory,
         model,
         opt,
-        case.directory,
-        strategy=a.strategy or "none",
+        a.strategy or "none",
         compressor=None if a.strategy == "lowdiff+" else case.setting.compressor(),
         full_every=a.full_every,
         **dict(a.options),
@@ -126,7 +127,7 @@ def reference_run(s: BenchSettings, setting: Setting) -> Run:
     ck = None
     if setting.ratio is not None:
         ck = lowdiff.Checkpointer(
-            wl.model, opt, None, strategy="none", compressor=setting.compressor()
+            None, wl.model, opt, method="compression-only", compressor=setting.compressor()
         )
         ck.resume()
     return Run("Baseline", wl, opt, ck, RunRng.capture())

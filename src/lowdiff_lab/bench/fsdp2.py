@@ -9,7 +9,7 @@ In one job, on the same model and batches, one arm after the other (each from th
 initial state):
 
 - ``none``: training alone;
-- ``lowdiff+``: ``lowdiff.Checkpointer(strategy="lowdiff+")``, every step in the replica;
+- ``lowdiff+``: ``lowdiff.Checkpointer(method="lowdiff+")``, every step in the replica;
   timed until ``close()`` returned, when the final state is persisted on every rank;
 - ``dcp-async``: every step, ``get_state_dict`` and ``dcp.async_save`` of the sharded
   state (the collective save every rank joins), DCP's process saver (the thread saver
@@ -157,7 +157,7 @@ def _run_arm(
     finish: Callable[[], None] = lambda: None  # noqa: E731
     ck: Any = None
     if arm == "lowdiff+":
-        ck = lowdiff.Checkpointer(model, opt, root, strategy="lowdiff+", full_every=args.persist)
+        ck = lowdiff.Checkpointer(root, model, opt, method="lowdiff+", full_every=args.persist)
         ck.resume()
         finish = ck.close
     elif arm.startswith("dcp-"):

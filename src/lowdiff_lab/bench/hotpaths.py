@@ -1,8 +1,8 @@
 """LowDiff's per-step cost against the same compressed training without checkpoints.
 
 :func:`lowdiff_step_bench` trains one zoo workload with top-k compression twice, in
-alternating blocks in this process: with ``strategy="none"`` (compressed training, no
-checkpoint: the compression and the update are the same) and with ``strategy="lowdiff"``
+alternating blocks in this process: with ``method="compression-only"`` (compressed training, no
+checkpoint: the compression and the update are the same) and with ``method="lowdiff"``
 handing a record over every step and writing them in files of ``batch_size`` records
 (1 by default: every step durable on its own) with a full checkpoint every
 ``full_every`` steps. A block is ``steps`` training steps (zero the gradients, forward and
@@ -49,6 +49,7 @@ import torch
 
 import lowdiff
 from lowdiff.strategy import PIPELINE_STAGES, trainer_overhead_s
+from lowdiff_lab import checkpointers
 from lowdiff_lab.workloads.zoo import build_workload
 
 END_TO_END_TARGET = 0.03
@@ -87,13 +88,8 @@ def _block(strategy: str, spec: _Blocks, workdir: Path) -> dict[str, Any]:
     options: dict[str, Any] = {} if spec.batch_size is None else {"batch_size": spec.batch_size}
     if spec.full_every is not None:
         options["full_every"] = spec.full_every
-    ck = lowdiff.Checkpointer(
-        model,
-        opt,
-        directory,
-        strategy=strategy,
-        compressor=lowdiff.TopK(ratio=spec.ratio),
-        **options,
+    ck = checkpointers.build(
+        directory, model, opt, strategy, compressor=lowdiff.TopK(ratio=spec.ratio), **options
     )
     try:
         ck.resume()

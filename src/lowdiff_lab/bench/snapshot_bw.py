@@ -2,7 +2,7 @@
 
 :func:`snapshot_bandwidth_bench` trains a workload on the CPU with the LowDiff+ gradient
 snapshotter (:class:`lowdiff.engine.snapshot.GradSnapshotter`) attached, exactly as
-``strategy="lowdiff+"`` attaches it: autograd hooks, shared-memory slots laid out by the
+``method="lowdiff+"`` attaches it: autograd hooks, shared-memory slots laid out by the
 record layout, the default block and chunk sizes. No checkpointing process is started;
 the slots are handed back round-robin.
 
@@ -94,7 +94,7 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 class _Rig:
-    """A workload with the snapshotter attached as ``strategy="lowdiff+"`` attaches it,
+    """A workload with the snapshotter attached as ``method="lowdiff+"`` attaches it,
     its slots handed back round-robin (no checkpointing process takes them)."""
 
     def __init__(self, workload: str, copy_mode: str) -> None:
@@ -206,7 +206,7 @@ def snapshot_bandwidth_bench(
         repeats: Rounds; each round runs ``steps`` training steps, each followed by one
             contiguous and one per-tensor memcpy of the gradients' size.
         steps: Training steps per round (after one untimed step).
-        copy_mode: The snapshotter's ``copy_mode`` (``"auto"``: what ``strategy="lowdiff+"``
+        copy_mode: The snapshotter's ``copy_mode`` (``"auto"``: what ``method="lowdiff+"``
             uses on this machine).
         progress: Called with a short status text per round.
 

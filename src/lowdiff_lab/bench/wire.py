@@ -2,7 +2,7 @@
 
 :func:`ddp_wire_bench` runs a real ``world_size``-rank DDP job on gloo (spawned
 processes on this machine) in which every rank trains a zoo workload through
-``lowdiff.Checkpointer`` with ``strategy="lowdiff"`` and a top-k compressor, and reads,
+``lowdiff.Checkpointer`` with ``method="lowdiff"`` and a top-k compressor, and reads,
 after every step, the bytes its communication hook passed to the collectives
 (:class:`lowdiff.ddp.hooks.WireStats`: the ``nbytes`` of the tensors handed to the
 all-gathers, not a formula). Per rank and step:
@@ -71,7 +71,7 @@ def _rank_main(
         dense_payload = sum(p.numel() * p.element_size() for p in grads)
         rows: list[dict[str, Any]] = []
         with lowdiff.Checkpointer(
-            model, opt, root / "ck", compressor=lowdiff.TopK(ratio=ratio)
+            root / "ck", model, opt, compressor=lowdiff.TopK(ratio=ratio)
         ) as ck:
             ck.resume()
             hook = own_strategy(ck).ddp_hook_state

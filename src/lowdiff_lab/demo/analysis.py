@@ -9,7 +9,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from lowdiff.inspect import inspect_dir
+from lowdiff.inspection import inspect_dir
 from lowdiff.state.capture import diff_states
 from lowdiff_lab.demo.settings import SPARSIFIERS
 

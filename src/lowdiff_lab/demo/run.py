@@ -4,13 +4,13 @@ The demo runs the training job of :mod:`lowdiff_lab.workloads.train` four times,
 real child process, one after the other (two CPU-bound jobs side by side would disturb
 each other's timings):
 
-a) ``strategy="lowdiff"``; SIGKILLed when it reports a randomly chosen step (seeded by
+a) ``method="lowdiff"``; SIGKILLed when it reports a randomly chosen step (seeded by
    ``seed``, between 40% and 80% of the run);
 b) the same job restarted on the same directory: it resumes, dumps its whole training
    state right after ``resume()``, and finishes;
-c) ``strategy="none"`` (same compression, no checkpointing) uninterrupted, dumping its
+c) ``method="compression-only"`` (same compression, no checkpointing) uninterrupted, dumping its
    state at the step (b) recovered: the reference;
-d) ``strategy="lowdiff"`` uninterrupted in a fresh directory, timed against (c);
+d) ``method="lowdiff"`` uninterrupted in a fresh directory, timed against (c);
 e) in this process, the longest replay the files (d) kept allow (for LowDiff+: the
    recovery from disk).
 

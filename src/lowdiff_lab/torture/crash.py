@@ -16,8 +16,8 @@ every recovery against the uninterrupted reference trajectory:
 3. the recovered state is bit-identical (``torch.equal`` on every tensor) to the
    reference at that step.
 
-Both strategies are driven. LowDiff (``strategy="lowdiff"``) writes record files and full
-checkpoints. LowDiff+ (``strategy="lowdiff+"``) keeps a replica in its checkpointing
+Both strategies are driven. LowDiff (``method="lowdiff"``) writes record files and full
+checkpoints. LowDiff+ (``method="lowdiff+"``) keeps a replica in its checkpointing
 process and persists it as full checkpoints only, so its plans use the full-checkpoint and
 retention hook points; after a kill of the trainer alone the replica survives in memory
 and the next ``resume()`` restores from it (``ck.recovery_stats.source == "memory"``),

@@ -200,7 +200,7 @@ class DdpKill:
 
 
 def plan_kills(kills: int, seed: int, strategy: str = "lowdiff") -> list[DdpKill]:
-    """The seeded kills of a series (``strategy="both"`` alternates LowDiff and LowDiff+)."""
+    """The seeded kills of a series (``method="both"`` alternates LowDiff and LowDiff+)."""
     if strategy not in (*STRATEGIES, "both"):
         raise ValueError(f"strategy must be one of {(*STRATEGIES, 'both')}, got {strategy!r}")
     if not isinstance(kills, int) or isinstance(kills, bool) or kills < 0:

@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lowdiff
 from lowdiff.attach import own_strategy
 from lowdiff.state.capture import snapshot_state
+from lowdiff_lab import checkpointers
 
 _MARKS: dict[str, float] = {"imports": time.time()}
 """When this attempt reached each phase of its start (``timing-rank{r}-{pid}.txt``)."""
@@ -101,7 +102,7 @@ def build(
     if strategy == "none":
         options.pop("sigterm_timeout", None)
     kw.update(options)
-    ck = lowdiff.Checkpointer(model, opt, directory, strategy=strategy, scheduler=sched, **kw)
+    ck = checkpointers.build(directory, model, opt, strategy, scheduler=sched, **kw)
     _MARKS["checkpointer"] = time.time()
     return model, opt, sched, ck
 

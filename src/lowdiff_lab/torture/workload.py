@@ -6,7 +6,7 @@ restore), and the compressor has no error feedback. A resumed run therefore cont
 exactly like an uninterrupted one, so every recovered state can be compared bit for bit
 with the reference trajectory.
 
-LowDiff+ (``strategy="lowdiff+"``) trains on the uncompressed gradients; its reference
+LowDiff+ (``method="lowdiff+"``) trains on the uncompressed gradients; its reference
 is the same job with :class:`~lowdiff.NoCompression` (``reference(n, plus=True)``).
 """
 
@@ -24,6 +24,7 @@ from torch import nn
 
 import lowdiff
 from lowdiff.state.capture import snapshot_state
+from lowdiff_lab import checkpointers
 
 FULL_EVERY = 4
 BATCH_SIZE = 3
@@ -66,7 +67,7 @@ def checkpointer(directory: str | Path | None, **kw: Any) -> tuple[Any, ...]:
     kw.setdefault("start_timeout", 60.0)
     if directory is not None:
         kw.setdefault("idle_timeout", IDLE_TIMEOUT)
-    ck = lowdiff.Checkpointer(model, opt, directory, scheduler=sched, compressor=compressor(), **kw)
+    ck = checkpointers.build(directory, model, opt, scheduler=sched, compressor=compressor(), **kw)
     return ck, model, opt, sched
 
 
@@ -77,9 +78,7 @@ def plus_checkpointer(directory: str | Path, **kw: Any) -> tuple[Any, ...]:
     kw.setdefault("keep_full", KEEP_FULL)
     kw.setdefault("idle_timeout", IDLE_TIMEOUT)
     kw.setdefault("start_timeout", 60.0)
-    ck = lowdiff.Checkpointer(
-        model, opt, directory, scheduler=sched, strategy="lowdiff+", compressor=None, **kw
-    )
+    ck = checkpointers.build(directory, model, opt, "lowdiff+", scheduler=sched, **kw)
     return ck, model, opt, sched
 
 
@@ -107,8 +106,9 @@ def _reference(n_steps: int, plus: bool = False) -> list[dict[str, torch.Tensor]
     if plus:
         model, opt, sched = build()
         ck = lowdiff.Checkpointer(
-            model, opt, None, scheduler=sched, strategy="none", compressor=lowdiff.NoCompression()
-        )
+            None, model, opt, scheduler=sched, method="compression-only",
+            compressor=lowdiff.NoCompression(),
+        )  # fmt: skip
     else:
         ck, model, opt, sched = checkpointer(None, strategy="none")
     ck.resume()

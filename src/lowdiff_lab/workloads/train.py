@@ -22,7 +22,7 @@ Config keys (JSON object; unknown keys are rejected to catch typos):
 
 Strategies: ``"lowdiff"``, ``"lowdiff+"``, ``"none"`` and the baselines of
 :data:`lowdiff_lab.baselines.BASELINES` (``"torch-save"``, ``"checkfreq"``, ``"gemini"``,
-``"naive-dc"``, ``"dcp-async"``), all through ``lowdiff.Checkpointer(..., strategy=...)``.
+``"naive-dc"``, ``"dcp-async"``), all through ``lowdiff.Checkpointer(..., method=...)``.
 A baseline trains with ``compressor`` as the ``"none"`` strategy does (``{"kind": "none"}``:
 uncompressed) and takes no ``batch_size_records``.
 """
@@ -47,10 +47,11 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.compressors import compressor_from_spec
-from lowdiff.inspect import inspect_dir
+from lowdiff.inspection import inspect_dir
 from lowdiff.methods import method_modules
 from lowdiff.recovery.restore import recover
 from lowdiff.state.capture import state_tensors
+from lowdiff_lab import checkpointers
 from lowdiff_lab.baselines import BASELINES
 from lowdiff_lab.workloads import models, text
 
@@ -293,11 +294,11 @@ def build_checkpointer(
     else:
         uncompressed = cfg.strategy == "lowdiff+"
         options["batch_size"] = cfg.batch_size_records
-    return Checkpointer(
+    return checkpointers.build(
+        cfg.directory,
         model,
         optimizer,
-        cfg.directory,
-        strategy=cfg.strategy,
+        cfg.strategy,
         compressor=None if uncompressed else compressor_from_spec(cfg.compressor),
         full_every=cfg.full_every,
         scheduler=scheduler,

@@ -19,13 +19,8 @@ from lowdiff.format import layout, sfile
 from lowdiff.format.atomic import TMP_PREFIX
 from lowdiff.methods import directory_kind
 from lowdiff.proc.holder import replica_status
-from lowdiff.recovery.job import (
-    Generation,
-    generation_intervals,
-    generations,
-    is_job_dir,
-)
-from lowdiff.recovery.replay import RecoveryStats
+from lowdiff.recovery.job import generation_intervals
+from lowdiff.recovery.job_layout import Generation, generations, is_job_dir
 from lowdiff.recovery.scan import (
     FileInfo,
     make_plan,
@@ -34,6 +29,7 @@ from lowdiff.recovery.scan import (
     recoverable_range,
     scan,
 )
+from lowdiff.recovery.stats import RecoveryStats
 from lowdiff.state.sharded import FSDP2
 
 
@@ -86,7 +82,7 @@ class DirectoryInfo:
         return total
 
 
-def inspect_dir(path: str | Path, *, verify: bool = False) -> DirectoryInfo:
+def inspect_dir(directory: str | Path, *, verify: bool = False) -> DirectoryInfo:
     """Summarise a checkpoint directory.
 
     By default from the files' headers alone: fast whatever the size of the checkpoints,
@@ -103,12 +99,12 @@ def inspect_dir(path: str | Path, *, verify: bool = False) -> DirectoryInfo:
         >>> lowdiff.inspect_dir("runs/ckpt", verify=True).recoverable  # doctest: +SKIP
         (0, 240)
     """
-    if is_job_dir(Path(path)):
+    if is_job_dir(Path(directory)):
         raise NotACheckpointDirectoryError(
-            f"{path} is a distributed job's directory (one shard per rank): summarise it with "
+            f"{directory} is a distributed job's directory (one shard per rank): summarise it with "
             "lowdiff.inspect_job(), or one shard with inspect_dir() on its rank directory"
         )
-    sc = scan(path)
+    sc = scan(directory)
     problems = list(sc.problems)
     bad: set[Path] = set()
     if verify:
@@ -181,7 +177,7 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
-def inspect_job(path: str | Path, *, verify: bool = False) -> JobInfo:
+def inspect_job(directory: str | Path, *, verify: bool = False) -> JobInfo:
     """Summarise a distributed job's directory: every shard, and the steps all of them serve.
 
     A job resumed at other world sizes has several generations (see
@@ -191,7 +187,7 @@ def inspect_job(path: str | Path, *, verify: bool = False) -> JobInfo:
     are read and checked, and a step counts only if every shard reaches it through intact
     files.
     """
-    root = Path(path)
+    root = Path(directory)
     gens = generations(root)
     shards: list[DirectoryInfo] = []
     spans: list[tuple[int, int]] = []
@@ -210,13 +206,13 @@ def is_job(path: str | Path) -> bool:
     return is_job_dir(Path(path))
 
 
-def verify_dir(path: str | Path) -> tuple[int, list[tuple[Path, str]]]:
+def verify_dir(directory: str | Path) -> tuple[int, list[tuple[Path, str]]]:
     """Check every checksum in the directory (every shard, for a distributed job).
 
     Returns:
         (number of files checked, [(path, reason) for every bad file]).
     """
-    root = Path(path)
+    root = Path(directory)
     kind = directory_kind(root)
     if kind is not None:  # a registered method's directory (a baseline's): its own files
         return kind.verify(root)
