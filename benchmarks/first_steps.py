@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from lowdiff_lab.bench.core import Arm, BenchSettings, build_workload, make_checkpointer, make_optimizer
+from lowdiff_lab.bench.core import (
+    Arm,
+    BenchSettings,
+    build_workload,
+    make_checkpointer,
+    make_optimizer,
+)
 from lowdiff_lab.bench.exp_recovery import crash_in_child, memory_arms
 
 

@@ -34,7 +34,8 @@ import json, sys, tempfile, time
 from pathlib import Path
 import torch
 import torch.multiprocessing as tmp
-from lowdiff.engine.worker import WorkerConfig, worker_main
+from lowdiff.engine.wire.configs import WriterConfig
+from lowdiff.engine.writer.main import writer_main
 from lowdiff.proc import channel, spawn
 from lowdiff.proc.link import ProcessLink
 from lowdiff.proc.protocol import Close, Kind
@@ -52,12 +53,12 @@ for i in range(starts):
     root = Path(tempfile.mkdtemp())
     (root / "records").mkdir()
     (root / "full").mkdir()
-    cfg = WorkerConfig(str(root), 1, 1, 64, "x", "r" * 32)
+    cfg = WriterConfig(str(root), 1, 1, 64, "x", "r" * 32)
     link = ProcessLink("the checkpointing process", stall_timeout=60, start_timeout=120)
     slots = torch.zeros((2, 64), dtype=torch.uint8).share_memory_()
     ctr = channel.new_counters()
     t0 = time.perf_counter()
-    link.start(worker_main, (cfg, slots, ctr), name="bench", counters=ctr)
+    link.start(writer_main, (cfg, slots, ctr), name="bench", counters=ctr)
     out.append(time.perf_counter() - t0)
     link.send(Close())
     link.wait_for(Kind.CLOSED)

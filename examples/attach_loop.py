@@ -8,7 +8,7 @@ after a crash the next batch is exactly the one an uninterrupted run would have 
     python examples/attach_loop.py --dir runs/loop          # kill it at any moment (kill -9) ...
     python examples/attach_loop.py --dir runs/loop          # ... and run it again: it resumes
 
-Needs ``pip install torchdata``.
+Needs torchdata (``pip install -e ".[data]"``).
 """
 
 from __future__ import annotations
@@ -65,13 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     # error_feedback=False: training after a resume is then bit-identical to a run that
     # never crashed (with error feedback the residual restarts at zero after a resume)
     ck = lowdiff.attach(
+        args.dir,
         model,
         optimizer,
-        args.dir,
         compressor=lowdiff.TopK(ratio=0.05, error_feedback=False),
         scheduler=scheduler,
         full_every=20,
-        batch_size=4,
+        records_per_file=4,
         extra_state={"data": loader},
     )
     step = ck.resume()  # restores model, optimizer, scheduler, RNG and the loader's position

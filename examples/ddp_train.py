@@ -1,7 +1,7 @@
 """Data-parallel training with per-iteration checkpointing, launched by torchrun.
 
     torchrun --nproc-per-node 2 examples/ddp_train.py --dir runs/ddp
-    torchrun --nproc-per-node 2 examples/ddp_train.py --dir runs/ddp-plus --strategy lowdiff+
+    torchrun --nproc-per-node 2 examples/ddp_train.py --dir runs/ddp-plus --method lowdiff+
 
 Kill one rank and let torchrun restart the job (the rank kills itself on the first
 attempt only; the restarted job resumes from the step all ranks agree on):
@@ -52,13 +52,18 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--dir", required=True, help="checkpoint directory (shared by all ranks)")
-    ap.add_argument("--strategy", default="lowdiff", choices=["lowdiff", "lowdiff+", "none"])
+    ap.add_argument(
+        "--method",
+        "--strategy",
+        default="lowdiff",
+        choices=["lowdiff", "lowdiff+", "compression-only"],
+    )
     ap.add_argument("--ratio", type=float, default=0.01, help="TopK ratio (lowdiff)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--full-every", type=int, default=50)
-    ap.add_argument("--batch-size", type=int, default=5)
+    ap.add_argument("--records-per-file", "--batch-size", type=int, default=5)
     ap.add_argument("--kill-rank", type=int, default=-1, help="this rank SIGKILLs itself ...")
     ap.add_argument(
         "--kill-at", type=int, default=-1, help="... at this step, on the first attempt"
@@ -78,13 +83,16 @@ def main() -> None:
     model = DDP(build_model(args.width, args.depth).to(device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    opts: dict = {"full_every": args.full_every, "batch_size": args.batch_size}
-    if args.strategy == "lowdiff+":
-        opts = {"compressor": None, "full_every": args.full_every}
-    else:
-        opts["compressor"] = lowdiff.TopK(ratio=args.ratio)
+    compressed = args.method != "lowdiff+"  # LowDiff+ trains without compression
     ck = lowdiff.Checkpointer(
-        model, optimizer, args.dir, strategy=args.strategy, scheduler=scheduler, **opts
+        args.dir,
+        model,
+        optimizer,
+        method=args.method,
+        compressor=lowdiff.TopK(ratio=args.ratio) if compressed else None,
+        scheduler=scheduler,
+        full_every=args.full_every,
+        records_per_file=args.records_per_file,
     )
     start = ck.resume()
     if ck.recovery_stats is not None and rank == 0:
@@ -118,7 +126,7 @@ def main() -> None:
     mine = {
         "rank": rank,
         "world_size": world,
-        "strategy": args.strategy,
+        "method": args.method,
         "parameters": sum(p.numel() for p in model.parameters()),
         "steps": args.steps - start,
         "train_s": train_s,

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--eval-steps", type=int, default=5, help="with --eval-strategy steps")
     parser.add_argument(
+        "--method",
         "--strategy",
         choices=("lowdiff", "lowdiff+"),
         default="lowdiff",
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         disable_tqdm=True,
     )
 
-    if args.strategy == "lowdiff+":
-        cb = LowDiffCallback(args.dir, strategy="lowdiff+")
+    if args.method == "lowdiff+":
+        cb = LowDiffCallback(args.dir)  # no compressor: LowDiff+
     else:
         # error_feedback=False: training after a resume is then bit-identical to a run that
         # never stopped (with error feedback the residual restarts at zero after a resume)
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             args.dir,
             compressor=lowdiff.TopK(ratio=0.05, error_feedback=False),
             full_every=10,
-            batch_size=3,
+            records_per_file=3,
         )
     trainer = Trainer(
         model=model,

@@ -19,7 +19,7 @@ torchdata's ``StatefulDataLoader``, so a resumed run goes on with the next batch
         examples/lightning_train.py --dir runs/pl-fsdp2 --devices 2 --fsdp2 \
         --kill-rank 1 --kill-after 9
 
-Needs ``pip install lightning torchdata``.
+Needs lightning and torchdata (``pip install -e ".[lightning]"``).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def _trainer(args: argparse.Namespace) -> tuple[pl.Trainer, LowDiffCallback]:
 
         # LowDiff+: each rank's replica process holds its shard and persists it every
         # full_every steps (and at close)
-        cb = LowDiffCallback(args.dir, strategy="lowdiff+", full_every=4)
+        cb = LowDiffCallback(args.dir, full_every=4)  # no compressor: LowDiff+
         strategy: Any = ModelParallelStrategy(
             data_parallel_size=args.devices, tensor_parallel_size=1
         )
@@ -236,7 +236,7 @@ def _trainer(args: argparse.Namespace) -> tuple[pl.Trainer, LowDiffCallback]:
             args.dir,
             compressor=lowdiff.TopK(ratio=0.05, error_feedback=False),
             full_every=20,
-            batch_size=4,
+            records_per_file=4,
         )
         strategy = "ddp" if args.devices > 1 else "auto"
     trainer = pl.Trainer(

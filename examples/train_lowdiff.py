@@ -4,7 +4,7 @@ Run it, kill it at any moment (Ctrl-C, ``kill -9``), run it again: it resumes fr
 newest recoverable step.
 
     python examples/train_lowdiff.py --dir runs/example                     # LowDiff (TopK 1 %)
-    python examples/train_lowdiff.py --dir runs/example-plus --strategy lowdiff+
+    python examples/train_lowdiff.py --dir runs/example-plus --method lowdiff+
     lowdiff inspect runs/example
 """
 
@@ -29,7 +29,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dir", required=True, help="checkpoint directory")
-    parser.add_argument("--strategy", default="lowdiff", choices=["lowdiff", "lowdiff+"])
+    parser.add_argument(
+        "--method",
+        "--strategy",
+        default="lowdiff",
+        choices=["lowdiff", "lowdiff+"],
+    )
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
 
@@ -37,17 +42,17 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    compressor = lowdiff.TopK(ratio=0.01) if args.strategy == "lowdiff" else None
+    # with a compressor the method is LowDiff, without one LowDiff+
+    compressor = lowdiff.TopK(ratio=0.01) if args.method == "lowdiff" else None
 
     with lowdiff.Checkpointer(
+        args.dir,
         model,
         optimizer,
-        args.dir,
-        strategy=args.strategy,
         compressor=compressor,
         scheduler=scheduler,
         full_every=30,
-        batch_size=3,
+        records_per_file=3,
     ) as ck:
         start = ck.resume()
         if ck.recovery_stats is not None:

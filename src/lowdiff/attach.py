@@ -40,7 +40,7 @@ import torch
 
 from lowdiff.checkpointer import OPTIONS, Checkpointer, Method
 from lowdiff.compressors.base import Compressor
-from lowdiff.engine.base import EngineStrategy
+from lowdiff.engine.trainer.strategy import EngineStrategy
 from lowdiff.errors import ArgumentTypeError, InvalidArgumentError, UsageError
 from lowdiff.legacy import accepts_old_spellings
 from lowdiff.options import RemoteOptions, ReplicaOptions, Timeouts

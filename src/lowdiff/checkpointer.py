@@ -9,6 +9,7 @@ lowdiff.Checkpointer)`` holds whatever the method.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ import torch
 from lowdiff import methods
 from lowdiff.compressors.base import Compressor
 from lowdiff.errors import ArgumentTypeError, InvalidArgumentError, UsageError
-from lowdiff.legacy import accepts_old_spellings
+from lowdiff.legacy import accepts_old_spellings, did_you_mean
 from lowdiff.options import RemoteOptions, ReplicaOptions, Timeouts
 from lowdiff.proc import forkmem
 from lowdiff.proc.spawn import refuse_in_bootstrap
@@ -100,18 +101,31 @@ def _engine_options(method: str, given: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _registered_options(method: str, given: dict[str, Any]) -> dict[str, Any]:
+def _registered_options(method: str, cls: type, given: dict[str, Any]) -> dict[str, Any]:
     """The options a registered method's class is built with: the shared ones, and
-    ``method_options``; one of lowdiff's own options with another value is refused."""
+    ``method_options`` (each checked against what the class takes); one of lowdiff's own
+    options with another value is refused."""
+    if given["extra_state"]:
+        raise InvalidArgumentError(
+            "extra_state is supported by lowdiff's own methods ('lowdiff', 'lowdiff+', "
+            f"'compression-only'), not by the registered method {method!r}"
+        )
     for name, default in _DEFAULTS.items():
         if given[name] != default:
             raise InvalidArgumentError(
                 f"method {method!r} takes no option {name!r} (it is an option of lowdiff's "
                 "own methods); pass the method's own options as method_options={...}"
             )
-    own = given["method_options"] or {}
-    if not isinstance(own, Mapping):
+    own = dict(given["method_options"] or {})
+    if not isinstance(given["method_options"] or {}, Mapping):
         raise ArgumentTypeError(f"method_options must be a dict, got {type(own).__name__}")
+    takes = _init_options(cls)
+    if takes is not None:
+        for name in sorted(set(own) - takes):
+            raise ArgumentTypeError(
+                f"Checkpointer(method={method!r}) takes no option {name!r}"
+                f"{did_you_mean(name, sorted(takes), renamed=False)} (its options: {', '.join(sorted(takes))})"
+            )
     out: dict[str, Any] = {"full_every": given["full_every"], "keep_full": given["keep_full"]}
     for name in ("compressor", "scheduler"):
         if given[name] is not None:
@@ -119,6 +133,26 @@ def _registered_options(method: str, given: dict[str, Any]) -> dict[str, Any]:
     if given["timeouts"] is not None:
         out["start_timeout"] = given["timeouts"].start
     return {**out, **own}
+
+
+def _init_options(cls: type) -> set[str] | None:
+    """The keyword options ``cls(model, optimizer, directory, ...)`` takes, or None when it
+    takes any (``**kwargs`` all the way up)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or not inspect.isfunction(init):
+            continue
+        params = inspect.signature(init).parameters.values()
+        names |= {
+            p.name
+            for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in ("self", "model", "optimizer", "directory")
+        }
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return None
 
 
 class Checkpointer:
@@ -247,7 +281,7 @@ class Checkpointer:
             options = _engine_options(name, given)
             options.update(scheduler=scheduler, extra_state=extra_state)
         else:
-            options = _registered_options(name, given)
+            options = _registered_options(name, cls, given)
         forkmem.keep_out(model, optimizer)  # before a process server is forked from here
         self._impl: Strategy = cls(model, optimizer, directory, **options)
 

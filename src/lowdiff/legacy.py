@@ -98,12 +98,30 @@ def translate(
         kw["remote"] = RemoteOptions(url, **{_REMOTE[k]: v for k, v in remote_flat.items()})
     unknown = sorted(set(kw) - set(known))
     if unknown:
-        near = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
+        where = f"{what}(method={method!r})" if method else f"{what}()"
         raise ArgumentTypeError(
-            f"{what}() takes no option {unknown[0]!r}{hint} (its options: {', '.join(known)})"
+            f"{where} takes no option {unknown[0]!r}{did_you_mean(unknown[0], known)} "
+            f"(its options: {', '.join(known)})"
         )
     return args, kw
+
+
+RENAMED_OPTIONS: dict[str, str] = {
+    "strategy": "method", "batch_size": "records_per_file",
+    **{k: f"replica=lowdiff.ReplicaOptions({v}=...)" for k, v in _REPLICA.items()},
+    **{k: f"timeouts=lowdiff.Timeouts({v}=...)" for k, v in _TIMEOUTS.items()},
+    **{k: f"remote=lowdiff.RemoteOptions(url, {v}=...)" for k, v in _REMOTE.items()},
+}  # fmt: skip
+"""Each option of 0.1 and how it is spelled now (for the hint of an unknown option)."""
+
+
+def did_you_mean(name: str, known: list[str] | tuple[str, ...], *, renamed: bool = True) -> str:
+    """``"; did you mean 'x'?"`` for the option nearest ``name`` (with ``renamed``, an
+    option of 0.1 is matched too and named as it is spelled now), or ``""``."""
+    near = difflib.get_close_matches(name, [*known, *(RENAMED_OPTIONS if renamed else ())], n=1)
+    if not near:
+        return ""
+    return f"; did you mean {RENAMED_OPTIONS.get(near[0], near[0])!r}?"
 
 
 def _group(

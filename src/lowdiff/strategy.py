@@ -1,12 +1,11 @@
 """The contract of a checkpointing strategy, and the one step pipeline they all run.
 
-A strategy decides what a checkpoint is and how it gets to disk: lowdiff's own
-(:class:`lowdiff.engine.lowdiff.LowDiffStrategy` for ``"lowdiff"``,
-:class:`~lowdiff.engine.lowdiff_plus.LowDiffPlusStrategy` for ``"lowdiff+"`` and
-:class:`~lowdiff.engine.none.CompressionOnlyStrategy` for ``"none"``) and the
-baselines of :mod:`lowdiff_lab.baselines` are peers under this contract. Users reach every one
-through :class:`lowdiff.Checkpointer`, which validates the arguments, picks the strategy
-by name and hands every call to it.
+A strategy (a *method*) decides what a checkpoint is and how it gets to disk: lowdiff's
+own (:class:`lowdiff.engine.trainer.strategy.EngineStrategy`, with LowDiff's writer or
+LowDiff+'s replica as its backend) and any method registered with
+:func:`lowdiff.register_method` (the baselines of ``lowdiff_lab``) are peers under this
+contract. Users reach every one through :class:`lowdiff.Checkpointer`, which validates
+the arguments, picks the method by name and hands every call to it.
 
 Call sequence (every call on the training process; under DDP on every rank, in the same
 order, since some of them are collective)::

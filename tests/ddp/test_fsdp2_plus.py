@@ -95,7 +95,7 @@ def _job(
     info: dict[str, Any] = {
         "start": start,
         "source": None if stats is None else stats.source,
-        "adopted": None if stats is None else stats.adopted_pid,
+        "adopted": None if stats is None else stats.takeover_pid,
         "clipped": 0,
     }
     if run in RESHARDED:  # the whole state as resumed (full_tensor: a collective)

@@ -200,7 +200,7 @@ def test_attach_errors_are_clear(tmp_path):
     ck.close()
     ck = lowdiff.attach(m, o, tmp_path / "c")  # after close() the optimizer is free again
     ck.close()
-    with pytest.raises(ValueError, match="attach\\(\\) drives lowdiff's own strategies"):
+    with pytest.raises(ValueError, match="attach\\(\\) drives lowdiff's own methods"):
         lowdiff.attach(m, o, tmp_path / "d", strategy="torch-save")
     other = torch.nn.Linear(6, 16)
     with pytest.raises(ValueError, match="not in the model"):

@@ -78,8 +78,8 @@ def _tree(root: Path) -> dict[str, bytes | None]:
 # ----------------------------------------------------------------------------- constructor
 
 BAD_ARGS: list[tuple[str, Callable[[nn.Module, Any, Any, Path], Any], type[Exception], str]] = [
-    ("strategy", lambda m, o, s, d: _ck(m, o, d, strategy="fast"), ValueError, "strategy"),
-    ("strategy-case", lambda m, o, s, d: _ck(m, o, d, strategy="LowDiff"), ValueError, "strategy"),
+    ("strategy", lambda m, o, s, d: _ck(m, o, d, strategy="fast"), ValueError, "method"),
+    ("strategy-case", lambda m, o, s, d: _ck(m, o, d, strategy="LowDiff"), ValueError, "method"),
     ("full_every=0", lambda m, o, s, d: _ck(m, o, d, full_every=0), ValueError, "full_every"),
     ("full_every=2.5", lambda m, o, s, d: _ck(m, o, d, full_every=2.5), TypeError, "full_every"),
     ("full_every=True", lambda m, o, s, d: _ck(m, o, d, full_every=True), TypeError, "full_every"),
@@ -488,7 +488,7 @@ def test_checkpointing_process_that_cannot_start_leaves_close_clean(
 
 @pytest.mark.parametrize(
     "strategy,option,near",
-    [("lowdiff", "batchsize", "batch_size"), ("lowdiff+", "full_evry", "full_every"),
+    [("lowdiff", "batchsize", "records_per_file"), ("lowdiff+", "full_evry", "full_every"),
      ("torch-save", "batch_size", None)],
 )  # fmt: skip
 def test_an_option_the_strategy_does_not_take_is_named(
@@ -498,7 +498,7 @@ def test_an_option_the_strategy_does_not_take_is_named(
     with pytest.raises(TypeError, match=f"takes no option '{option}'") as info:
         lowdiff.Checkpointer(model, opt, tmp_path, strategy=strategy, **{option: 3})
     text = str(info.value)
-    assert f"strategy={strategy!r}" in text and "Options" not in text and "__init__" not in text
+    assert f"method={strategy!r}" in text and "Options" not in text and "__init__" not in text
     assert (f"did you mean {near!r}" in text) if near else "did you mean" not in text
     assert not any(tmp_path.iterdir())  # refused before anything was written
 

@@ -116,7 +116,7 @@ def test_extra_state_errors_are_clear(tmp_path):
         match="'data' was passed, but the checkpoint holds no extra state",
     ):
         lowdiff.restore(tmp_path / "c", *_build()[:2], extra_state={"data": Stream()})
-    with pytest.raises(ValueError, match="extra_state is supported by lowdiff's own strategies"):
+    with pytest.raises(ValueError, match="extra_state is supported by lowdiff's own methods"):
         lowdiff.Checkpointer(
             m, o, tmp_path / "d", strategy="torch-save", extra_state={"x": Stream()}
         )

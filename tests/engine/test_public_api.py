@@ -244,3 +244,23 @@ def test_a_third_party_method_registers_through_the_public_hook(tmp_path: Path) 
         lowdiff.Checkpointer(tmp_path / "x", model, opt, method="save-every-n", records_per_file=5)
     with pytest.raises(lowdiff.InvalidArgumentError, match="one of lowdiff's own"):
         lowdiff.register_method("lowdiff", _SaveEveryN)
+
+
+def test_the_four_entry_points_take_the_same_options_with_the_same_defaults() -> None:
+    """Checkpointer, attach and both callbacks spell each option out (for IDEs and type
+    checkers); they must stay one list: same names, defaults and annotations."""
+
+    def options(fn: Any, leave_out: set[str]) -> dict[str, tuple[Any, Any]]:
+        params = inspect.signature(fn).parameters.values()
+        return {
+            p.name: (p.default, p.annotation)
+            for p in params
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in leave_out
+        }
+
+    full = options(lowdiff.Checkpointer, set())
+    assert options(lowdiff.attach, set()) == full
+    framework = {"scheduler", "method_options"}  # the framework's scheduler; lowdiff's methods
+    for cb in (hf.LowDiffCallback, lightning.LowDiffCallback):
+        mine = options(cb, {"log_stats"})
+        assert mine == {k: v for k, v in full.items() if k not in framework}

@@ -269,7 +269,7 @@ def test_auto_picks_and_applies_a_plan(tmp_path, mtbf, want, caplog):
         assert switch["b"] == 32 and switch["f"] >= 32
     else:
         assert (switch["f"], switch["b"]) == (1, 1)
-    assert ck.stats["full_every"] == h[-1]["f"] and ck.stats["batch_size"] == h[-1]["b"]
+    assert ck.stats["full_every"] == h[-1]["f"] and ck.stats["records_per_file"] == h[-1]["b"]
     assert f"full_every 30 -> {switch['f']}, batch_size 3 -> {switch['b']}" in caplog.text
     # the files on disk follow the schedule of the history
     assert _files(tmp_path) == _expected_files(h, n)
@@ -437,7 +437,7 @@ def test_integer_settings_do_not_plan(tmp_path):
     _train(ck, objs, 0, 14)
     ck.close()
     assert ck.plan_history == []
-    assert ck.stats["full_every"] == 4 and ck.stats["batch_size"] == 3
+    assert ck.stats["full_every"] == 4 and ck.stats["records_per_file"] == 3
     m = layout.read_manifest(tmp_path)
     assert m["full_every"] == 4 and m["batch_size"] == 3
     assert _files(tmp_path) == ([0, 4, 8, 12], [(0, 3), (3, 3), (6, 3), (9, 3), (12, 2)])

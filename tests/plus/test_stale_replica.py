@@ -319,12 +319,12 @@ def test_a_copied_directory_leaves_the_originals_survivor_alone(tmp_path: Path) 
     with lowdiff.Checkpointer(m, o, copy, strategy="lowdiff+", full_every=4) as ck:
         assert ck.resume() == 4
         stats = ck.recovery_stats
-        assert stats.source == "disk" and stats.adopted_pid is None
+        assert stats.source == "disk" and stats.takeover_pid is None
     assert rp.pid_alive(survivor.pid)  # left alone
     m2, o2 = _plain()
     with lowdiff.Checkpointer(m2, o2, src, strategy="lowdiff+", full_every=4) as ck2:
         assert ck2.resume() == 4
         assert ck2.recovery_stats.source == "memory"
-        assert ck2.recovery_stats.adopted_pid == survivor.pid
+        assert ck2.recovery_stats.takeover_pid == survivor.pid
     for k, v in m.state_dict().items():
         assert torch.equal(v, m2.state_dict()[k]), k  # the same state either way

@@ -119,7 +119,7 @@ def main(cfg: dict) -> None:
     print(f"resumed {start}", flush=True)
     print(f"recovery {rs.source if rs else 'none'} {reads[0]}", flush=True)
     proc = getattr(ck.strategy_impl, "worker_process", None)
-    adopted = rs.adopted_pid if rs else None
+    adopted = rs.takeover_pid if rs else None
     print(f"process {proc.pid if proc else -1} adopted {adopted or -1}", flush=True)
     if cfg.get("dump_at_resume"):
         dump(cfg["dump_at_resume"], model, opt, sched)

@@ -12,7 +12,7 @@ import torch
 
 from lowdiff.errors import LowDiffError
 from lowdiff.proc import holder as rp
-from lowdiff.proc.adopt import TrainerSegments
+from lowdiff.proc.takeover_socket import TrainerSegments
 
 
 def _names(prefix: str) -> list[str]:

@@ -126,7 +126,6 @@ def _dir_json(args: argparse.Namespace, info: Any) -> None:
         "foreign": [{"path": named(args, p), "reason": named(args, r)} for p, r in info.foreign],
     }
     print(json.dumps(out, indent=1))
-    return 0
 
 
 def _dir_text(args: argparse.Namespace, info: Any) -> None:
@@ -213,7 +212,6 @@ def _job_json(args: argparse.Namespace, job: Any) -> None:
         ],
     }
     print(json.dumps(out, indent=1))
-    return 0
 
 
 def _job_text(args: argparse.Namespace, job: Any) -> None:

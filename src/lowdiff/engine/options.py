@@ -12,8 +12,8 @@ import dataclasses
 from typing import Any
 
 from lowdiff.compressors.base import Compressor
-from lowdiff.engine.remote_tier import RemoteSettings
-from lowdiff.errors import ArgumentTypeError, InvalidArgumentError
+from lowdiff.engine.wire.configs import RemoteSettings
+from lowdiff.errors import ArgumentTypeError, InvalidArgumentError, UnsupportedSetupError
 from lowdiff.options import AUTO, check_int, check_int_or_auto, check_seconds
 
 STORAGE_ERROR_POLICIES = ("raise", "warn")
@@ -101,7 +101,9 @@ class EngineOptions:
         self._set("remote_timeout", check_seconds("remote_timeout", self.remote_timeout))
         idle = self.idle_timeout
         if isinstance(idle, bool) or not isinstance(idle, (int, float)) or idle < 0:
-            raise InvalidArgumentError(f"idle_timeout must be a number of seconds >= 0, got {idle!r}")
+            raise InvalidArgumentError(
+                f"idle_timeout must be a number of seconds >= 0, got {idle!r}"
+            )
         self._set("idle_timeout", float(idle))
 
     def _set(self, name: str, value: Any) -> None:
@@ -145,7 +147,7 @@ class EngineOptions:
             )
         if self.remote is not None and sharded:
             # refused rather than running without the remote tier the caller asked for
-            raise InvalidArgumentError(
+            raise UnsupportedSetupError(
                 "remote= is not supported under fully_shard (FSDP2) yet: a new node's resume "
                 "of a fully_shard job does not download its shards; use it under DDP or in "
                 "a single process"

@@ -40,7 +40,7 @@ WRITER_LOCK_FILE = ".lowdiff.writer.lock"
 REPLICA_LOG = ".lowdiff.replica.log"
 PLAN_FILE = ".lowdiff.plan.json"
 """The last (f, b) the ``"auto"`` planner chose (a hint, never needed for recovery: see
-:mod:`lowdiff.engine.autotune`)."""
+:mod:`lowdiff.engine.trainer.autotune`)."""
 """Where a LowDiff+ replica whose trainer died writes what it prints (see
 :func:`lowdiff.proc.spawn.release_trainer_stdio`)."""
 

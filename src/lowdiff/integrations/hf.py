@@ -117,10 +117,11 @@ class LowDiffCallback(TrainerCallback):
         extra_state: more state to save with every step (``{"name": obj}``, see
             :class:`lowdiff.Checkpointer`); the name ``"hf_trainer"`` is taken.
         log_stats: add ``ck.stats`` to the Trainer's logs (``on_log``).
-        method, compressor, full_every, records_per_file, keep_full, max_inflight,
-            on_storage_error, mtbf, replica, remote, timeouts: as for
-            :class:`lowdiff.Checkpointer` (the Trainer's own LR scheduler is the one
-            checkpointed).
+
+    The other keyword options (``method``, ``compressor``, ``full_every``,
+    ``records_per_file``, ``keep_full``, ``max_inflight``, ``on_storage_error``, ``mtbf``,
+    ``replica``, ``remote``, ``timeouts``) are those of :class:`lowdiff.Checkpointer`;
+    the Trainer's own LR scheduler is the one checkpointed.
 
     Example:
         >>> cb = LowDiffCallback("runs/ckpt", compressor=lowdiff.TopK(0.01))  # doctest: +SKIP

@@ -67,7 +67,7 @@ class ChildEnd:
     Args:
         requests, results: the connection (one duplex connection may be both).
         trainer_pid: the trainer, when it is not this process's parent (a trainer that
-            took the process over: :mod:`lowdiff.proc.adopt`); it is watched by its pid.
+            took the process over: :mod:`lowdiff.proc.takeover_socket`); it is watched by its pid.
         idle: asked whenever no request came for a while; True ends :meth:`serve` as if
             the trainer were gone (the process has its own reason to stop serving).
     """

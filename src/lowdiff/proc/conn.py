@@ -5,7 +5,7 @@
 raises what it reported (:class:`~lowdiff.proc.protocol.Failed`, as
 :class:`lowdiff.CheckpointWorkerError` with the child's traceback) or that it is gone, and
 waits for a condition while the process makes progress. It takes over a process started
-by this trainer (:meth:`ProcessConn.adopt`) or by one that died before it
+by this trainer (:meth:`ProcessConn.take_pipes`) or by one that died before it
 (:meth:`ProcessConn.attach`, through :class:`RunningProcess`).
 
 Starting the process, its handshake and the requests it is sent are
@@ -63,7 +63,7 @@ class ProcessConn:
         self._sentinel = -1
         self._maybe_gone = True
 
-    def adopt(
+    def take_pipes(
         self, proc: Any, requests: Connection, results: Connection, counters: Any = None
     ) -> None:
         """Take over a started process's pipes (``requests`` may be ``results``: duplex)."""
@@ -94,7 +94,7 @@ class ProcessConn:
         Raises:
             ProcessLookupError: the process is gone.
         """
-        self.adopt(RunningProcess(pid), conn, conn, counters)
+        self.take_pipes(RunningProcess(pid), conn, conn, counters)
         self.replies[Kind.READY] += 1
         self.info = info
 

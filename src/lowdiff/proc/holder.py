@@ -1,20 +1,14 @@
-"""The CPU-resident replica of LowDiff+ in named shared memory.
+"""Named shared memory and the descriptor of a process that may outlive its trainer.
 
-The checkpointing process of ``strategy="lowdiff+"`` owns two named shared-memory
-segments:
-
-- the *arena*: the model's state-dict tensors (parameters and buffers), the replica
-  optimizer's state tensors and the RNG states, laid out like the data section of a
-  full checkpoint (:func:`lowdiff.format.sfile.plan`). The replica's tensors are views
-  into it and are updated in place by every merge;
-- the *control block*: a small header (magic, sequence number, state, step) and a JSON
-  document describing the arena (its segment name, tensor entries) and the metadata of
-  the merged step, in exactly the form a full checkpoint's metadata takes.
-
-A descriptor file ``DIR/.lowdiff.replica.json`` names the segments, the run and the
-process that owns them. A new trainer started on the same directory uses it to find a
-live replica after a training crash, checks that the owner is alive and that run and
-step match, and copies the state from memory without reading any checkpoint file.
+A process that keeps state for the next trainer (LowDiff's writer, LowDiff+'s replica,
+Gemini's holder) owns named segments: a *control block* (a header: magic, sequence
+number, state, step; a JSON document: how a new trainer takes it over; LowDiff+'s
+*arena* of state tensors and the step's metadata, as a full checkpoint's), the arena,
+and the slots and counters made for a trainer that took it over; the descriptor ``DIR/.lowdiff.replica.json`` names the
+control block, the run and the owner. Once its trainer is gone and it has handled all it
+was sent, the process is an *orphan* (ORPHANED): the next trainer finds it
+(:func:`find_orphan`) and takes it over (:mod:`lowdiff.engine.trainer.takeover`) or
+releases it (:func:`release_orphan`). Segments of an owner that is gone are removed.
 """
 
 from __future__ import annotations
@@ -50,9 +44,8 @@ _MAGIC = b"LDREPL01"
 _HDR = struct.Struct("<8sqqqq")  # magic, seq, state, step, json_len
 CTL_BYTES = 4 << 20
 
-# The only segment names lowdiff creates. A name read from the directory (descriptor) or
-# from a control block is used only when it has this form, so a damaged or forged file
-# cannot make lowdiff open or unlink any other shared memory or path.
+# The only segment names lowdiff creates: a name read from a descriptor or a control block
+# is used only in this form (a forged file cannot make lowdiff unlink anything else)
 _SEGMENT_RE = re.compile(r"^lowdiff-[A-Za-z0-9_-]{1,100}$")
 
 
@@ -63,11 +56,12 @@ def valid_segment_name(name: object) -> bool:
 STATE_INIT, STATE_RUNNING, STATE_ORPHANED, STATE_CLOSED = 0, 1, 2, 3
 
 
-def _untrack(shm: shared_memory.SharedMemory) -> None:
+def _untracked(shm: shared_memory.SharedMemory) -> shared_memory.SharedMemory:
     # Python's resource tracker would unlink the segment when the process that opened it
     # exits; the replica must outlive the trainer, so lowdiff unlinks it explicitly.
     with contextlib.suppress(Exception):
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
 
 
 def ensure_shm_space(nbytes: int, what: str) -> None:
@@ -86,15 +80,11 @@ def ensure_shm_space(nbytes: int, what: str) -> None:
 
 def create_segment(name: str, size: int) -> shared_memory.SharedMemory:
     ensure_shm_space(size, f"shared-memory segment {name}")
-    shm = shared_memory.SharedMemory(name=name, create=True, size=max(size, 1))
-    _untrack(shm)
-    return shm
+    return _untracked(shared_memory.SharedMemory(name=name, create=True, size=max(size, 1)))
 
 
 def attach_segment(name: str) -> shared_memory.SharedMemory:
-    shm = shared_memory.SharedMemory(name=name, create=False)
-    _untrack(shm)
-    return shm
+    return _untracked(shared_memory.SharedMemory(name=name, create=False))
 
 
 def unlink_segment(name: str) -> None:
@@ -106,8 +96,8 @@ def unlink_segment(name: str) -> None:
 
 
 def unlink_and_close(shm: shared_memory.SharedMemory) -> None:
-    """Unlink a segment, then close this process's mapping (unlinked first: ``close()``
-    refuses while tensors still view the buffer, and the mapping then goes with them)."""
+    """Unlink a segment, then close this process's mapping (refused while tensors view
+    it: the mapping then goes with them)."""
     unlink_segment(shm.name)
     with contextlib.suppress(Exception):
         shm.close()
@@ -120,25 +110,20 @@ def segment_tensor(shm: shared_memory.SharedMemory, nbytes: int) -> torch.Tensor
     return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
 
 
-_MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault a range of a mapping in, writable, with one call."""
-
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range of a mapping in, writable, at once
 _POPULATE_CHUNK = 2 << 20
 
 
 def populate(shm: shared_memory.SharedMemory) -> bool:
-    """Allocate every page of ``shm`` that is not yet and map them all into this process
-    (best effort; the contents do not change), so that the first writes to it take no
-    page fault each: ``madvise(MADV_POPULATE_WRITE)`` over 2 MiB at a time, called
-    through ctypes, which lets go of the GIL meanwhile (a thread can do it while the
-    process works). False where the kernel or platform cannot."""
+    """Allocate and map every page of ``shm`` (best effort; the contents stay), so that
+    the first writes take no page fault each: ``madvise(MADV_POPULATE_WRITE)`` 2 MiB at
+    a time, through ctypes, which lets go of the GIL. False where the kernel cannot."""
     if not shm.size or not sys.platform.startswith("linux"):
         return False
     try:
         lib = libc()
         assert shm.buf is not None
-        # held during the call: the mapping cannot be closed under it (close() refuses
-        # while this export lives)
+        # held during the call: close() refuses while this export lives
         first = ctypes.c_char.from_buffer(shm.buf)
     except (OSError, AttributeError, TypeError, ValueError, BufferError):
         return False
@@ -152,8 +137,7 @@ def populate(shm: shared_memory.SharedMemory) -> bool:
 
 
 def populate_soon(segments: list[shared_memory.SharedMemory]) -> None:
-    """:func:`populate` each of ``segments`` on a thread of its own, in order, so that
-    the caller goes on at once (a write that comes first faults its page in as usual)."""
+    """:func:`populate` each of ``segments``, in order, on a thread: the caller goes on."""
 
     def run() -> None:
         for shm in segments:
@@ -202,16 +186,15 @@ class ControlBlock:
         buf[_HDR.size : _HDR.size + len(raw)] = raw
         _HDR.pack_into(buf, 0, _MAGIC, seq + 2, state, step, len(raw))
 
-    def set_step(self, state: int, step: int) -> None:
-        """Publish a new state and step, keeping the JSON document (the header only)."""
-        magic, seq, _, _, n = _HDR.unpack_from(self._buf, 0)
+    def set_step(self, state: int, step: int | None) -> None:
+        """Publish a new state and step (None: the same), keeping the JSON document."""
+        magic, seq, _, old, n = _HDR.unpack_from(self._buf, 0)
+        step = old if step is None else step
         _HDR.pack_into(self._buf, 0, magic, seq + 1, state, step, n)
         _HDR.pack_into(self._buf, 0, magic, seq + 2, state, step, n)
 
     def set_state(self, state: int) -> None:
-        magic, seq, _, step, n = _HDR.unpack_from(self._buf, 0)
-        _HDR.pack_into(self._buf, 0, magic, seq + 1, state, step, n)
-        _HDR.pack_into(self._buf, 0, magic, seq + 2, state, step, n)
+        self.set_step(state, None)
 
     def read(self) -> tuple[int, int, dict[str, Any]]:
         for _ in range(1000):
@@ -228,9 +211,18 @@ class ControlBlock:
         raise LowDiffError("replica control block is being rewritten continuously")
 
 
+def read_control_block(name: str) -> tuple[int, int, dict[str, Any]]:
+    """(state, step, document) of the control block ``name``, attached and closed again."""
+    shm = attach_segment(name)
+    try:
+        return ControlBlock(shm).read()
+    finally:
+        shm.close()
+
+
 @dataclass
 class Descriptor:
-    """What ``DIR/.lowdiff.replica.json`` says about the live replica."""
+    """What ``DIR/.lowdiff.replica.json`` says about the process that serves ``DIR``."""
 
     pid: int
     host: str
@@ -238,11 +230,9 @@ class Descriptor:
     ctl: str
     layout_id: str
     directory: str = ""
-    """The identity of the directory it was written in (device and inode, see
-    :func:`directory_id`); empty in a descriptor of an older lowdiff."""
+    """The directory it was written in (:func:`directory_id`; empty: an older lowdiff's)."""
     process: str = ""
-    """What kind of process it names (``"writer"``, ``"replica"``, ``"holder"``): what
-    ``lowdiff inspect`` calls it once it is gone, without attaching its segments."""
+    """``"writer"``, ``"replica"``, ``"holder"``: what ``lowdiff inspect`` calls it."""
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -262,19 +252,14 @@ def write_descriptor(root: Path, d: Descriptor) -> None:
 
 def read_descriptor(root: Path) -> Descriptor | None:
     """The descriptor of the process that serves ``root``, or None: none, unreadable, or
-    copied with the directory from another one (``cp -a`` while a survivor waits: that
+    copied with the directory from another one (``cp -a`` while an orphan waits: that
     process serves the original, whose files and next trainer it belongs to)."""
     try:
         raw = json.loads((root / DESCRIPTOR).read_text())
         d = Descriptor(
-            int(raw["pid"]),
-            str(raw["host"]),
-            str(raw["run_id"]),
-            str(raw["ctl"]),
-            str(raw["layout_id"]),
-            str(raw.get("directory", "")),
-            str(raw.get("process", "")),
-        )
+            int(raw["pid"]), str(raw["host"]), str(raw["run_id"]), str(raw["ctl"]),
+            str(raw["layout_id"]), str(raw.get("directory", "")), str(raw.get("process", "")),
+        )  # fmt: skip
         if d.directory and d.directory != directory_id(root):
             return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -292,11 +277,10 @@ def remove_descriptor(root: Path, run_id: str | None = None) -> None:
 
 
 @dataclass
-class Survivor:
-    """A background process that outlived its trainer (LowDiff's writer, LowDiff+'s
-    replica, Gemini's holder), found through the directory's descriptor and validated:
-    its owner is alive, the control block is of its run and layout, and it is done with
-    what its trainer sent (state ORPHANED)."""
+class Orphan:
+    """A process that outlived its trainer (LowDiff's writer, LowDiff+'s replica,
+    Gemini's holder), found by :func:`find_orphan`: a new trainer takes it over or
+    releases it."""
 
     descriptor: Descriptor
     ctl: ControlBlock
@@ -309,8 +293,7 @@ class Survivor:
             self.ctl.shm.close()
 
     def release_owner(self, timeout: float = 60.0) -> None:
-        """Ask the owning process to exit (it persists what it holds, unlinks its
-        segments); wait up to ``timeout`` seconds for it."""
+        """SIGTERM: the owner persists what it holds and exits; waited for ``timeout`` s."""
         self.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.descriptor.pid, signal.SIGTERM)
@@ -320,7 +303,7 @@ class Survivor:
 
 
 @dataclass
-class LiveReplica(Survivor):
+class LiveReplica(Orphan):
     """A replica found in memory, validated, ready to copy from."""
 
     arena: shared_memory.SharedMemory | None = None
@@ -338,31 +321,23 @@ class LiveReplica(Survivor):
         super().close()
 
 
-def find_survivor(
+def find_orphan(
     root: Path, layout_id: str | None, wait_s: float = 30.0
-) -> tuple[Survivor | None, str]:
-    """The process of ``root`` that outlived its trainer, or (None, why not).
-
-    A survivor is used only when its owner is alive, the control block belongs to the
-    descriptor's run and layout, and the owner has finished what its trainer sent (state
-    ORPHANED; an owner still at it is waited for up to ``wait_s`` seconds). Segments of a
-    dead owner are stale: they are unlinked, never read. ``layout_id`` None takes a
-    survivor of any layout (to release it).
-    """
+) -> tuple[Orphan | None, str]:
+    """The process of ``root`` that outlived its trainer, or (None, why not): its owner
+    alive, its control block of the descriptor's run and ``layout_id`` (None: any, to
+    release it), done with what its trainer sent (ORPHANED; waited for up to ``wait_s``
+    seconds). Segments of a dead owner are stale: unlinked, never read."""
     d = read_descriptor(root)
     if d is None:
         return None, "no live replica"
     if d.host != socket.gethostname():
-        return (
-            None,
-            f"the replica lives on host {d.host}; a replica is only attached on its own host",
-        )
+        why = f"the replica lives on host {d.host}; a replica is only attached on its own host"
+        return None, why
     if not pid_alive(d.pid):
         cleanup_stale(root, d)
-        return (
-            None,
-            f"the replica's checkpointing process (pid {d.pid}) is gone; stale segments removed",
-        )
+        why = f"the replica's checkpointing process (pid {d.pid}) is gone; stale segments removed"
+        return None, why
     try:
         ctl_shm = attach_segment(d.ctl)
     except FileNotFoundError:
@@ -377,12 +352,10 @@ def find_survivor(
             return None, f"unusable replica control block ({e})"
         if doc.get("run_id") != d.run_id or layout_id not in (None, doc.get("layout_id")):
             ctl_shm.close()
-            return (
-                None,
-                "the shared memory belongs to another run or another model (stale); not attached",
-            )
+            why = "the shared memory belongs to another run or another model (stale); not attached"
+            return None, why
         if state == STATE_ORPHANED:
-            return Survivor(d, ctl, state, step, doc), "ok"
+            return Orphan(d, ctl, state, step, doc), "ok"
         if state == STATE_CLOSED or not pid_alive(d.pid) or time.monotonic() > deadline:
             ctl_shm.close()
             return None, f"the replica is not available (state {state})"
@@ -392,9 +365,9 @@ def find_survivor(
 def find_live_replica(
     root: Path, layout_id: str, wait_s: float = 30.0
 ) -> tuple[LiveReplica | None, str]:
-    """The live replica of ``root`` (a :func:`find_survivor` that holds a state in its
+    """The live replica of ``root`` (a :func:`find_orphan` that holds a state in its
     arena), or (None, why not)."""
-    found, why = find_survivor(root, layout_id, wait_s)
+    found, why = find_orphan(root, layout_id, wait_s)
     if found is None:
         return None, why
     doc = found.doc
@@ -409,41 +382,32 @@ def find_live_replica(
     return LiveReplica(found.descriptor, found.ctl, found.state, found.step, doc, arena), "ok"
 
 
-def survivor_waits(root: Path | None) -> bool:
+def orphan_waits(root: Path | None) -> bool:
     """Whether a live process of ``root`` (by its descriptor) may be taken over: the next
     trainer then need not start the process server ahead of time."""
     d = None if root is None else read_descriptor(root)
     return d is not None and d.host == socket.gethostname() and pid_alive(d.pid)
 
 
-def survivor_idle(root: Path) -> bool:
-    """Whether the process of ``root`` named by its descriptor lives and waits for a new
-    trainer (ORPHANED): it has written everything its trainer sent."""
+def orphan_idle(root: Path) -> bool:
+    """Whether the process of ``root`` lives and is an orphan (ORPHANED: it has written
+    everything its trainer sent)."""
     d = read_descriptor(root)
     if d is None or d.host != socket.gethostname() or not pid_alive(d.pid):
         return False
     try:
-        shm = attach_segment(d.ctl)
-    except (FileNotFoundError, OSError, ValueError):
+        state, _, doc = read_control_block(d.ctl)
+    except (OSError, ValueError, LowDiffError):
         return False
-    try:
-        state, _, doc = ControlBlock(shm).read()
-    except (LowDiffError, ValueError):
-        return False
-    finally:
-        shm.close()
     return state == STATE_ORPHANED and doc.get("run_id") == d.run_id
 
 
 def wait_until_written(root: Path, timeout: float) -> None:
     """Wait until no process writes to ``root``: none holds its writer lock, or the one
-    that does waits for a new trainer, having written everything (:func:`survivor_idle`).
-
-    Raises:
-        DirectoryLockedError: still written to after ``timeout`` seconds.
-    """
+    that does is an orphan (:func:`orphan_idle`); ``DirectoryLockedError`` after
+    ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while not survivor_idle(root):
+    while not orphan_idle(root):
         try:
             wait_for_writer(root, min(0.2, max(0.0, deadline - time.monotonic())))
             return
@@ -452,12 +416,11 @@ def wait_until_written(root: Path, timeout: float) -> None:
                 raise
 
 
-def release_survivor(root: Path, wait_s: float) -> Descriptor | None:
-    """Let the process of ``root`` that outlived its trainer (of any layout) persist what
-    it holds and exit, when there is one; its descriptor (for :func:`forget_released`).
-    Finding it and waiting for its exit share the ``wait_s`` seconds."""
+def release_orphan(root: Path, wait_s: float) -> Descriptor | None:
+    """Let the orphan of ``root`` (any layout) persist what it holds and exit, within
+    ``wait_s`` seconds in all; its descriptor (for :func:`forget_released`), or None."""
     deadline = time.monotonic() + wait_s
-    found, _ = find_survivor(root, None, wait_s)
+    found, _ = find_orphan(root, None, wait_s)
     if found is None:
         return None
     found.release_owner(max(0.0, deadline - time.monotonic()))
@@ -466,8 +429,7 @@ def release_survivor(root: Path, wait_s: float) -> Descriptor | None:
 
 def forget_released(root: Path, d: Descriptor | None) -> None:
     """After a released process is gone (its writer lock free): remove what it left in
-    shared memory if it did not get to (killed while it persisted), before a new process
-    of ``root`` writes a descriptor of its own and nothing names those segments any more."""
+    shared memory (killed while it persisted) while its descriptor still names it."""
     if d is not None and not pid_alive(d.pid):
         cleanup_stale(root, d)
 
@@ -482,13 +444,9 @@ def cleanup_stale(root: Path, d: Descriptor) -> list[str]:
             n for n in os.listdir("/dev/shm") if n.startswith(prefix) and valid_segment_name(n)
         )
     with contextlib.suppress(Exception):
-        shm = attach_segment(d.ctl)
-        try:
-            _, _, doc = ControlBlock(shm).read()
-            if doc.get("run_id") == d.run_id and valid_segment_name(doc.get("arena")):
-                names.add(doc["arena"])
-        finally:
-            shm.close()
+        _, _, doc = read_control_block(d.ctl)
+        if doc.get("run_id") == d.run_id and valid_segment_name(doc.get("arena")):
+            names.add(doc["arena"])
     for n in names:
         unlink_segment(n)
     remove_descriptor(root, d.run_id)
@@ -496,9 +454,8 @@ def cleanup_stale(root: Path, d: Descriptor) -> list[str]:
 
 
 def remove_stale_replica(root: Path) -> list[str]:
-    """What a replica process of ``root`` that is gone (SIGKILLed with its machine's other
-    processes) left in shared memory, removed; the segment names. A live one is left
-    alone. The next trainer on ``root`` does the same before it recovers."""
+    """What a process of ``root`` that is gone (SIGKILLed) left in shared memory, removed;
+    the segment names (a live one is left alone)."""
     d = read_descriptor(root)
     if d is None or pid_alive(d.pid):
         return []
@@ -506,11 +463,9 @@ def remove_stale_replica(root: Path) -> list[str]:
 
 
 STATE_NAMES = {
-    STATE_INIT: "starting",
-    STATE_RUNNING: "running",
-    STATE_ORPHANED: "waiting for a new trainer",
-    STATE_CLOSED: "closing",
-}
+    STATE_INIT: "starting", STATE_RUNNING: "running",
+    STATE_ORPHANED: "waiting for a new trainer", STATE_CLOSED: "closing",
+}  # fmt: skip
 
 
 def replica_status(root: Path) -> dict[str, Any] | None:
@@ -525,22 +480,16 @@ def replica_status(root: Path) -> dict[str, Any] | None:
         out["state"] = "stale (owner gone)"
         return out
     try:
-        shm = attach_segment(d.ctl)
+        state, step, doc = read_control_block(d.ctl)
     except FileNotFoundError:
         out["state"] = "stale (no control block)"
         return out
-    try:
-        state, step, doc = ControlBlock(shm).read()
-        out["state"] = (
-            STATE_NAMES.get(state, str(state))
-            if doc.get("run_id") == d.run_id
-            else "stale (other run)"
-        )
-        out["step"] = step
-        # LowDiff's writer publishes the same block as LowDiff+'s replica
-        out["process"] = doc.get("process", "replica")
     except (LowDiffError, ValueError):
         out["state"] = "unreadable"
-    finally:
-        shm.close()
+        return out
+    ours = doc.get("run_id") == d.run_id
+    out["state"] = STATE_NAMES.get(state, str(state)) if ours else "stale (other run)"
+    out["step"] = step
+    # LowDiff's writer publishes the same block as LowDiff+'s replica
+    out["process"] = doc.get("process", "replica")
     return out

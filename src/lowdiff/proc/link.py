@@ -189,7 +189,7 @@ class ProcessLink(ProcessConn):
                 "not answer)"
             )
         self._take_up(start)
-        self._await_ready = True  # (adopt() cleared it) its Ready is still to be seen
+        self._await_ready = True  # (take_pipes() cleared it) its Ready is still to be seen
 
     def _take_up(self, start: _Start) -> None:
         if start.error is not None:
@@ -201,14 +201,14 @@ class ProcessLink(ProcessConn):
         req_r, req_w, res_r, res_w = start.pipes
         req_r.close()
         res_w.close()
-        self.adopt(start.proc, req_w, res_r, start.counters)
+        self.take_pipes(start.proc, req_w, res_r, start.counters)
 
-    def adopt(
+    def take_pipes(
         self, proc: Any, requests: Connection, results: Connection, counters: Any = None
     ) -> None:
-        """Take over a started process's pipes (see :meth:`ProcessConn.adopt`); its
+        """Take over a started process's pipes (see :meth:`ProcessConn.take_pipes`); its
         ``Ready`` is no longer waited for by :meth:`ensure_ready`."""
-        super().adopt(proc, requests, results, counters)
+        super().take_pipes(proc, requests, results, counters)
         self._await_ready = False
 
     @property

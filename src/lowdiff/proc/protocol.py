@@ -10,7 +10,7 @@ baselines' processes); the messages every process shares are here:
 - :class:`Flush` / :class:`Flushed` and :class:`Close` / :class:`Closed`: make what was
   handed over durable (and, for ``Close``, exit); the reply carries the durable step.
 - :class:`Refused` (process -> trainer): the answer of a process that outlived its
-  trainer to a new trainer that may not take it over (:mod:`lowdiff.proc.adopt`).
+  trainer to a new trainer that may not take it over (:mod:`lowdiff.proc.takeover_socket`).
 
 Messages travel pickled through a ``multiprocessing`` pipe (shared-memory tensors by
 handle, as ``torch.multiprocessing`` sends them), except the one sent at every training
@@ -63,11 +63,11 @@ class Kind(enum.Enum):
     DURABLE = "durable"
     FULL_DONE = "full_done"
     REMOTE_ERROR = "remote_error"
-    # LowDiff+'s replica (lowdiff.engine.replica_worker)
+    # LowDiff+'s replica (lowdiff.engine.replica)
     STEP = "step"
     INIT = "init"
     MERGED = "merged"
-    ADOPT = "adopt"
+    TAKEOVER = "takeover"
     # CheckFreq's persist process
     CF_STAGE = "cf_stage"
     CF_PERSIST = "cf_persist"

@@ -228,7 +228,7 @@ def exit_message(what: str, proc: Any, *, ready: bool) -> str:
 
 WORKER_NICE = 10
 """How much lower than the trainer's the priority of the checkpointing process is, LowDiff's
-and LowDiff+'s (``os.nice``; see :mod:`lowdiff.engine.worker` and :mod:`lowdiff.engine.replica_worker`)."""
+and LowDiff+'s (``os.nice``; see :mod:`lowdiff.engine.writer.main` and :mod:`lowdiff.engine.replica.main`)."""
 
 
 def release_trainer_stdio(log: Path) -> None:

@@ -149,7 +149,7 @@ def rank_root(job: Path, rank: int, world_size: int) -> Path:
     """The shard directory rank ``rank`` of a ``world_size``-rank job writes in ``job``.
 
     That of the newest generation when it has this world size, else the next generation's
-    (a resume then reshards into it; :meth:`LowDiffStrategy._resume_dist` may still move
+    (a resume then reshards into it; the DDP resume (:mod:`lowdiff.engine.trainer.resume_ddp`) may still move
     on to a later one when the newest generation turns out to hold no usable step).
     """
     gens = generations(job)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,10 +36,18 @@ class RecoveryStats:
     replayed, or of the full checkpoint when no record was (None: not recorded, or
     recovered from memory). A session that resumes from this state names it as the
     ``follows`` of its first record file."""
-    adopted_pid: int | None = None
+    takeover_pid: int | None = None
     """The checkpointing process that outlived the crashed trainer and that this trainer
     took over (its pid: LowDiff's writer, LowDiff+'s replica), or None when a new process
     was started."""
+
+    @property
+    def adopted_pid(self) -> int | None:
+        """Deprecated: :attr:`takeover_pid`."""
+        warnings.warn(
+            "RecoveryStats.adopted_pid is deprecated; use takeover_pid", DeprecationWarning, 2
+        )
+        return self.takeover_pid
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -103,7 +103,7 @@ class RemoteLedger:
 def job_floor(job: RemoteStore, siblings: tuple[str, ...]) -> int:
     """The newest full checkpoint every shard (``siblings``, folders under the job's tier
     ``job``) has committed (0 when none is common, or a shard cannot be listed: nothing
-    goes). The argument of :func:`lowdiff.engine.worker.job_retention_floor` holds here
+    goes). The argument of :func:`lowdiff.engine.process.full_writer.job_retention_floor` holds here
     too: each shard commits in step order and deletes only below a step it has seen in
     every shard."""
     common: set[int] | None = None

@@ -39,10 +39,10 @@ import torch
 from lowdiff.format import codec, layout
 from lowdiff.format.sfile import view_tensors
 from lowdiff.proc import holder as rp
-from lowdiff.proc.adopt import AdoptionListener
 from lowdiff.proc.child_end import ChildEnd, run_checkpointing_process
 from lowdiff.proc.protocol import Close, Closed, Flush, Flushed, Kind, Message, unexpected
 from lowdiff.proc.spawn import release_trainer_stdio
+from lowdiff.proc.takeover_socket import TakeoverListener
 from lowdiff_lab.baselines.base import commit_path, published, save_state
 from lowdiff_lab.baselines.gemini_protocol import (
     N_BUFFERS,
@@ -130,7 +130,7 @@ class _Holder:
         self.closed = False
         """Set by the trainer's ``Close``."""
         self.ctl: rp.ControlBlock | None = None
-        self.listener: AdoptionListener | None = None
+        self.listener: TakeoverListener | None = None
 
     # -- setup and teardown -------------------------------------------------------------------
     def open(self) -> None:
@@ -150,7 +150,7 @@ class _Holder:
         )
         self.ctl = rp.ControlBlock(rp.create_segment(ctl_name, rp.CTL_BYTES))
         self.publish(rp.STATE_INIT)
-        self.listener = AdoptionListener(self.cfg.address, self.cfg.authkey)
+        self.listener = TakeoverListener(self.cfg.address, self.cfg.authkey)
 
     def close(self) -> None:
         if self.ctl is not None:

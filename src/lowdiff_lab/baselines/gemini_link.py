@@ -33,8 +33,8 @@ import torch
 
 from lowdiff.errors import CheckpointWorkerError, LowDiffError
 from lowdiff.format import layout
-from lowdiff.proc import adopt
 from lowdiff.proc import holder as rp
+from lowdiff.proc import takeover_socket as adopt
 from lowdiff.proc.link import ProcessLink
 from lowdiff.proc.locks import acquire_flock, lock_holder, wait_for_writer
 from lowdiff.proc.protocol import Close, Flush, Kind, Message

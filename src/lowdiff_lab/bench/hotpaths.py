@@ -119,7 +119,7 @@ def _block(strategy: str, spec: _Blocks, workdir: Path) -> dict[str, Any]:
             "parts": parts,
             "n_params": w.n_params,
             "full_every": int(stats1.get("full_every", 0) or 0),
-            "batch_size": int(stats1.get("batch_size", 0) or 0),
+            "batch_size": int(stats1.get("records_per_file", 0) or 0),
         }
     finally:
         ck.close()

@@ -1,7 +1,7 @@
 """The LowDiff+ replica update against a bare ``torch.optim`` step, side by side.
 
 :func:`replica_update_bench` builds the checkpointing process's replica
-(:class:`lowdiff.engine.replica_worker.Replica`) in this process, from the state of a
+(:class:`lowdiff.engine.replica.replica.Replica`) in this process, from the state of a
 trainer-side optimizer, exactly as the process builds it from the ``init`` message, and
 times its per-step work (decoding the step's metadata, binding the gradients of a snapshot
 slot, the sharded optimizer update, the checks and copies around it, publishing the step)
@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from lowdiff.compressors import NoCompression
-from lowdiff.engine.replica_worker import Replica, ReplicaConfig, optimizer_class
+from lowdiff.engine.replica.optim import optimizer_class
+from lowdiff.engine.replica.replica import Replica
+from lowdiff.engine.wire.configs import ReplicaConfig
 from lowdiff.format import codec
 from lowdiff.format.sfile import plan, view_tensors
 from lowdiff.proc import holder as rp

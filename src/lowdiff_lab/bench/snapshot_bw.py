@@ -1,7 +1,7 @@
 """LowDiff+ gradient snapshot copies against this machine's memcpy bandwidth.
 
 :func:`snapshot_bandwidth_bench` trains a workload on the CPU with the LowDiff+ gradient
-snapshotter (:class:`lowdiff.engine.snapshot.GradSnapshotter`) attached, exactly as
+snapshotter (:class:`lowdiff.engine.trainer.snapshot.GradSnapshotter`) attached, exactly as
 ``method="lowdiff+"`` attaches it: autograd hooks, shared-memory slots laid out by the
 record layout, the default block and chunk sizes. No checkpointing process is started;
 the slots are handed back round-robin.
@@ -50,7 +50,8 @@ from typing import Any
 import torch
 
 from lowdiff.compressors import NoCompression
-from lowdiff.engine.snapshot import SERIAL_ELEMS, GradSnapshotter
+from lowdiff.engine.trainer.snapshot import GradSnapshotter
+from lowdiff.engine.trainer.snapshot_plan import SERIAL_ELEMS
 from lowdiff.state.capture import RngLayout, optimizer_params
 from lowdiff.state.record import RecordLayout
 from lowdiff_lab.workloads.zoo import build_workload
@@ -140,7 +141,7 @@ class _Rig:
 class _Copies:
     """The gradients' bytes, copied into shared memory three ways: one contiguous
     ``copy_``, one ``copy_`` per tensor, and by one thread in pieces of at most
-    :data:`~lowdiff.engine.snapshot.SERIAL_ELEMS` elements."""
+    :data:`~lowdiff.engine.trainer.snapshot_plan.SERIAL_ELEMS` elements."""
 
     def __init__(self, grads: list[torch.Tensor]) -> None:
         self.grads = grads

@@ -79,7 +79,7 @@ class Children:
         for d in directories:
             with contextlib.suppress(Exception):
                 if d.is_dir():
-                    holder.forget_released(d, holder.release_survivor(d, 10.0))
+                    holder.forget_released(d, holder.release_orphan(d, 10.0))
 
 
 def _pump(stream: IO[str], sink: queue.Queue[str | None], log: IO[str]) -> None:

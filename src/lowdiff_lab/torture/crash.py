@@ -211,7 +211,7 @@ class CrashHarness:
         will not come)."""
         for d in sorted(self.workdir.glob("chain-*")):
             with contextlib.suppress(Exception):
-                rp.forget_released(d, rp.release_survivor(d, 5.0))
+                rp.forget_released(d, rp.release_orphan(d, 5.0))
         ours = _runs_under(self.workdir)
         for name in sorted(_lowdiff_segments() - _mapped_segments()):
             if ours and name.startswith(ours):

@@ -129,7 +129,7 @@ def train(args: argparse.Namespace) -> None:
     source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
     (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(f"{start} {source}")
     proc = own_strategy(ck).worker_process
-    adopted = ck.recovery_stats.adopted_pid if ck.recovery_stats is not None else None
+    adopted = ck.recovery_stats.takeover_pid if ck.recovery_stats is not None else None
     (out / f"process-rank{rank}-{os.getpid()}.txt").write_text(
         f"{proc.pid if proc is not None else -1} {adopted or -1}"
     )

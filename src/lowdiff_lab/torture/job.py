@@ -96,8 +96,8 @@ def session(cfg: dict[str, Any], plan: dict[str, Any], directory: Path, rng: ran
     rs = ck.recovery_stats
     source = rs.source if rs is not None else "fresh"
     _out(f"resumed {start} {source} {dump}")
-    if rs is not None and rs.adopted_pid is not None:
-        _out(f"adopted {rs.adopted_pid}")
+    if rs is not None and rs.takeover_pid is not None:
+        _out(f"adopted {rs.takeover_pid}")
     reason = getattr(own_strategy(ck), "memory_miss_reason", None) if plan.get("foreign") else None
     if reason and "refused" in reason:
         _out("refused")

@@ -1,0 +1,233 @@
+"""LowDiff+'s replica as the trainer sees it: the :class:`~lowdiff.engine.trainer.backend.Backend`
+of ``method="lowdiff+"``, and its :class:`~lowdiff.engine.trainer.backend.GradientSource`.
+
+Training runs without compression. The gradients are snapshotted layer by layer during
+backward into shared host slots (:mod:`lowdiff.engine.trainer.snapshot`) and merged by
+the replica (:mod:`lowdiff.engine.replica.main`) into a CPU replica of the model and
+optimizer, persisted in the background. After a trainer crash the next trainer restarts
+from the replica in memory and takes its process over
+(:mod:`lowdiff.engine.trainer.resume_memory`). The slots are the lag buffers: ``max_lag``
+of them, so the replica trails the trainer by at most ``max_lag`` steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from lowdiff.ddp.hooks import LowDiffHookState, PlusHookState, plus_hook
+from lowdiff.engine.options import EngineOptions
+from lowdiff.engine.replica.main import replica_main
+from lowdiff.engine.replica.optim import optimizer_class
+from lowdiff.engine.trainer.backend import GradientSource
+from lowdiff.engine.trainer.directory import CheckpointDir
+from lowdiff.engine.trainer.progress import Cadence, Progress
+from lowdiff.engine.trainer.session import ProcessSession
+from lowdiff.engine.trainer.snapshot import GradSnapshotter
+from lowdiff.engine.trainer.training import TrainingObjects
+from lowdiff.engine.wire.configs import ReplicaConfig
+from lowdiff.engine.wire.messages import Full, Init, Step
+from lowdiff.errors import InvalidArgumentError, LowDiffError, UnsupportedSetupError
+from lowdiff.options import AUTO
+from lowdiff.plan import DEFAULT_MTBF_S, resolve_mtbf
+from lowdiff.proc.protocol import SlotMessage
+from lowdiff.state import capture as st
+from lowdiff.strategy import StepGrads
+
+
+class SnapshotGradients:
+    """LowDiff+'s gradients: snapshotted into the replica's slots during backward.
+
+    Args:
+        objects: the training objects (the parameters snapshotted).
+        progress: the session's counters.
+        max_lag: the slots (the replica trails the trainer by at most that many steps).
+    """
+
+    hook_state: LowDiffHookState | None = None
+
+    def __init__(self, objects: TrainingObjects, progress: Progress, max_lag: int) -> None:
+        self.objects, self.progress, self.max_lag = objects, progress, max_lag
+        self.session: ProcessSession | None = None
+        self.snapshotter: GradSnapshotter | None = None
+        """The layer-wise gradient snapshotter of the running process, or None."""
+        self._install_ddp_hook()
+
+    def _install_ddp_hook(self) -> None:
+        """Under DDP: the gradients are taken averaged, from the communication hook."""
+        dist = self.objects.dist
+        if dist is None or dist.sharded:
+            return  # fully_shard: the post-accumulate hooks see the reduce-scattered shard
+        owned = {id(p): k for k, (_, p) in enumerate(self.objects.shard_params())}
+        hook_state = PlusHookState(dist, owned, _weak_method(self._on_reduced_grad, None))
+        try:
+            self.objects.model.register_comm_hook(hook_state, plus_hook)  # type: ignore[operator]
+        except RuntimeError as e:
+            raise LowDiffError(f"cannot install lowdiff's DDP communication hook: {e}") from None
+
+    def _on_reduced_grad(self, k: int, grad: torch.Tensor) -> None:
+        snap = self.snapshotter
+        if snap is not None:
+            snap.on_reduced_grad(k, grad)
+
+    def start(self, session: ProcessSession) -> None:
+        """Snapshot into ``session``'s slots from now on (a process started or taken over)."""
+        assert session.slots is not None
+        self.session = session
+        if self.snapshotter is not None:
+            self.snapshotter.close()
+        dist = self.objects.dist
+        sharded = dist is not None and dist.sharded
+        self.snapshotter = GradSnapshotter(
+            self.objects.shard_params(),
+            session.slots.rows(),
+            session.slots.views,
+            # the hooks on the model's parameters must not keep a Checkpointer dropped
+            # without close() alive (its directory lock, its process): a weak reference
+            _weak_method(self._acquire_slot, _dropped),
+            autograd_hooks=dist is None or sharded,
+            compare_bytes=sharded,
+        )
+
+    def _acquire_slot(self) -> int:
+        """A free snapshot slot; waits while the replica lags ``max_lag`` steps behind."""
+        assert self.session is not None
+        t0 = time.perf_counter()
+        slot = self.session.take_slot(f"the replica to catch up (max_lag={self.max_lag})")
+        self.progress.stats["lag_wait_s"] += time.perf_counter() - t0
+        return slot
+
+    def take(self, t: int) -> StepGrads:
+        """Finish the layer-wise snapshot of step ``t`` (gradients changed after their
+        hook, e.g. by clipping, are copied again)."""
+        snap, session = self.snapshotter, self.session
+        assert snap is not None and session is not None and session.slots is not None
+        out = StepGrads()
+        t0 = time.perf_counter()
+        try:
+            out.slot, out.nograd = snap.finish()
+        except BaseException:
+            if snap.abandon() is not None:
+                session.slots.give_back()
+            raise
+        self.progress.stats["snapshot_finish_s"] += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        if self.snapshotter is not None:
+            with contextlib.suppress(Exception):
+                self.snapshotter.close()
+            self.snapshotter = None
+
+
+class ReplicaBackend:
+    """LowDiff+'s replica (see the module docstring)."""
+
+    kind: ClassVar[str] = "replica"
+    keeps_replica: ClassVar[bool] = True
+    trains_compressed: ClassVar[bool] = False
+    can_suspend: ClassVar[bool] = False
+    closes_when_dropped: ClassVar[bool] = False
+    sends_fulls: ClassVar[bool] = False
+    first_message: ClassVar[type[Full]] = Init
+    resume_message: ClassVar[type[Full] | None] = Init
+    slot_message: ClassVar[type[SlotMessage]] = Step
+
+    def __init__(
+        self,
+        objects: TrainingObjects,
+        progress: Progress,
+        cadence: Cadence,
+        options: EngineOptions,
+        directory: CheckpointDir,
+        session: ProcessSession,
+        gradients: GradientSource,
+    ) -> None:
+        assert isinstance(gradients, SnapshotGradients)
+        self.objects, self.cadence, self.options = objects, cadence, options
+        self.directory, self.session, self.gradients = directory, session, gradients
+
+    @staticmethod
+    def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+        """A torch.optim optimizer (the replica runs it on the CPU) whose parameters all
+        take a gradient (each is snapshotted through a hook)."""
+        optimizer_class(st.class_path(optimizer))
+        frozen = [
+            (gi, pi, tuple(p.shape))
+            for gi, g in enumerate(optimizer.param_groups)
+            for pi, p in enumerate(g["params"])
+            if not p.requires_grad
+        ]
+        if frozen:
+            gi, pi, shape = frozen[0]
+            raise UnsupportedSetupError(
+                f"strategy 'lowdiff+': {len(frozen)} parameter(s) of the optimizer do not require "
+                f"a gradient (frozen; the first: group {gi}, parameter {pi}, shape {list(shape)}). "
+                "LowDiff+ snapshots each gradient through a hook on the parameters it is built "
+                "with: leave frozen parameters out of the optimizer (e.g. "
+                "Adam(p for p in model.parameters() if p.requires_grad)), or use strategy "
+                "'lowdiff'"
+            )
+
+    def process(self, run_id: str) -> tuple[Callable[..., None], Any, int]:
+        objects, opts = self.objects, self.options
+        assert objects.layout is not None
+        persist_every = opts.persist_every
+        if objects.dist is not None and persist_every == AUTO:
+            # every rank's replica must persist the same steps, so that every shard has them
+            persist_every = self.cadence.full_every
+        cfg = ReplicaConfig(
+            str(self.directory.root),
+            run_id,
+            objects.layout.to_json(),
+            st.class_path(objects.optimizer),
+            persist_every,
+            opts.keep_full,
+            opts.idle_timeout,
+            opts.replica_threads,
+            None if objects.dist is None else list(objects.shard),
+            remote=self.directory.remote_settings(opts.remote_settings()),
+            mtbf=resolve_mtbf(opts.mtbf)[0] if persist_every == AUTO else DEFAULT_MTBF_S,
+        )
+        return replica_main, cfg, opts.max_lag
+
+    def started(self) -> None:
+        """Snapshot into the process's slots from now on."""
+        self.gradients.start(self.session)
+
+    def take_slot(self, t: int, grads: StepGrads) -> int:
+        """The slot the snapshot of step ``t`` was taken into during backward."""
+        return grads.slot
+
+    def check_attach(self) -> None:
+        if self.options.max_lag < 2:
+            raise InvalidArgumentError(
+                "attach() with strategy 'lowdiff+' needs max_lag >= 2 (a step is handed over "
+                "when the next one begins, so two snapshot slots are in use at once)"
+            )
+
+    def release(self) -> None:
+        self.gradients.close()
+
+
+def _dropped() -> Any:
+    raise LowDiffError("this Checkpointer was dropped; its gradient hooks are inactive")
+
+
+def _weak_method(method: Callable[..., Any], gone: Callable[[], Any] | None) -> Callable[..., Any]:
+    """``method`` (a bound method) through a weak reference to its object: once the
+    object is collected, a call runs ``gone()`` instead (None: does nothing)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
+
+    def call(*args: Any) -> Any:
+        m = ref()
+        if m is None:
+            return None if gone is None else gone()
+        return m(*args)
+
+    return call

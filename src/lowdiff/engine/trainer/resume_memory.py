@@ -1,0 +1,141 @@
+"""Resuming LowDiff+ from its replica in memory, and taking the replica's process over.
+
+After a trainer crash, LowDiff+'s replica (:mod:`lowdiff.engine.replica.main`) has merged
+every step it received, persisted them and published its state ORPHANED. The next
+trainer on the same directory finds it (:func:`lowdiff.proc.holder.find_live_replica`),
+copies the state out of its arena into the model, optimizer and scheduler, and takes the
+process over (:mod:`lowdiff.engine.trainer.takeover`). When it cannot take it over, the
+process persists what it holds and exits, and a new one is started, seeded with the
+state. Under DDP every rank must find its replica at one step, else every rank recovers
+from disk (:mod:`lowdiff.engine.trainer.resume_ddp`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from lowdiff.engine.trainer.start import Starter
+from lowdiff.engine.wire.messages import Init
+from lowdiff.format import layout
+from lowdiff.proc.holder import LiveReplica, find_live_replica
+from lowdiff.recovery.job import apply_sharded_state
+from lowdiff.recovery.replay import RecoveryStats, apply_full_state
+
+
+def _find_replica(s: Starter) -> tuple[LiveReplica | None, str]:
+    return find_live_replica(s.directory.root, s.objects.layout_id, wait_s=s.options.start_timeout)
+
+
+def resume_from_memory(s: Starter) -> bool:
+    """(one process) Restore from a live replica left by a crashed trainer, and take its
+    process over; False when there is none."""
+    objects, root = s.objects, s.directory.root
+    t0 = time.perf_counter()
+    live, why = _find_replica(s)
+    if live is None:
+        s.takeover.miss_reason = why
+        return False
+    s.takeover.ask_early(live)
+    try:
+        objects.check_manifest(layout.read_manifest(root), root)
+        stats = RecoveryStats(full_step=live.step, step=live.step, source="memory")
+        stats.read_s = time.perf_counter() - t0
+        apply_full_state(
+            live.tensors(), live.doc["meta"], objects.model, objects.optimizer,
+            objects.scheduler, stats, where="replica in memory",
+        )  # fmt: skip
+        stats.total_s = time.perf_counter() - t0
+        taken = s.takeover.take_over(live, stats)
+    except BaseException:
+        s.takeover.drop_pending()
+        live.release_owner(s.options.start_timeout)
+        raise
+    if taken:
+        s.take_recovered(stats, str(root), durable=False)
+        s.takeover.go_on()
+    else:
+        # the old checkpointing process persists what it has not yet and exits
+        live.release_owner(s.options.start_timeout)
+        _start_anew(s, stats)
+    return True
+
+
+def resume_job_from_memory(s: Starter) -> bool:
+    """(all ranks, in the job's newest generation) Rebuild the whole state from every
+    rank's replica shard: possible only when every rank finds a live replica of its shard
+    at the same step; otherwise the replicas found persist what they hold and exit, and
+    recovery reads the disk (False). Every rank then takes its replica's process over,
+    or (when one rank cannot) every rank starts a new one."""
+    objects, root = s.objects, s.directory.root
+    ctx = objects.dist
+    assert ctx is not None
+    # a replica left by a crashed trainer still holds the writer lock: look first
+    shard_ok = (root / layout.MANIFEST).exists()
+    if not ctx.all_min([int(shard_ok)])[0]:
+        return False
+    objects.check_manifest(layout.read_manifest(root), root)
+    t0 = time.perf_counter()
+    live, why = _find_replica(s)
+    local = live.step if live is not None else -1
+    lo, hi = ctx.all_min([local])[0], ctx.all_max([local])[0]
+    if lo < 0 or lo != hi:
+        s.takeover.miss_reason = why if live is None else f"replica steps differ ({lo}..{hi})"
+        if live is not None:
+            live.release_owner(s.options.start_timeout)
+        return False
+    assert live is not None
+    try:
+        stats = _restore_shard(s, live, lo, t0)
+        taken = s.takeover.take_over(live, stats)
+    except BaseException:
+        s.takeover.drop_pending()
+        live.release_owner(s.options.start_timeout)
+        raise
+    if ctx.all_min([int(taken)])[0]:
+        s.take_recovered(stats, str(root), durable=False)
+        ctx.barrier()
+        s.takeover.go_on()
+        return True
+    if taken:  # another rank could not: every rank starts anew, this one too
+        s.takeover.give_back(stats)
+    live.release_owner(s.options.start_timeout)
+    _start_anew(s, stats, barrier=ctx.barrier)
+    return True
+
+
+def _restore_shard(s: Starter, live: LiveReplica, step: int, t0: float) -> RecoveryStats:
+    """(all ranks) Apply every rank's replica at ``step`` to this rank's objects."""
+    objects = s.objects
+    ctx = objects.dist
+    assert ctx is not None
+    stats = RecoveryStats(full_step=step, step=step, source="memory")
+    if ctx.sharded:  # fully_shard: each rank's replica holds all this rank restores
+        stats.read_s = time.perf_counter() - t0
+        apply_full_state(
+            live.tensors(), live.doc["meta"], objects.model, objects.optimizer,
+            objects.scheduler, stats, where="replica in memory",
+        )  # fmt: skip
+    else:
+        parts = ctx.exchange(live.tensors(), dict(live.doc["meta"]))
+        stats.read_s = time.perf_counter() - t0
+        apply_sharded_state(
+            parts, ctx.rank, objects.model, objects.optimizer, objects.scheduler, stats,
+            where="replicas in memory",
+        )  # fmt: skip
+    stats.total_s = time.perf_counter() - t0
+    return stats
+
+
+def _start_anew(
+    s: Starter, stats: RecoveryStats, barrier: Callable[[], None] | None = None
+) -> None:
+    """The replica was released: a new checkpointing process, seeded with the state."""
+    s.take_recovered(stats, str(s.directory.root), durable=False)
+    s.wait_for_previous_writer()  # the old process persists what it holds, then exits
+    s.directory.remove_stale_temps()
+    if barrier is not None:
+        barrier()  # every rank's old process is gone before any rank starts anew
+    s.write_manifest()
+    s.progress.start()
+    s.launch(Init)
