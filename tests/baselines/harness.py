@@ -65,10 +65,10 @@ def reference(steps: int, compressor: Any = None) -> dict[str, torch.Tensor]:
     """The exact state after ``steps`` uninterrupted steps (no checkpointing)."""
     model, opt, sched = build()
     ck = lowdiff.Checkpointer(
+        None,
         model,
         opt,
-        None,
-        strategy="none",
+        method="compression-only",
         scheduler=sched,
         compressor=compressor or lowdiff.NoCompression(),
     )

@@ -71,7 +71,9 @@ def test_other_strategy_directory_is_refused(tmp_path: Path) -> None:
     harness.run(d, 0, 2, strategy="torch-save", full_every=2)
     model, opt, _ = harness.build()
     with pytest.raises(lowdiff.CheckpointMismatchError, match="torch-save"):
-        lowdiff.Checkpointer(model, opt, d, strategy="lowdiff").resume()
+        lowdiff.Checkpointer(
+            d, model, opt, method="lowdiff", compressor=lowdiff.TopK(ratio=0.01)
+        ).resume()
 
 
 def test_bad_options(tmp_path: Path) -> None:

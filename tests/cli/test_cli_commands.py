@@ -30,7 +30,7 @@ def trained(tmp_path_factory):
     m, o = _model()
     snaps = {0: {k: v.clone() for k, v in m.state_dict().items()}}
     with lowdiff.Checkpointer(
-        m, o, d, compressor=lowdiff.TopK(0.3), full_every=4, batch_size=2, keep_full=None
+        d, m, o, compressor=lowdiff.TopK(0.3), full_every=4, records_per_file=2, keep_full=None
     ) as ck:
         ck.resume()
         for i in range(9):
@@ -147,7 +147,9 @@ def test_python_dash_m_entry_point():
 def test_inspect_shows_live_replica(tmp_path, capsys):
     m, o = _model()
     d = tmp_path / "plus"
-    ck = lowdiff.Checkpointer(m, o, d, strategy="lowdiff+", persist_every=2)
+    ck = lowdiff.Checkpointer(
+        d, m, o, method="lowdiff+", replica=lowdiff.ReplicaOptions(persist_every=2)
+    )
     try:
         ck.resume()
         for i in range(3):
@@ -366,7 +368,7 @@ def test_inspect_names_a_writer_live_and_left_over(tmp_path, capsys):
     # the next trainer clears what the dead writer left (its shared memory, descriptor)
     m = torch.nn.Linear(6, 3)
     with lowdiff.Checkpointer(
-        m, torch.optim.Adam(m.parameters(), lr=1e-2), d, compressor=lowdiff.TopK(0.5), full_every=4
+        d, m, torch.optim.Adam(m.parameters(), lr=1e-2), compressor=lowdiff.TopK(0.5), full_every=4
     ) as ck:
         assert ck.resume() == 6
     assert replica_status(d) is None

@@ -72,7 +72,7 @@ def _survivor(rank: int, job: Path, out: Path, store: Path) -> None:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = lowdiff.Checkpointer(model, opt, job, strategy="lowdiff+", full_every=2)
+    ck = lowdiff.Checkpointer(job, model, opt, method="lowdiff+", full_every=2)
     ck.resume()
     for step in range(4):
         g = torch.Generator().manual_seed(31 * step + rank)

@@ -26,7 +26,7 @@ def _net() -> nn.Module:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, job: Path, rank: int, steps: int) -> int:
-    ck = lowdiff.Checkpointer(model, opt, job, strategy="lowdiff+", full_every=2)
+    ck = lowdiff.Checkpointer(job, model, opt, method="lowdiff+", full_every=2)
     start = ck.resume()
     for step in range(start, steps):
         g = torch.Generator().manual_seed(31 * step + rank)

@@ -122,7 +122,7 @@ def test_one_rank_ddp_job_resumes_exactly(tmp_path, one_rank_group):
     d = tmp_path / "ck"
     model, opt = _ddp_objects()
     with lowdiff.Checkpointer(
-        model, opt, d, compressor=lowdiff.TopK(0.2), full_every=4, batch_size=2
+        d, model, opt, compressor=lowdiff.TopK(0.2), full_every=4, records_per_file=2
     ) as ck:
         ck.resume()
         _train(model, opt, ck, 0, 7)
@@ -130,7 +130,7 @@ def test_one_rank_ddp_job_resumes_exactly(tmp_path, one_rank_group):
     assert inspect_job(d).recoverable == (0, 7)
     model2, opt2 = _ddp_objects()
     ck2 = lowdiff.Checkpointer(
-        model2, opt2, d, compressor=lowdiff.TopK(0.2), full_every=4, batch_size=2
+        d, model2, opt2, compressor=lowdiff.TopK(0.2), full_every=4, records_per_file=2
     )
     assert ck2.resume() == 7
     assert ck2.recovery_stats is not None and ck2.recovery_stats.records_replayed == 3
@@ -141,10 +141,12 @@ def test_one_rank_ddp_job_resumes_exactly(tmp_path, one_rank_group):
 def test_ddp_rejects_a_dense_compressor_and_a_second_hook(tmp_path, one_rank_group):
     model, opt = _ddp_objects()
     with pytest.raises(ValueError, match="not a sparsifier"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "a", compressor=lowdiff.QSGD())
-    ck = lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="none")
+        lowdiff.Checkpointer(tmp_path / "a", model, opt, compressor=lowdiff.QSGD())
+    ck = lowdiff.Checkpointer(
+        tmp_path / "b", model, opt, method="compression-only", compressor=lowdiff.TopK(ratio=0.01)
+    )
     with pytest.raises(lowdiff.LowDiffError, match="communication hook"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "c")
+        lowdiff.Checkpointer(tmp_path / "c", model, opt, compressor=lowdiff.TopK(ratio=0.01))
     ck.close()
 
 
@@ -155,7 +157,9 @@ def test_ddp_without_a_process_group_is_a_clear_error():
     fake.module = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(fake.module.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="init_process_group"):
-        lowdiff.Checkpointer(fake, opt, None, strategy="none")
+        lowdiff.Checkpointer(
+            None, fake, opt, method="compression-only", compressor=lowdiff.TopK(ratio=0.01)
+        )
 
 
 def test_record_takes_the_clipped_values_and_refuses_new_entries():

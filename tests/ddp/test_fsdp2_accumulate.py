@@ -69,7 +69,7 @@ def _rank(rank: int, tmp: Path) -> None:
     want = snapshot_state(*ref)  # this rank's shards, the scheduler and the RNG
     for a, b in ((0, 3), (3, STEPS)):
         model, opt, sched = _build(mesh)
-        ck = lowdiff.Checkpointer(model, opt, tmp / "job", strategy="lowdiff+", scheduler=sched)
+        ck = lowdiff.Checkpointer(tmp / "job", model, opt, method="lowdiff+", scheduler=sched)
         torch.manual_seed(100 + rank)  # replaced by the saved RNG state when resuming
         assert ck.resume() == a
         _steps(model, opt, sched, ck, rank, a, b)

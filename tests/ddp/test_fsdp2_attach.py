@@ -64,7 +64,7 @@ def _rank(rank: int, tmp: Path) -> None:
     clipped = 0
     for a, b in ((0, 4), (4, STEPS)):
         model, opt, sched = build()
-        ck = lowdiff.attach(model, opt, tmp / "job", strategy="lowdiff+", scheduler=sched)
+        ck = lowdiff.attach(tmp / "job", model, opt, method="lowdiff+", scheduler=sched)
         assert ck.resume() == a
         clipped += _loop(model, opt, sched, rank, a, b)
         ck.close()

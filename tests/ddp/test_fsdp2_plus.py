@@ -85,10 +85,7 @@ def _job(
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.9)
     counter = Counter()
-    ck = lowdiff.Checkpointer(
-        model, opt, job, strategy="lowdiff+", scheduler=sched, full_every=2,
-        idle_timeout=60, extra_state={"counter": counter},
-    )  # fmt: skip
+    ck = lowdiff.Checkpointer(job, model, opt, method="lowdiff+", scheduler=sched, full_every=2, extra_state={"counter": counter}, timeouts=lowdiff.Timeouts(idle=60))  # fmt: skip
     torch.manual_seed(100 + rank)  # the RNG stream, restored with the state
     start = ck.resume()
     stats = ck.recovery_stats

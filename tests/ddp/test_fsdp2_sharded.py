@@ -49,7 +49,9 @@ def _refusals(
             s: (lambda s=s: lowdiff.Checkpointer(model, opt, base / s, strategy=s))
             for s in strategies
         },
-        "attach": lambda: lowdiff.attach(model, opt, base / "attach", strategy="lowdiff"),
+        "attach": lambda: lowdiff.attach(
+            base / "attach", model, opt, method="lowdiff", compressor=lowdiff.TopK(ratio=0.01)
+        ),
         "restore": lambda: lowdiff.restore(base / "restore", model, opt),
     }
     for name, call in calls.items():
@@ -71,7 +73,7 @@ def _crossed(model: nn.Module, opt: torch.optim.Optimizer, tmp: Path) -> dict[st
     ddp = DDP(_model())
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     for m, o, d in ((model, opt, "fsdp2-job"), (ddp, ddp_opt, "ddp-job")):
-        ck = lowdiff.Checkpointer(m, o, tmp / d, strategy="lowdiff+")
+        ck = lowdiff.Checkpointer(tmp / d, m, o, method="lowdiff+")
         ck.resume()
         ck.close()
     out = {}
@@ -79,7 +81,7 @@ def _crossed(model: nn.Module, opt: torch.optim.Optimizer, tmp: Path) -> dict[st
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     for name, m, o, d in (("ddp", ddp, ddp_opt, "fsdp2-job"), ("fsdp2", model, opt, "ddp-job")):
         try:
-            ck = lowdiff.Checkpointer(m, o, tmp / d, strategy="lowdiff+")
+            ck = lowdiff.Checkpointer(tmp / d, m, o, method="lowdiff+")
         except Exception as e:  # noqa: BLE001 -- reported to the test
             out[name] = f"{type(e).__name__}: {e}"
             continue
@@ -146,7 +148,14 @@ def _lowdiff_checkpoint(tmp: Path) -> tuple[Path, Path]:
     """A 3-step single-process lowdiff checkpoint, exported as dcp, and its state."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    ck = lowdiff.Checkpointer(model, opt, tmp / "plain", strategy="lowdiff", full_every=2)
+    ck = lowdiff.Checkpointer(
+        tmp / "plain",
+        model,
+        opt,
+        method="lowdiff",
+        full_every=2,
+        compressor=lowdiff.TopK(ratio=0.01),
+    )
     ck.resume()
     for step in range(3):
         g = torch.Generator().manual_seed(step)

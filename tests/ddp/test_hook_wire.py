@@ -117,7 +117,7 @@ def test_half_gradients_travel_unconverted_and_are_recorded_exactly(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ratio = 0.1
     with lowdiff.Checkpointer(
-        model, opt, tmp_path / "ck", compressor=lowdiff.TopK(ratio), full_every=4
+        tmp_path / "ck", model, opt, compressor=lowdiff.TopK(ratio), full_every=4
     ) as ck:
         ck.resume()
         hs = ck.strategy_impl.ddp_hook_state

@@ -137,12 +137,12 @@ def test_checkpointing_process_applies_it(tmp_path):
         model = nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ck = lowdiff.Checkpointer(
+            rank_dir(job, rank),
             model,
             opt,
-            rank_dir(job, rank),
             compressor=lowdiff.TopK(0.5),
             full_every=4,
-            batch_size=2,
+            records_per_file=2,
             keep_full=1,
         )
         assert ck.resume() == 0
@@ -183,13 +183,13 @@ def _build(job: Path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     ck = lowdiff.Checkpointer(
+        job,
         model,
         opt,
-        job,
         scheduler=sched,
         compressor=lowdiff.TopK(0.3, error_feedback=False),
         full_every=FULL_EVERY,
-        batch_size=2,
+        records_per_file=2,
         keep_full=1,
     )
     return model, opt, sched, ck

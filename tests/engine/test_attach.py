@@ -114,12 +114,12 @@ def test_grad_scaler_skipped_step_makes_no_record_and_its_state_is_restored(tmp_
     stream = Stream()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     ck = lowdiff.attach(
+        tmp_path / "ck",
         m,
         o,
-        tmp_path / "ck",
         compressor=lowdiff.TopK(0.25),
         full_every=4,
-        batch_size=2,
+        records_per_file=2,
         keep_full=None,
         scheduler=s,
         extra_state={"data": stream, "scaler": scaler},
@@ -164,7 +164,7 @@ def test_closure_runs_before_the_gradients_are_taken(tmp_path):
     m, o, _ = _build()
     stream = Stream()
     ck = lowdiff.attach(
-        m, o, tmp_path / "ck", compressor=lowdiff.TopK(0.25), full_every=3, batch_size=2
+        tmp_path / "ck", m, o, compressor=lowdiff.TopK(0.25), full_every=3, records_per_file=2
     )
     ck.resume()
     snaps = {}
@@ -191,22 +191,31 @@ def test_closure_runs_before_the_gradients_are_taken(tmp_path):
 
 def test_attach_errors_are_clear(tmp_path):
     m, o, s = _build()
-    ck = lowdiff.attach(m, o, tmp_path / "a", scheduler=s)
+    ck = lowdiff.attach(tmp_path / "a", m, o, scheduler=s, compressor=lowdiff.TopK(ratio=0.01))
     with pytest.raises(RuntimeError, match="already attached"):
-        lowdiff.attach(m, o, tmp_path / "b")
+        lowdiff.attach(tmp_path / "b", m, o, compressor=lowdiff.TopK(ratio=0.01))
     ck.resume()
     with pytest.raises(RuntimeError, match="attached to the optimizer: call optimizer.step"):
         ck.step()
     ck.close()
-    ck = lowdiff.attach(m, o, tmp_path / "c")  # after close() the optimizer is free again
+    ck = lowdiff.attach(
+        tmp_path / "c", m, o, compressor=lowdiff.TopK(ratio=0.01)
+    )  # after close() the optimizer is free again
     ck.close()
     with pytest.raises(ValueError, match="attach\\(\\) drives lowdiff's own methods"):
         lowdiff.attach(m, o, tmp_path / "d", strategy="torch-save")
     other = torch.nn.Linear(6, 16)
     with pytest.raises(ValueError, match="not in the model"):
-        lowdiff.attach(other, o, tmp_path / "e")
+        lowdiff.attach(tmp_path / "e", other, o, compressor=lowdiff.TopK(ratio=0.01))
     with pytest.raises(ValueError, match="max_lag >= 2"):
-        lowdiff.attach(m, o, tmp_path / "f", strategy="lowdiff+", compressor=None, max_lag=1)
+        lowdiff.attach(
+            tmp_path / "f",
+            m,
+            o,
+            method="lowdiff+",
+            compressor=None,
+            replica=lowdiff.ReplicaOptions(max_lag=1),
+        )
 
 
 def test_attach_unwraps_a_framework_wrapper_and_names_late_extra(tmp_path):
@@ -222,7 +231,14 @@ def test_attach_unwraps_a_framework_wrapper_and_names_late_extra(tmp_path):
             return self.optimizer.step(closure)
 
     m, o, s = _build()
-    ck = lowdiff.attach(m, Wrapper(o), tmp_path / "ck", scheduler=s, extra_state={"data": Stream()})
+    ck = lowdiff.attach(
+        tmp_path / "ck",
+        m,
+        Wrapper(o),
+        scheduler=s,
+        extra_state={"data": Stream()},
+        compressor=lowdiff.TopK(ratio=0.01),
+    )
     assert ck.optimizer is o  # the hooks are on the optimizer that updates the parameters
     with pytest.raises(ValueError, match="extra_state has no 'nope'"):
         ck.strategy_impl.capture_after_update("nope")

@@ -133,7 +133,13 @@ def test_invalid_compressor_arguments() -> None:
 
 def test_strategy_none_accepts_no_directory_and_creates_nothing(tmp_path: Path) -> None:
     model, opt, _ = _build()
-    ck = lowdiff.Checkpointer(model, opt, tmp_path / "unused", strategy="none")
+    ck = lowdiff.Checkpointer(
+        tmp_path / "unused",
+        model,
+        opt,
+        method="compression-only",
+        compressor=lowdiff.TopK(ratio=0.01),
+    )
     assert ck.resume() == 0
     ck.close()
     assert not (tmp_path / "unused").exists()
@@ -167,7 +173,9 @@ def test_sparse_gradient_is_rejected_naming_the_parameter() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = lowdiff.Checkpointer(model, opt, None, strategy="none", compressor=lowdiff.TopK(0.5))
+    ck = lowdiff.Checkpointer(
+        None, model, opt, method="compression-only", compressor=lowdiff.TopK(0.5)
+    )
     ck.resume()
     model(torch.ones(3)).sum().backward()
     model[0].weight.grad = model[0].weight.grad.to_sparse()
@@ -602,16 +610,16 @@ def test_lowdiff_plus_refuses_frozen_parameters_in_the_optimizer(tmp_path: Path)
     next(model.parameters()).requires_grad_(False)
     opt = torch.optim.Adam(model.parameters())
     with pytest.raises(lowdiff.UnsupportedSetupError, match="do not require a gradient"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy="lowdiff+")
+        lowdiff.Checkpointer(tmp_path / "ck", model, opt, method="lowdiff+")
     assert not (tmp_path / "ck").exists()
     # without them it works
     opt = torch.optim.Adam(p for p in model.parameters() if p.requires_grad)
-    lowdiff.Checkpointer(model, opt, tmp_path / "ck2", strategy="lowdiff+").close()
+    lowdiff.Checkpointer(tmp_path / "ck2", model, opt, method="lowdiff+").close()
 
 
 def test_step_of_a_closed_attached_checkpointer_says_closed(tmp_path: Path) -> None:
     model, opt, sched = _build()
-    ck = lowdiff.attach(model, opt, tmp_path, scheduler=sched, compressor=lowdiff.TopK(0.5))
+    ck = lowdiff.attach(tmp_path, model, opt, scheduler=sched, compressor=lowdiff.TopK(0.5))
     ck.resume()
     ck.close()
     with pytest.raises(RuntimeError, match=r"step\(\) after close\(\)"):

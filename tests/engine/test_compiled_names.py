@@ -24,7 +24,7 @@ def _net() -> nn.Module:
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, directory: Path, steps: int) -> int:
     ck = lowdiff.Checkpointer(
-        model, opt, directory, compressor=lowdiff.TopK(0.5), full_every=2, batch_size=2
+        directory, model, opt, compressor=lowdiff.TopK(0.5), full_every=2, records_per_file=2
     )
     start = ck.resume()
     for step in range(start, steps):

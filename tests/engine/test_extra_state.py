@@ -91,7 +91,9 @@ def test_extra_state_is_restored_at_every_step(tmp_path, strategy):
 def test_extra_state_errors_are_clear(tmp_path):
     m, o, s = _build()
     with pytest.raises(TypeError, match=r"extra_state\['data'\] \(int\) has no state_dict"):
-        lowdiff.Checkpointer(m, o, tmp_path / "a", extra_state={"data": 3})
+        lowdiff.Checkpointer(
+            tmp_path / "a", m, o, extra_state={"data": 3}, compressor=lowdiff.TopK(ratio=0.01)
+        )
 
     class Bad:
         def state_dict(self):
@@ -102,10 +104,12 @@ def test_extra_state_errors_are_clear(tmp_path):
 
     # each state_dict() is taken once when the Checkpointer is built: nothing is started
     with pytest.raises(TypeError, match=r"extra_state\['bad'\].*cannot be saved without pickling"):
-        lowdiff.Checkpointer(m, o, tmp_path / "b", extra_state={"bad": Bad()})
+        lowdiff.Checkpointer(
+            tmp_path / "b", m, o, extra_state={"bad": Bad()}, compressor=lowdiff.TopK(ratio=0.01)
+        )
     assert not (tmp_path / "b").exists()
 
-    ck = lowdiff.Checkpointer(m, o, tmp_path / "c", compressor=lowdiff.TopK(0.5))
+    ck = lowdiff.Checkpointer(tmp_path / "c", m, o, compressor=lowdiff.TopK(0.5))
     ck.resume()
     x = torch.randn(4, 6)
     m(x).sum().backward()
@@ -140,10 +144,7 @@ def test_a_counter_changed_after_the_update_under_attach(tmp_path, recapture):
     is captured after the update and taken again with recapture() after each change."""
     m, o, s = _build()
     stream, ctr = Stream(), Counter()
-    ck = lowdiff.attach(
-        m, o, tmp_path, scheduler=s, compressor=lowdiff.TopK(0.2, error_feedback=False),
-        full_every=4, batch_size=3, keep_full=None, extra_state={"ctr": ctr},
-    )  # fmt: skip
+    ck = lowdiff.attach(tmp_path, m, o, scheduler=s, compressor=lowdiff.TopK(0.2, error_feedback=False), full_every=4, records_per_file=3, keep_full=None, extra_state={"ctr": ctr})  # fmt: skip
     ck.resume()
     if recapture:
         lowdiff.own_strategy(ck).capture_after_update("ctr")
@@ -295,22 +296,34 @@ def test_a_failing_state_dict_or_load_state_dict_names_the_entry(tmp_path):
     want = r"extra_state\['data'\] \(_NoState\): its state_dict\(\) raised AttributeError"
     # at once, when the Checkpointer is built (attach too), before anything is written
     with pytest.raises(lowdiff.LowDiffError, match=want):
-        lowdiff.Checkpointer(m, o, tmp_path / "a", extra_state={"data": _NoState()})
+        lowdiff.Checkpointer(
+            tmp_path / "a",
+            m,
+            o,
+            extra_state={"data": _NoState()},
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
     with pytest.raises(lowdiff.LowDiffError, match=want):
-        lowdiff.attach(m, o, tmp_path / "a", extra_state={"data": _NoState()})
+        lowdiff.attach(
+            tmp_path / "a",
+            m,
+            o,
+            extra_state={"data": _NoState()},
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
     assert not (tmp_path / "a").exists()
-    ck = lowdiff.attach(m, o, tmp_path / "a", compressor=None, extra_state={"c": Counter()})
+    ck = lowdiff.attach(tmp_path / "a", m, o, compressor=None, extra_state={"c": Counter()})
     ck.resume()  # the attach above that failed left the optimizer free
     ck.close()
 
     d = tmp_path / "b"
-    with lowdiff.Checkpointer(m, o, d, compressor=None, extra_state={"c": Counter()}) as ck:
+    with lowdiff.Checkpointer(d, m, o, compressor=None, extra_state={"c": Counter()}) as ck:
         ck.resume()
         m(torch.randn(4, 6)).sum().backward()
         ck.step()
     want = r"extra_state\['c'\] \(_NoLoad\): its load_state_dict\(\) raised KeyError"
     m2, o2, _ = _build()
-    ck = lowdiff.Checkpointer(m2, o2, d, compressor=None, extra_state={"c": _NoLoad()})
+    ck = lowdiff.Checkpointer(d, m2, o2, compressor=None, extra_state={"c": _NoLoad()})
     with pytest.raises(lowdiff.LowDiffError, match=want):
         ck.resume()
     ck.close()

@@ -25,7 +25,9 @@ def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def test_properties_are_the_strategys() -> None:
     model, opt = _objects()
-    ck = lowdiff.Checkpointer(model, opt, None, strategy="none")
+    ck = lowdiff.Checkpointer(
+        None, model, opt, method="compression-only", compressor=lowdiff.TopK(ratio=0.01)
+    )
     assert ck.model is model and ck.optimizer is opt and ck.scheduler is None
     assert ck.method == "compression-only" and isinstance(ck.strategy_impl, CompressionOnlyStrategy)
     assert ck.step_count == 0 and ck.durable_step == -1 and ck.plan_history == []
@@ -34,7 +36,9 @@ def test_properties_are_the_strategys() -> None:
 
 def test_setting_an_unknown_attribute_fails_instead_of_passing_silently() -> None:
     model, opt = _objects()
-    ck = lowdiff.Checkpointer(model, opt, None, strategy="none")
+    ck = lowdiff.Checkpointer(
+        None, model, opt, method="compression-only", compressor=lowdiff.TopK(ratio=0.01)
+    )
     with pytest.raises(AttributeError):
         ck.full_every = 5  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):
@@ -46,7 +50,9 @@ def test_setting_an_unknown_attribute_fails_instead_of_passing_silently() -> Non
 
 def test_own_strategy_is_typed_and_refuses_a_baseline(tmp_path: Path) -> None:
     model, opt = _objects()
-    ck = lowdiff.Checkpointer(model, opt, None, strategy="none")
+    ck = lowdiff.Checkpointer(
+        None, model, opt, method="compression-only", compressor=lowdiff.TopK(ratio=0.01)
+    )
     impl = lowdiff.own_strategy(ck)
     assert impl is ck.strategy_impl and impl.full_every == 30 and impl.worker_process is None
     ck.close()
@@ -72,7 +78,14 @@ def test_each_name_has_its_own_peer_class(strategy: str, cls: type) -> None:
 def test_an_unknown_option_is_a_type_error_naming_it() -> None:
     model, opt = _objects()
     with pytest.raises(TypeError, match="fulll_every"):
-        lowdiff.Checkpointer(model, opt, None, strategy="none", fulll_every=3)
+        lowdiff.Checkpointer(
+            None,
+            model,
+            opt,
+            method="compression-only",
+            fulll_every=3,
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
 
 
 @pytest.mark.parametrize(

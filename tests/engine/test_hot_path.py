@@ -237,10 +237,7 @@ def test_records_still_replay_exactly_with_changing_hparams_and_buffers(tmp_path
     net = _Net()
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    ck = lowdiff.Checkpointer(
-        net, opt, tmp_path / "ck", compressor=lowdiff.TopK(0.5), scheduler=sched,
-        full_every=100, batch_size=2,
-    )  # fmt: skip
+    ck = lowdiff.Checkpointer(tmp_path / "ck", net, opt, compressor=lowdiff.TopK(0.5), scheduler=sched, full_every=100, records_per_file=2)  # fmt: skip
     ck.resume()
     for i in range(7):
         x = torch.randn(8, 4)
@@ -298,7 +295,7 @@ def test_attach_times_the_same_stages(tmp_path):
     torch.manual_seed(0)
     m = torch.nn.Linear(8, 8)
     o = torch.optim.SGD(m.parameters(), lr=0.1)
-    ck = lowdiff.attach(m, o, tmp_path / "ck", compressor=lowdiff.TopK(0.5))
+    ck = lowdiff.attach(tmp_path / "ck", m, o, compressor=lowdiff.TopK(0.5))
     ck.resume()
     for _ in range(3):
         m(torch.randn(2, 8)).sum().backward()

@@ -16,7 +16,7 @@ def test_step_and_attach_show_their_ranges(tmp_path):
     torch.manual_seed(0)
     m = torch.nn.Linear(8, 4)
     o = torch.optim.SGD(m.parameters(), lr=0.1)
-    ck = lowdiff.Checkpointer(m, o, tmp_path / "a", compressor=lowdiff.TopK(0.5))
+    ck = lowdiff.Checkpointer(tmp_path / "a", m, o, compressor=lowdiff.TopK(0.5))
     ck.resume()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2):
@@ -26,7 +26,7 @@ def test_step_and_attach_show_their_ranges(tmp_path):
     ck.close()
     assert {"lowdiff.take_gradients", "lowdiff.after_update"} <= _names(prof)
 
-    ck = lowdiff.attach(m, o, tmp_path / "b", compressor=lowdiff.TopK(0.5))
+    ck = lowdiff.attach(tmp_path / "b", m, o, compressor=lowdiff.TopK(0.5))
     ck.resume()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2):

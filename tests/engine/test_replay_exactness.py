@@ -270,12 +270,12 @@ def _train(directory: Path, case: Case) -> list[dict[str, torch.Tensor]]:
     np.random.seed(11)
     model, opt, sched = _build(case, seed=0)
     ck = lowdiff.Checkpointer(
+        directory,
         model,
         opt,
-        directory,
         compressor=case.compressor(),
         full_every=FULL_EVERY,
-        batch_size=BATCH_SIZE,
+        records_per_file=BATCH_SIZE,
         scheduler=sched,
         keep_full=None,
     )

@@ -74,10 +74,10 @@ def _reference(error_feedback: bool) -> tuple[list[float], dict[int, dict[str, t
     _seed_globals()
     model, opt, sched = _build(0)
     ck = lowdiff.Checkpointer(
+        None,
         model,
         opt,
-        None,
-        strategy="none",
+        method="compression-only",
         scheduler=sched,
         compressor=lowdiff.TopK(ratio=0.25, error_feedback=error_feedback),
     )
@@ -97,13 +97,13 @@ def _checkpointer(
     model: nn.Module, opt: Any, sched: Any, directory: Path, error_feedback: bool
 ) -> lowdiff.Checkpointer:
     return lowdiff.Checkpointer(
+        directory,
         model,
         opt,
-        directory,
         scheduler=sched,
         compressor=lowdiff.TopK(ratio=0.25, error_feedback=error_feedback),
         full_every=FULL_EVERY,
-        batch_size=BATCH_SIZE,
+        records_per_file=BATCH_SIZE,
         keep_full=None,
     )
 
@@ -275,7 +275,7 @@ def test_resume_channels_last_fused_adam_from_full_checkpoint(tmp_path: Path) ->
     comp = lowdiff.TopK(ratio=1.0, error_feedback=False)
 
     model, opt, _ = _build_conv(0)
-    ck = lowdiff.Checkpointer(model, opt, None, strategy="none", compressor=comp)
+    ck = lowdiff.Checkpointer(None, model, opt, method="compression-only", compressor=comp)
     ck.resume()
     for step in range(total):
         _conv_loss(model, step).backward()
@@ -286,7 +286,7 @@ def test_resume_channels_last_fused_adam_from_full_checkpoint(tmp_path: Path) ->
 
     model, opt, _ = _build_conv(0)
     ck = lowdiff.Checkpointer(
-        model, opt, tmp_path, compressor=comp, full_every=FULL_EVERY, batch_size=BATCH_SIZE
+        tmp_path, model, opt, compressor=comp, full_every=FULL_EVERY, records_per_file=BATCH_SIZE
     )
     ck.resume()
     for step in range(k):
@@ -297,7 +297,7 @@ def test_resume_channels_last_fused_adam_from_full_checkpoint(tmp_path: Path) ->
 
     model, opt, _ = _build_conv(1)
     ck = lowdiff.Checkpointer(
-        model, opt, tmp_path, compressor=comp, full_every=FULL_EVERY, batch_size=BATCH_SIZE
+        tmp_path, model, opt, compressor=comp, full_every=FULL_EVERY, records_per_file=BATCH_SIZE
     )
     try:
         assert ck.resume() == k

@@ -132,7 +132,12 @@ def test_refuse_in_bootstrap_only_while_spawn_runs_the_main_script(monkeypatch) 
         spawn.refuse_in_bootstrap("x")
     model = torch.nn.Linear(2, 2)
     with pytest.raises(LowDiffError, match="lowdiff.Checkpointer was created"):
-        lowdiff.Checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), None)
+        lowdiff.Checkpointer(
+            None,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
 
 
 def test_spawn_context_checks_the_main_script(monkeypatch, tmp_path: Path) -> None:

@@ -40,13 +40,13 @@ def main(directory: str, port: str) -> None:
     )
     assert opt is o and sched is s, (type(opt), type(sched))
     ck = lowdiff.attach(
+        directory,
         engine.module,
         o,
-        directory,
         scheduler=s,
         compressor=lowdiff.TopK(0.25, error_feedback=False),
         full_every=4,
-        batch_size=2,
+        records_per_file=2,
     )
     assert ck.resume() == 0
     g = torch.Generator().manual_seed(5)

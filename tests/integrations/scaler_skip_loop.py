@@ -32,11 +32,7 @@ def main() -> None:
     loader = StatefulDataLoader(
         ds, 8, sampler=RandomSampler(ds, generator=order), generator=workers
     )
-    ck = lowdiff.attach(
-        model, optimizer, directory, scheduler=scheduler,
-        compressor=lowdiff.TopK(0.2, error_feedback=False), full_every=4, batch_size=2,
-        extra_state={"data": loader, "scaler": scaler},
-    )  # fmt: skip
+    ck = lowdiff.attach(directory, model, optimizer, scheduler=scheduler, compressor=lowdiff.TopK(0.2, error_feedback=False), full_every=4, records_per_file=2, extra_state={"data": loader, "scaler": scaler})  # fmt: skip
     resumed = ck.resume()
     iterations = skipped = 0
     while ck.step_count < total:

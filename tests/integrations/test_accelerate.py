@@ -36,13 +36,13 @@ def test_attach_under_accelerator_prepare(tmp_path):
     # the hooks go on the torch optimizer under the wrapper (the wrapper's own step()
     # calls it only when the gradients are synced)
     ck = lowdiff.attach(
+        tmp_path / "ck",
         pm,
         po.optimizer,
-        tmp_path / "ck",
         scheduler=ps.scheduler,
         compressor=lowdiff.TopK(0.25, error_feedback=False),
         full_every=4,
-        batch_size=2,
+        records_per_file=2,
         keep_full=None,
     )
     assert ck.resume() == 0
@@ -68,9 +68,9 @@ def test_attach_under_accelerator_prepare(tmp_path):
     m3, o3, s3 = _build()
     pm3, po3, ps3 = accelerate.Accelerator(cpu=True).prepare(m3, o3, s3)
     ck = lowdiff.attach(
+        tmp_path / "ck",
         pm3,
         po3.optimizer,
-        tmp_path / "ck",
         scheduler=ps3.scheduler,
         compressor=lowdiff.TopK(0.25, error_feedback=False),
     )
@@ -101,7 +101,13 @@ def test_a_prepared_loader_needs_use_stateful_dataloader(tmp_path):
         r".*use_stateful_dataloader=True"
     )
     with pytest.raises(lowdiff.LowDiffError, match=want):
-        lowdiff.attach(pm, po.optimizer, tmp_path / "ck", extra_state={"data": ploader})
+        lowdiff.attach(
+            tmp_path / "ck",
+            pm,
+            po.optimizer,
+            extra_state={"data": ploader},
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
     assert not (tmp_path / "ck").exists()
 
     def prepared():
@@ -112,8 +118,7 @@ def test_a_prepared_loader_needs_use_stateful_dataloader(tmp_path):
         return acc.prepare(m, o, torch.utils.data.DataLoader(_data(), batch_size=4))
 
     pm, po, ploader = prepared()
-    ck = lowdiff.attach(pm, po.optimizer, tmp_path / "ck", compressor=None,
-                        extra_state={"data": ploader})  # fmt: skip
+    ck = lowdiff.attach(tmp_path / "ck", pm, po.optimizer, compressor=None, extra_state={"data": ploader})  # fmt: skip
     assert ck.resume() == 0
     for i, (x, y) in enumerate(ploader):
         torch.nn.functional.mse_loss(pm(x), y).backward()
@@ -123,8 +128,7 @@ def test_a_prepared_loader_needs_use_stateful_dataloader(tmp_path):
             break
     ck.close()
     pm, po, ploader = prepared()
-    ck = lowdiff.attach(pm, po.optimizer, tmp_path / "ck", compressor=None,
-                        extra_state={"data": ploader})  # fmt: skip
+    ck = lowdiff.attach(tmp_path / "ck", pm, po.optimizer, compressor=None, extra_state={"data": ploader})  # fmt: skip
     assert ck.resume() == 5
     ck.close()
     x, _ = next(iter(ploader))  # the sixth batch of the epoch

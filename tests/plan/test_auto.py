@@ -188,7 +188,7 @@ def _reference(n: int) -> dict[int, dict[str, torch.Tensor]]:
     _seed()
     objs = _build()
     ck = lowdiff.Checkpointer(
-        objs[0], objs[1], None, strategy="none", scheduler=objs[2], compressor=_topk()
+        None, objs[0], objs[1], method="compression-only", scheduler=objs[2], compressor=_topk()
     )
     ck.resume()
     snaps = {0: snapshot_state(*objs)}
@@ -247,14 +247,15 @@ def test_auto_picks_and_applies_a_plan(tmp_path, mtbf, want, caplog):
     _seed()
     objs = _build()
     ck = lowdiff.Checkpointer(
+        tmp_path,
         objs[0],
         objs[1],
-        tmp_path,
         scheduler=objs[2],
         full_every="auto",
-        batch_size="auto",
+        records_per_file="auto",
         mtbf=mtbf,
         keep_full=None,
+        compressor=lowdiff.TopK(ratio=0.01),
     )
     with caplog.at_level(logging.INFO, logger="lowdiff.plan"):
         ck.resume()
@@ -288,10 +289,7 @@ def test_a_restarted_trainer_starts_from_the_previous_plan(tmp_path):
     def session(mtbf: float, start: int, stop: int) -> list[dict]:
         _seed()
         objs = _build()
-        ck = lowdiff.Checkpointer(
-            objs[0], objs[1], tmp_path, scheduler=objs[2],
-            full_every="auto", batch_size="auto", mtbf=mtbf, keep_full=None,
-        )  # fmt: skip
+        ck = lowdiff.Checkpointer(tmp_path, objs[0], objs[1], scheduler=objs[2], full_every="auto", records_per_file="auto", mtbf=mtbf, keep_full=None, compressor=lowdiff.TopK(ratio=0.01))  # fmt: skip
         assert ck.resume() == start
         _train(ck, objs, start, stop)
         ck.close()
@@ -321,10 +319,7 @@ def test_a_restarted_trainer_counts_replay_at_its_own_recovery_rate(tmp_path):
     def session(start: int, stop: int) -> Any:
         _seed()
         objs = _build()
-        ck = lowdiff.Checkpointer(
-            objs[0], objs[1], tmp_path, scheduler=objs[2], compressor=_topk(),
-            full_every="auto", batch_size="auto", mtbf=1e9,
-        )  # fmt: skip
+        ck = lowdiff.Checkpointer(tmp_path, objs[0], objs[1], scheduler=objs[2], compressor=_topk(), full_every="auto", records_per_file="auto", mtbf=1e9)  # fmt: skip
         assert ck.resume() == start
         _train(ck, objs, start, stop)
         return ck
@@ -361,13 +356,13 @@ def test_recovery_across_switches_is_exact(tmp_path):
     _seed()
     objs = _build()
     ck = lowdiff.Checkpointer(
+        tmp_path,
         objs[0],
         objs[1],
-        tmp_path,
         scheduler=objs[2],
         compressor=_topk(),
         full_every="auto",
-        batch_size="auto",
+        records_per_file="auto",
         keep_full=None,
     )
     ck.resume()
@@ -391,13 +386,13 @@ def test_recovery_across_switches_is_exact(tmp_path):
     # a resumed auto run continues exactly
     objs3 = _build(seed=7)
     ck3 = lowdiff.Checkpointer(
+        tmp_path,
         objs3[0],
         objs3[1],
-        tmp_path,
         scheduler=objs3[2],
         compressor=_topk(),
         full_every="auto",
-        batch_size="auto",
+        records_per_file="auto",
     )
     assert ck3.resume() == n
     _train(ck3, objs3, n, n + 8)
@@ -411,7 +406,13 @@ def test_changing_b_mid_batch_loses_no_record(tmp_path):
     n = 20
     objs = _build()
     ck = lowdiff.Checkpointer(
-        objs[0], objs[1], tmp_path, scheduler=objs[2], full_every=50, batch_size="auto"
+        tmp_path,
+        objs[0],
+        objs[1],
+        scheduler=objs[2],
+        full_every=50,
+        records_per_file="auto",
+        compressor=lowdiff.TopK(ratio=0.01),
     )
     ck.resume()
     # after 4 records (one waits in the batch of 3): b = 5; after 4 more (4 of 5): b = 2
@@ -431,7 +432,14 @@ def test_changing_b_mid_batch_loses_no_record(tmp_path):
 def test_integer_settings_do_not_plan(tmp_path):
     objs = _build()
     ck = lowdiff.Checkpointer(
-        objs[0], objs[1], tmp_path, full_every=4, batch_size=3, mtbf=1.0, keep_full=None
+        tmp_path,
+        objs[0],
+        objs[1],
+        full_every=4,
+        records_per_file=3,
+        mtbf=1.0,
+        keep_full=None,
+        compressor=lowdiff.TopK(ratio=0.01),
     )
     ck.resume()
     _train(ck, objs, 0, 14)
@@ -485,15 +493,26 @@ def test_bad_environment_mtbf(tmp_path, monkeypatch):
     monkeypatch.setenv(MTBF_ENV, "-5")
     objs = _build()
     with pytest.raises(ValueError, match="LOWDIFF_MTBF must be a number of seconds > 0, got '-5'"):
-        lowdiff.Checkpointer(objs[0], objs[1], tmp_path, full_every="auto")
+        lowdiff.Checkpointer(
+            tmp_path, objs[0], objs[1], full_every="auto", compressor=lowdiff.TopK(ratio=0.01)
+        )
     # not read without "auto"
-    lowdiff.Checkpointer(objs[0], objs[1], None, strategy="none", full_every=5)
+    lowdiff.Checkpointer(
+        None,
+        objs[0],
+        objs[1],
+        method="compression-only",
+        full_every=5,
+        compressor=lowdiff.TopK(ratio=0.01),
+    )
 
 
 def test_environment_mtbf_reaches_the_tuner(tmp_path, monkeypatch):
     monkeypatch.setenv(MTBF_ENV, "42")
     objs = _build()
-    ck = lowdiff.Checkpointer(objs[0], objs[1], tmp_path, batch_size="auto")
+    ck = lowdiff.Checkpointer(
+        tmp_path, objs[0], objs[1], records_per_file="auto", compressor=lowdiff.TopK(ratio=0.01)
+    )
     assert (
         ck.strategy_impl.autoplan.tuner is not None
         and ck.strategy_impl.autoplan.tuner.mtbf == 42.0
@@ -504,7 +523,9 @@ def test_environment_mtbf_reaches_the_tuner(tmp_path, monkeypatch):
 
 def test_set_plan_checks_its_values(tmp_path):
     objs = _build()
-    ck = lowdiff.Checkpointer(objs[0], objs[1], tmp_path, full_every="auto")
+    ck = lowdiff.Checkpointer(
+        tmp_path, objs[0], objs[1], full_every="auto", compressor=lowdiff.TopK(ratio=0.01)
+    )
     with pytest.raises(ValueError, match="need 1 <= b <= f, got f=2, b=3"):
         ck.strategy_impl.set_plan(2, 3)
     with pytest.raises(ValueError, match="b must be >= 1"):
@@ -530,7 +551,13 @@ def test_trainer_gone_after_a_switch_keeps_every_record(tmp_path):
     n = 13
     objs = _build()
     ck = lowdiff.Checkpointer(
-        objs[0], objs[1], tmp_path, scheduler=objs[2], full_every=50, batch_size="auto"
+        tmp_path,
+        objs[0],
+        objs[1],
+        scheduler=objs[2],
+        full_every=50,
+        records_per_file="auto",
+        compressor=lowdiff.TopK(ratio=0.01),
     )
     ck.resume()
     _train(ck, objs, 0, n, hook=_force_at({5: (50, 4), 9: (50, 7)}))

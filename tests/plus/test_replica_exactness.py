@@ -192,7 +192,13 @@ def _run_case(tmp_path: Path, case: Case, copy_mode: str | None = None) -> None:
     model, opt, sched = _build(case)
     d = tmp_path / "ck"
     ck = lowdiff.Checkpointer(
-        model, opt, d, strategy="lowdiff+", scheduler=sched, persist_every=1, keep_full=None
+        d,
+        model,
+        opt,
+        method="lowdiff+",
+        scheduler=sched,
+        keep_full=None,
+        replica=lowdiff.ReplicaOptions(persist_every=1),
     )
     snaps: dict[int, dict[str, torch.Tensor]] = {}
     try:
@@ -238,14 +244,13 @@ def test_persist_auto_max_lag_1_and_flush(tmp_path):
     model, opt, sched = _build(case)
     d = tmp_path / "ck"
     ck = lowdiff.Checkpointer(
+        d,
         model,
         opt,
-        d,
-        strategy="lowdiff+",
+        method="lowdiff+",
         scheduler=sched,
-        persist_every="auto",
-        max_lag=1,
         keep_full=None,
+        replica=lowdiff.ReplicaOptions(persist_every="auto", max_lag=1),
     )
     snaps: dict[int, dict[str, torch.Tensor]] = {}
     try:
@@ -285,10 +290,7 @@ def test_persist_auto_follows_the_mtbf(tmp_path):
         np.random.seed(11)
         model, opt, sched = _build(case)
         d = tmp_path / f"ck-{mtbf:g}"
-        ck = lowdiff.Checkpointer(
-            model, opt, d, strategy="lowdiff+", scheduler=sched, persist_every="auto",
-            mtbf=mtbf, keep_full=None,
-        )  # fmt: skip
+        ck = lowdiff.Checkpointer(d, model, opt, method="lowdiff+", scheduler=sched, mtbf=mtbf, keep_full=None, replica=lowdiff.ReplicaOptions(persist_every="auto"))  # fmt: skip
         snaps: dict[int, dict[str, torch.Tensor]] = {}
         try:
             assert ck.resume() == 0
@@ -334,7 +336,7 @@ def test_compressor_is_rejected(tmp_path):
     m, o = _model_opt()
     with pytest.raises(ValueError, match="compressor"):
         lowdiff.Checkpointer(
-            m, o, tmp_path / "ck", strategy="lowdiff+", compressor=lowdiff.TopK(ratio=0.1)
+            tmp_path / "ck", m, o, method="lowdiff+", compressor=lowdiff.TopK(ratio=0.1)
         )
     assert not (tmp_path / "ck").exists()
 
@@ -344,7 +346,7 @@ def test_optimizer_outside_torch_optim_is_rejected(tmp_path, cls):
     m = nn.Linear(3, 2)
     o = cls(m.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="torch.optim"):
-        lowdiff.Checkpointer(m, o, tmp_path / "ck", strategy="lowdiff+")
+        lowdiff.Checkpointer(tmp_path / "ck", m, o, method="lowdiff+")
     assert not (tmp_path / "ck").exists()
 
 

@@ -275,14 +275,13 @@ def test_every_persisted_step_equals_the_trainer_with_replica_threads(tmp_path, 
     model, opt, sched = build()
     d = tmp_path / "ck"
     ck = lowdiff.Checkpointer(
+        d,
         model,
         opt,
-        d,
-        strategy="lowdiff+",
+        method="lowdiff+",
         scheduler=sched,
-        persist_every=1,
         keep_full=None,
-        replica_threads=threads,
+        replica=lowdiff.ReplicaOptions(persist_every=1, threads=threads),
     )
     snaps = {}
     try:

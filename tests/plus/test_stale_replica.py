@@ -205,7 +205,9 @@ def _train(ck: lowdiff.Checkpointer, m: nn.Module, o: torch.optim.Optimizer, ste
 def test_checkpointer_ignores_stale_descriptor_and_resumes_from_disk(tmp_path, segs):
     d = tmp_path / "ck"
     m, o = _build()
-    ck = lowdiff.Checkpointer(m, o, d, strategy="lowdiff+", persist_every=2)
+    ck = lowdiff.Checkpointer(
+        d, m, o, method="lowdiff+", replica=lowdiff.ReplicaOptions(persist_every=2)
+    )
     try:
         assert ck.resume() == 0
         _train(ck, m, o, range(3))
@@ -221,7 +223,9 @@ def test_checkpointer_ignores_stale_descriptor_and_resumes_from_disk(tmp_path, s
     _descriptor(d, _dead_pid(), run_id, ctl)
 
     m2, o2 = _build()
-    ck2 = lowdiff.Checkpointer(m2, o2, d, strategy="lowdiff+", persist_every=2)
+    ck2 = lowdiff.Checkpointer(
+        d, m2, o2, method="lowdiff+", replica=lowdiff.ReplicaOptions(persist_every=2)
+    )
     try:
         assert ck2.resume() == 3
         assert ck2.recovery_stats is not None
@@ -243,7 +247,7 @@ def test_checkpointer_fresh_start_next_to_a_stale_descriptor(tmp_path, segs):
     ctl, arena = segs.replica(run_id)
     _descriptor(d, _dead_pid(), run_id, ctl)
     m, o = _build()
-    ck = lowdiff.Checkpointer(m, o, d, strategy="lowdiff+")
+    ck = lowdiff.Checkpointer(d, m, o, method="lowdiff+")
     try:
         assert ck.resume() == 0
         assert not _exists(ctl) and not _exists(arena)
@@ -316,13 +320,13 @@ def test_a_copied_directory_leaves_the_originals_survivor_alone(tmp_path: Path) 
     assert survivor is not None and rp.pid_alive(survivor.pid)
     assert rp.read_descriptor(copy) is None  # not this directory's
     m, o = _plain()
-    with lowdiff.Checkpointer(m, o, copy, strategy="lowdiff+", full_every=4) as ck:
+    with lowdiff.Checkpointer(copy, m, o, method="lowdiff+", full_every=4) as ck:
         assert ck.resume() == 4
         stats = ck.recovery_stats
         assert stats.source == "disk" and stats.takeover_pid is None
     assert rp.pid_alive(survivor.pid)  # left alone
     m2, o2 = _plain()
-    with lowdiff.Checkpointer(m2, o2, src, strategy="lowdiff+", full_every=4) as ck2:
+    with lowdiff.Checkpointer(src, m2, o2, method="lowdiff+", full_every=4) as ck2:
         assert ck2.resume() == 4
         assert ck2.recovery_stats.source == "memory"
         assert ck2.recovery_stats.takeover_pid == survivor.pid

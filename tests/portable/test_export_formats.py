@@ -107,7 +107,7 @@ def test_hf_format_loads_with_from_pretrained(tmp_path):
     d = tmp_path / "ck"
     live = {}
     with lowdiff.Checkpointer(
-        model, opt, d, compressor=lowdiff.TopK(0.3), full_every=3, batch_size=2
+        d, model, opt, compressor=lowdiff.TopK(0.3), full_every=3, records_per_file=2
     ) as ck:
         ck.resume()
         for i in range(5):

@@ -203,4 +203,4 @@ def test_a_plain_process_is_refused_on_a_job_directory(tmp_path):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(lowdiff.CheckpointMismatchError, match="distributed job's directory"):
-        lowdiff.Checkpointer(model, opt, d)
+        lowdiff.Checkpointer(d, model, opt, compressor=lowdiff.TopK(ratio=0.01))

@@ -99,7 +99,7 @@ def test_context_manager_closes(tmp_path):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with lowdiff.Checkpointer(
-        model, opt, tmp_path / "ck", compressor=lowdiff.RandomK(0.5), batch_size=3
+        tmp_path / "ck", model, opt, compressor=lowdiff.RandomK(0.5), records_per_file=3
     ) as ck:
         ck.resume()
         _train_small(model, opt, ck)
@@ -287,7 +287,7 @@ def test_lowdiff_plus_counts_every_merge_in_its_stats(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(20, 5)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ck = lowdiff.Checkpointer(model, opt, tmp_path / "ck", strategy="lowdiff+", full_every=100)
+    ck = lowdiff.Checkpointer(tmp_path / "ck", model, opt, method="lowdiff+", full_every=100)
     ck.resume()
     _train(model, opt, ck, 6)
     ck.flush()  # every step merged into the replica before it is made durable

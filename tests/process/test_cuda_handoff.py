@@ -32,7 +32,7 @@ def test_cuda_records_replay_exactly(tmp_path):
     m, o = _build()
     snaps = {}
     with lowdiff.Checkpointer(
-        m, o, tmp_path / "ck", compressor=lowdiff.TopK(0.05), full_every=5, batch_size=3
+        tmp_path / "ck", m, o, compressor=lowdiff.TopK(0.05), full_every=5, records_per_file=3
     ) as ck:
         ck.resume()
         for i in range(12):
@@ -60,7 +60,13 @@ def test_cuda_lowdiff_plus_replica_matches_trainer(tmp_path):
     m, o = _build()
     snaps = {}
     with lowdiff.Checkpointer(
-        m, o, tmp_path / "ck", strategy="lowdiff+", compressor=None, persist_every=1, keep_full=None
+        tmp_path / "ck",
+        m,
+        o,
+        method="lowdiff+",
+        compressor=None,
+        keep_full=None,
+        replica=lowdiff.ReplicaOptions(persist_every=1),
     ) as ck:
         ck.resume()
         for i in range(8):
@@ -87,7 +93,7 @@ def test_cuda_lowdiff_plus_twice_in_one_process(tmp_path):
     for run in range(2):
         m, o = _build()
         with lowdiff.Checkpointer(
-            m, o, tmp_path / f"ck{run}", strategy="lowdiff+", compressor=None
+            tmp_path / f"ck{run}", m, o, method="lowdiff+", compressor=None
         ) as ck:
             for _ in range(3):
                 m(torch.randn(32, 64, device="cuda")).pow(2).mean().backward()

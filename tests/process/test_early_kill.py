@@ -40,7 +40,11 @@ def test_a_trainer_killed_in_its_first_steps_loses_none_of_them(
     model, opt = job.build()
     if strategy == "lowdiff":
         with lowdiff.Checkpointer(
-            model, opt, None, strategy="none", compressor=lowdiff.TopK(0.5, error_feedback=False)
+            None,
+            model,
+            opt,
+            method="compression-only",
+            compressor=lowdiff.TopK(0.5, error_feedback=False),
         ) as plain:
             for t in range(n_steps):
                 job.train_step(model, plain, t)

@@ -52,13 +52,13 @@ def _checkpointer(
     model: nn.Module, opt: Any, sched: Any, d: Path, keep_full: int | None = None
 ) -> lowdiff.Checkpointer:
     return lowdiff.Checkpointer(
+        d,
         model,
         opt,
-        d,
         scheduler=sched,
         compressor=_compressor(),
         full_every=FULL_EVERY,
-        batch_size=BATCH_SIZE,
+        records_per_file=BATCH_SIZE,
         keep_full=keep_full,
     )
 
@@ -104,7 +104,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
     # reference trajectory without checkpointing (same compression)
     model, opt, sched = _build()
     ck = lowdiff.Checkpointer(
-        model, opt, None, strategy="none", scheduler=sched, compressor=_compressor()
+        None, model, opt, method="compression-only", scheduler=sched, compressor=_compressor()
     )
     ck.resume()
     ref = {0: _snap(model, opt, sched), **_train(ck, model, opt, sched, 0, REF_STEPS)}

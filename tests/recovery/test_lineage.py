@@ -55,12 +55,12 @@ def _train(
 
 def _checkpointer(model: nn.Module, opt: Any, root: Path, batch_size: int) -> lowdiff.Checkpointer:
     return lowdiff.Checkpointer(
+        root,
         model,
         opt,
-        root,
         compressor=lowdiff.TopK(ratio=0.25, error_feedback=False),
         full_every=FULL_EVERY,
-        batch_size=batch_size,
+        records_per_file=batch_size,
         keep_full=None,
     )
 

@@ -44,14 +44,13 @@ def _build() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
 
 def _checkpointer(model: nn.Module, opt: Any, sched: Any, d: Path) -> lowdiff.Checkpointer:
     return lowdiff.Checkpointer(
+        d,
         model,
         opt,
-        d,
         scheduler=sched,
-        # no error feedback: a resumed run continues exactly like the uninterrupted one
         compressor=lowdiff.TopK(ratio=0.3, error_feedback=False),
         full_every=FULL_EVERY,
-        batch_size=BATCH_SIZE,
+        records_per_file=BATCH_SIZE,
         keep_full=None,
     )
 

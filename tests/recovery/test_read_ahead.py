@@ -42,7 +42,12 @@ def _train(directory, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ck = lowdiff.Checkpointer(
-        model, opt, directory, compressor=lowdiff.TopK(ratio=0.25), full_every=20, batch_size=3
+        directory,
+        model,
+        opt,
+        compressor=lowdiff.TopK(ratio=0.25),
+        full_every=20,
+        records_per_file=3,
     )
     ck.resume()
     g = torch.Generator().manual_seed(1)

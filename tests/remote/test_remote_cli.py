@@ -31,10 +31,7 @@ def test_cli_reads_a_remote_tier(
     torch.manual_seed(0)
     m = torch.nn.Linear(6, 3)
     o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    ck = lowdiff.Checkpointer(
-        m, o, tmp_path / "local", full_every=4, batch_size=2, keep_full=None,
-        remote=backend.url, remote_options=backend.options,
-    )  # fmt: skip
+    ck = lowdiff.Checkpointer(tmp_path / "local", m, o, full_every=4, records_per_file=2, keep_full=None, remote=lowdiff.RemoteOptions(backend.url, storage_options=backend.options), compressor=lowdiff.TopK(ratio=0.01))  # fmt: skip
     ck.resume()
     for t in range(7):
         g = torch.Generator().manual_seed(t)

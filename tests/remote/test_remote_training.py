@@ -128,7 +128,14 @@ def test_unreachable_endpoint_loses_no_local_step_and_fails_clearly(tmp_path: Pa
         _ck(m, o, s, c, tmp_path / "fresh", backend, remote_timeout=4).resume()
     # a session that resumes from its local tier trains on while the remote is down
     plain = lowdiff.Checkpointer(
-        m, o, tmp_path / "local", scheduler=s, extra_state={"data": c}, full_every=F, batch_size=B
+        tmp_path / "local",
+        m,
+        o,
+        scheduler=s,
+        extra_state={"data": c},
+        full_every=F,
+        records_per_file=B,
+        compressor=lowdiff.TopK(ratio=0.01),
     )
     plain.resume()
     _train(plain, m, c, 0, 4)
@@ -274,14 +281,35 @@ def _s3_missing() -> str:
 def test_options_are_checked(tmp_path: Path) -> None:
     m, o, s, c = _build(0)
     with pytest.raises(ValueError, match="remote must be an fsspec URL"):
-        lowdiff.Checkpointer(m, o, tmp_path, remote="/not/a/url")
+        lowdiff.Checkpointer(
+            tmp_path, m, o, remote="/not/a/url", compressor=lowdiff.TopK(ratio=0.01)
+        )
     with pytest.raises(TypeError, match="storage_options must be a dict"):
-        lowdiff.Checkpointer(m, o, tmp_path, remote="file:///x", remote_options=["a"])
+        lowdiff.Checkpointer(
+            tmp_path,
+            m,
+            o,
+            remote=lowdiff.RemoteOptions("file:///x", storage_options=["a"]),
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
     with pytest.raises(ValueError, match="bandwidth"):
-        lowdiff.Checkpointer(m, o, tmp_path, remote="file:///x", remote_bandwidth=0)
+        lowdiff.Checkpointer(
+            tmp_path,
+            m,
+            o,
+            remote=lowdiff.RemoteOptions("file:///x", bandwidth=0),
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
     with pytest.raises(ValueError, match="remote= is supported by strategies"):
-        lowdiff.Checkpointer(m, o, None, strategy="none", remote="file:///x")
-    ck = lowdiff.Checkpointer(m, o, tmp_path / "plain")
+        lowdiff.Checkpointer(
+            None,
+            m,
+            o,
+            method="compression-only",
+            remote="file:///x",
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
+    ck = lowdiff.Checkpointer(tmp_path / "plain", m, o, compressor=lowdiff.TopK(ratio=0.01))
     assert ck.remote_durable_step == -1
     with pytest.raises(ValueError, match="no remote tier"):
         ck.flush(remote=True)
@@ -292,11 +320,7 @@ def test_lowdiff_plus_uploads_its_persisted_checkpoints(backend: Backend, tmp_pa
     """LowDiff+'s replica uploads each full checkpoint it persists; a new node recovers
     the newest one bit-identically."""
     m, o, s, c = _build(0)
-    ck = lowdiff.Checkpointer(
-        m, o, tmp_path / "local", strategy="lowdiff+", compressor=None, scheduler=s,
-        extra_state={"data": c}, persist_every=3, remote=backend.url,
-        remote_options=backend.options, remote_timeout=60,
-    )  # fmt: skip
+    ck = lowdiff.Checkpointer(tmp_path / "local", m, o, method="lowdiff+", compressor=None, scheduler=s, extra_state={"data": c}, remote=lowdiff.RemoteOptions(backend.url, storage_options=backend.options, timeout=60), replica=lowdiff.ReplicaOptions(persist_every=3))  # fmt: skip
     assert ck.resume() == 0
     _train(ck, m, c, 0, 7)
     assert ck.flush(remote=True) == ck.durable_step == 7
@@ -305,10 +329,7 @@ def test_lowdiff_plus_uploads_its_persisted_checkpoints(backend: Backend, tmp_pa
     want = train_state(m, o, s, c)
     shutil.rmtree(tmp_path / "local")
     m2, o2, s2, c2 = _build(2)
-    ck2 = lowdiff.Checkpointer(
-        m2, o2, tmp_path / "local", strategy="lowdiff+", compressor=None, scheduler=s2,
-        extra_state={"data": c2}, remote=backend.url, remote_options=backend.options,
-    )  # fmt: skip
+    ck2 = lowdiff.Checkpointer(tmp_path / "local", m2, o2, method="lowdiff+", compressor=None, scheduler=s2, extra_state={"data": c2}, remote=lowdiff.RemoteOptions(backend.url, storage_options=backend.options))  # fmt: skip
     assert ck2.resume() == 7
     assert diff_states(want, train_state(m2, o2, s2, c2)) == []
     ck2.close()

@@ -144,7 +144,7 @@ def test_second_trainer_on_a_directory_gets_the_holders_pid_and_host(tmp_path) -
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         model, opt, _ = workload.build()
         with pytest.raises(lowdiff.DirectoryLockedError) as info:
-            lowdiff.Checkpointer(model, opt, tmp_path, compressor=workload.compressor())
+            lowdiff.Checkpointer(tmp_path, model, opt, compressor=workload.compressor())
         text = str(info.value)
         assert f"pid={holder.pid}" in text and f"host={socket.gethostname()}" in text
         assert str(tmp_path) in text
@@ -154,7 +154,7 @@ def test_second_trainer_on_a_directory_gets_the_holders_pid_and_host(tmp_path) -
         if holder.stdout is not None:
             holder.stdout.close()
     # a killed holder leaves no stale lock behind
-    ck = lowdiff.Checkpointer(model, opt, tmp_path, compressor=workload.compressor())
+    ck = lowdiff.Checkpointer(tmp_path, model, opt, compressor=workload.compressor())
     ck.close()
 
 
@@ -186,7 +186,11 @@ def test_a_busy_process_that_never_lets_go_is_named_after_start_timeout_in_all(t
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         model, opt, _ = workload.build()
         ck = lowdiff.Checkpointer(
-            model, opt, tmp_path, compressor=workload.compressor(), start_timeout=2.0
+            tmp_path,
+            model,
+            opt,
+            compressor=workload.compressor(),
+            timeouts=lowdiff.Timeouts(start=2.0),
         )
         try:
             t0 = time.monotonic()

@@ -87,9 +87,16 @@ def test_storage_error_policy_is_checked() -> None:
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="on_storage_error.*'ignore'"):
-        lowdiff.Checkpointer(model, opt, None, strategy="none", on_storage_error="ignore")
+        lowdiff.Checkpointer(
+            None,
+            model,
+            opt,
+            method="compression-only",
+            on_storage_error="ignore",
+            compressor=lowdiff.TopK(ratio=0.01),
+        )
     with pytest.raises(ValueError, match="on_storage_error='warn'.*lowdiff\\+"):
-        lowdiff.Checkpointer(model, opt, "unused", strategy="lowdiff+", on_storage_error="warn")
+        lowdiff.Checkpointer("unused", model, opt, method="lowdiff+", on_storage_error="warn")
 
 
 @pytest.mark.parametrize(
