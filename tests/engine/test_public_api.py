@@ -264,3 +264,32 @@ def test_the_four_entry_points_take_the_same_options_with_the_same_defaults() ->
     for cb in (hf.LowDiffCallback, lightning.LowDiffCallback):
         mine = options(cb, {"log_stats"})
         assert mine == {k: v for k, v in full.items() if k not in framework}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_closed_checkpointer_is_freed_without_the_cycle_collector(
+    tmp_path: Path, attached: bool
+) -> None:
+    """Dropped after close(), the method object is freed at once, by reference counting:
+    left to the cycle collector, it (and a process group it holds under DDP) would be freed
+    at an arbitrary point, on whatever thread the collector runs on."""
+    import gc
+    import weakref
+
+    model, opt = _objects()
+    make = lowdiff.attach if attached else lowdiff.Checkpointer
+    ck = make(tmp_path / "ck", model, opt, compressor=lowdiff.TopK(0.5))
+    ck.resume()
+    for _ in range(3):
+        _backward(model)
+        opt.step() if attached else ck.step()
+        opt.zero_grad()
+    ck.close()
+    gone = weakref.ref(ck.strategy_impl)
+    gc.disable()
+    try:
+        del ck
+        assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+    finally:
+        gc.enable()

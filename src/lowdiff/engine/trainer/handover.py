@@ -112,10 +112,26 @@ class OptimizerHooks:
     """Runs ``strategy``'s pipeline from ``optimizer.step()``'s pre- and post-hooks."""
 
     def __init__(self, strategy: Strategy, handover: Handover) -> None:
-        self.strategy = strategy
+        # weakly, except while attached (the optimizer's hooks then keep the strategy, as a
+        # loop that drops the Checkpointer expects): the strategy holds these hooks, and a
+        # cycle would leave the strategy, and the process group it holds, to the cyclic
+        # garbage collector, which may run on the group's own worker thread and destroy the
+        # group there (an abort)
+        self._strategy = weakref.ref(strategy)
+        self._held: Strategy | None = None
         self.handover = handover
         self._handles: list[Any] = []
         self._inflight: tuple[int, StepGrads, Any, float] | None = None
+
+    @property
+    def strategy(self) -> Strategy:
+        strategy = self._strategy()
+        if strategy is None:
+            raise LowDiffError(
+                "the Checkpointer lowdiff.attach() returned was dropped without close(): keep "
+                "it until training ends, and call close()"
+            )
+        return strategy
 
     @property
     def attached(self) -> bool:
@@ -125,6 +141,7 @@ class OptimizerHooks:
         if self._handles:
             raise UsageError("lowdiff is already attached to this optimizer")
         self.handover.deferred = True
+        self._held = self.strategy
         self._handles = [
             optimizer.register_step_pre_hook(self._on_step_pre),
             optimizer.register_step_post_hook(self._on_step_post),
@@ -138,6 +155,7 @@ class OptimizerHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._held = None
 
     def _wrap_scaler_update(self, name: str, scaler: torch.amp.GradScaler) -> None:
         update = scaler.update
