@@ -96,7 +96,7 @@ def test_choose_interval_rejects_bad_input(args: tuple, name: str) -> None:
 
 def test_constructor_and_bad_options(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
-    ck = lowdiff.Checkpointer(model, opt, tmp_path / "ok", strategy="checkfreq", full_every=4)
+    ck = lowdiff.Checkpointer(tmp_path / "ok", model, opt, method="checkfreq", full_every=4)
     assert (
         isinstance(ck.strategy_impl, cf.CheckFreqCheckpointer)
         and ck.strategy_impl.interval == 4 == ck.strategy_impl.full_every
@@ -314,7 +314,7 @@ def test_cuda_snapshot_is_exact(tmp_path: Path) -> None:
         torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)
     ).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ck = lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy="checkfreq", full_every=1)
+    ck = lowdiff.Checkpointer(tmp_path / "c", model, opt, method="checkfreq", full_every=1)
     ck.resume()
     g = torch.Generator(device="cuda").manual_seed(0)
     for _ in range(5):

@@ -262,7 +262,12 @@ def test_a_failed_save_is_raised_on_the_next_step(
     monkeypatch.setattr(dcp_async, "publish_commit", no_space)
     model, opt, sched = objects = harness.build()
     ck = lowdiff.Checkpointer(
-        model, opt, tmp_path / "c", strategy="dcp-async", full_every=2, async_mode="thread"
+        tmp_path / "c",
+        model,
+        opt,
+        method="dcp-async",
+        full_every=2,
+        method_options={"async_mode": "thread"},
     )
     ck.resume()
     with pytest.raises(lowdiff.CheckpointWorkerError, match="step 2") as e:
@@ -275,17 +280,21 @@ def test_a_failed_save_is_raised_on_the_next_step(
 def test_bad_options(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
     with pytest.raises(ValueError, match="async_mode"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "a", strategy="dcp-async", async_mode="gpu")
+        lowdiff.Checkpointer(
+            tmp_path / "a", model, opt, method="dcp-async", method_options={"async_mode": "gpu"}
+        )
     with pytest.raises(TypeError, match="batch_size"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="dcp-async", batch_size=3)
+        lowdiff.Checkpointer(
+            tmp_path / "b", model, opt, method="dcp-async", method_options={"batch_size": 3}
+        )
     with pytest.raises(ValueError, match="full_every"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy="dcp-async", full_every=0)
+        lowdiff.Checkpointer(tmp_path / "c", model, opt, method="dcp-async", full_every=0)
     with pytest.raises(ValueError, match="keep_full"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "d", strategy="dcp-async", keep_full=0)
+        lowdiff.Checkpointer(tmp_path / "d", model, opt, method="dcp-async", keep_full=0)
     d = tmp_path / "e"
     harness.run(d, 0, 2, strategy="torch-save", full_every=2)
     with pytest.raises(lowdiff.CheckpointMismatchError, match="torch-save"):
-        lowdiff.Checkpointer(model, opt, d, strategy="dcp-async").resume()
+        lowdiff.Checkpointer(d, model, opt, method="dcp-async").resume()
 
 
 def test_retention_keeps_newest(tmp_path: Path) -> None:

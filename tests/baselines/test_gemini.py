@@ -64,7 +64,7 @@ def test_bad_options(tmp_path: Path) -> None:
         with pytest.raises(err, match=name):
             lowdiff.Checkpointer(model, opt, tmp_path / "a", strategy="gemini", **bad)
     with pytest.raises(ValueError, match="directory"):
-        lowdiff.Checkpointer(model, opt, None, strategy="gemini")
+        lowdiff.Checkpointer(None, model, opt, method="gemini")
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
 

@@ -14,7 +14,7 @@ from lowdiff_lab.baselines import BaselineCheckpointer
 
 def test_same_constructor_returns_the_baseline(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
-    ck = lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy="torch-save", full_every=2)
+    ck = lowdiff.Checkpointer(tmp_path / "c", model, opt, method="torch-save", full_every=2)
     assert isinstance(ck, lowdiff.Checkpointer) and ck.method == "torch-save"
     assert isinstance(ck.strategy_impl, BaselineCheckpointer)
     ck.close()
@@ -79,11 +79,13 @@ def test_other_strategy_directory_is_refused(tmp_path: Path) -> None:
 def test_bad_options(tmp_path: Path) -> None:
     model, opt, _ = harness.build()
     with pytest.raises(TypeError, match="batch_size"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "a", strategy="torch-save", batch_size=3)
+        lowdiff.Checkpointer(
+            tmp_path / "a", model, opt, method="torch-save", method_options={"batch_size": 3}
+        )
     with pytest.raises(ValueError, match="full_every"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "b", strategy="torch-save", full_every=0)
+        lowdiff.Checkpointer(tmp_path / "b", model, opt, method="torch-save", full_every=0)
     with pytest.raises(ValueError, match="checkfreq"):
-        lowdiff.Checkpointer(model, opt, tmp_path / "c", strategy="bogus")
+        lowdiff.Checkpointer(tmp_path / "c", model, opt, method="bogus")
 
 
 def test_retention_keeps_newest(tmp_path: Path) -> None:

@@ -127,12 +127,12 @@ def format_report(r: dict[str, Any]) -> str:
         ),
         *(plus_rows(r) if r["strategy"] == "lowdiff+" else lowdiff_rows(sg, rc, wc)),
         (
-            "overhead vs none (median step)",
+            "overhead vs reference, median step",
             f"{_fmt(ov.get('median_overhead_pct'), '+.1f', ' %')}  ({_fmt(_ms(ov.get('median_step_s_lowdiff')), '.1f', ' ms')} vs "
             f"{_fmt(_ms(ov.get('median_step_s_none')), '.1f', ' ms')})",
         ),
         (
-            "overhead vs none (total)",
+            "overhead vs reference, total",
             f"{_fmt(ov.get('total_overhead_pct'), '+.1f', ' %')}  ({_fmt(ov.get('total_s_lowdiff'), '.1f', ' s')} vs "
             f"{_fmt(ov.get('total_s_none'), '.1f', ' s')} over {ov.get('steps_timed')} steps, "
             f"first {ov.get('warmup_steps_skipped')} skipped)",

@@ -149,7 +149,7 @@ class _Demo:
 
     def reference(self, recovered: int) -> dict[str, Any]:
         """(c) The reference without checkpointing, dumping at the recovered step."""
-        self.bar.phase("c) reference (none)")
+        self.bar.phase("c) reference (compression-only)")
         cfg = self.config(
             self.ck_none,
             "none",

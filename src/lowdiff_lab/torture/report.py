@@ -164,7 +164,7 @@ class TortureReport:
             f"recovered - acknowledged {margin}   acknowledged steps lost {self.lost_acknowledged}"
             + (f" ({self.lost_acknowledged_steps} steps)" if self.lost_acknowledged_steps else "")
             + f", handed-off steps lost {self.lost_handed_off}",
-            f"survivors taken over     {self.adoptions}   of another job refused"
+            f"processes taken over     {self.adoptions}   of another job refused"
             f" {self.refused_survivors}   left behind at the end {self.leaked}",
             f"corruptions injected     {self.corruptions}   detected {self.corruptions_detected}"
             f"   undetected {self.corruptions_undetected}   damaged data loaded {self.damaged_loads}"
