@@ -335,7 +335,7 @@ class Strategy(abc.ABC):
     def flush_remote(self) -> int:
         """Flush, then wait until the remote tier holds every durable step; that step."""
         raise InvalidArgumentError(
-            f"flush(remote=True) needs remote=..., which strategy {self.name!r} does not take"
+            f"flush(remote=True) needs remote=..., which method {self.name!r} does not take"
         )
 
     def __enter__(self) -> Strategy:

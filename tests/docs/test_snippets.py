@@ -4,15 +4,19 @@ each guide, and every example in ``examples/``."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from tests import launch
 from tests.docs.pages import DOCS, EXAMPLES, README, ROOT, readme_quickstart, section, snippet_after
+
+from lowdiff.proc import holder
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -135,6 +139,7 @@ def test_the_preemption_snippet_survives_sigterm(tmp_path):
     """SIGTERM ends the trainer with SIGTERM's status once every acknowledged step is
     durable; the next run starts at the step it had reached."""
     (tmp_path / "train.py").write_text(snippet_after(GUIDES / "failures.md", "preemption"))
+    before = _new_segments(set())
     starts = []
     for stop_after in (30, 1):
         p = subprocess.Popen(
@@ -150,6 +155,18 @@ def test_the_preemption_snippet_survives_sigterm(tmp_path):
             p.kill()
             p.wait(timeout=60)
     assert starts[0] == 0 and starts[1] >= 30, starts
+    # the preempted trainer's checkpointing process waits for the next trainer (as it
+    # should after a preemption): let it go, so that nothing outlives the test
+    d = tmp_path / "ckpt"
+    holder.forget_released(d, holder.release_orphan(d, 30.0))
+    deadline = time.monotonic() + 30
+    while _new_segments(before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _new_segments(before)
+
+
+def _new_segments(before: set[str]) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("lowdiff-")} - before
 
 
 @pytest.mark.slow

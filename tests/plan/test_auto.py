@@ -479,7 +479,7 @@ def test_integer_settings_do_not_plan(tmp_path):
         (
             {"strategy": "lowdiff+", "compressor": None, "full_every": "auto"},
             ValueError,
-            "full_every='auto' is supported by strategy 'lowdiff' only",
+            "full_every='auto' is supported by method 'lowdiff' only",
         ),
     ],
 )

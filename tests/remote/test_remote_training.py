@@ -300,7 +300,7 @@ def test_options_are_checked(tmp_path: Path) -> None:
             remote=lowdiff.RemoteOptions("file:///x", bandwidth=0),
             compressor=lowdiff.TopK(ratio=0.01),
         )
-    with pytest.raises(ValueError, match="remote= is supported by strategies"):
+    with pytest.raises(ValueError, match="remote= is supported by methods"):
         lowdiff.Checkpointer(
             None,
             m,

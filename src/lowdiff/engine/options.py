@@ -136,13 +136,13 @@ class EngineOptions:
         """
         if self.on_storage_error == "warn" and not can_suspend:
             raise InvalidArgumentError(
-                f"on_storage_error='warn' is supported by strategy 'lowdiff' only, got {strategy!r}"
+                f"on_storage_error='warn' is supported by method 'lowdiff' only, got {strategy!r}"
             )
         if replica:
             self._check_replica()
         if self.remote is not None and strategy not in ("lowdiff", "lowdiff+"):
             raise InvalidArgumentError(
-                "remote= is supported by strategies 'lowdiff' and 'lowdiff+', got strategy "
+                "remote= is supported by methods 'lowdiff' and 'lowdiff+', got method "
                 f"{strategy!r}"
             )
         if self.remote is not None and sharded:
@@ -161,7 +161,7 @@ class EngineOptions:
         auto = self.auto
         if auto and replica:
             raise InvalidArgumentError(
-                f"{auto[0]}='auto' is supported by strategy 'lowdiff' only, got strategy {strategy!r}"
+                f"{auto[0]}='auto' is supported by method 'lowdiff' only, got method {strategy!r}"
             )
         if auto and ddp:
             raise InvalidArgumentError(
@@ -172,7 +172,7 @@ class EngineOptions:
     def _check_replica(self) -> None:
         if self.compressor is not None:
             raise InvalidArgumentError(
-                "strategy 'lowdiff+' is for training without compression; pass compressor=None"
+                "method 'lowdiff+' is for training without compression; pass compressor=None"
             )
         check_int("max_lag", self.max_lag, 1)
         if self.persist_every != AUTO:

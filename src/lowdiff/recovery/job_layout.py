@@ -129,7 +129,7 @@ def refuse_fsdp2_job(job: Path, what: str) -> None:
         raise UnsupportedSetupError(
             f"{job} was written under fully_shard (FSDP2) by {m.get('world_size')} ranks: "
             "each shard directory holds every parameter's rank-local slice, and "
-            f"{what} is not supported for such a job; resume it with strategy "
+            f"{what} is not supported for such a job; resume it with method "
             f"'lowdiff+' under torchrun with {m.get('world_size')} ranks and the "
             "fully_shard model, or read it in one process with lowdiff.restore or "
             "`lowdiff export`"

@@ -40,7 +40,7 @@ FSDP2 = "fsdp2"
 _DCP = (
     "checkpoint this job with torch.distributed.checkpoint (get_state_dict, then "
     "dcp.async_save or dcp.save on every rank), or train with DistributedDataParallel, "
-    "which every lowdiff strategy supports"
+    "which every lowdiff method supports"
 )
 
 _WHY: dict[str, str] = {
@@ -50,10 +50,10 @@ _WHY: dict[str, str] = {
         "scattered densely inside FSDP, so there is no compressed gradient to reuse: "
         "compressing each rank's shard afterwards would change every update (the optimizer "
         "would apply the compressed shard) and save no communication. LowDiff+ (no "
-        "compression) is the strategy meant for sharded training"
+        "compression) is the method meant for sharded training"
     ),
-    "none": (
-        "strategy 'none' trains with LowDiff's gradient compression, which needs DDP's "
+    "compression-only": (
+        "method 'compression-only' trains with LowDiff's gradient compression, which needs DDP's "
         "communication hook; fully_shard reduce-scatters the gradients itself"
     ),
     "lowdiff.restore": (
@@ -292,14 +292,14 @@ def refuse_sharded(model: torch.nn.Module, optimizer: Any | None, what: str) -> 
         if why_not is None:
             return
         raise UnsupportedSetupError(
-            f"strategy 'lowdiff+' runs models sharded with fully_shard (FSDP2) over a 1-D "
+            f"method 'lowdiff+' runs models sharded with fully_shard (FSDP2) over a 1-D "
             f"mesh, and {found}, but {why_not}. Instead, {_DCP}."
         )
     why = _WHY.get(what, _BASELINE_WHY)
     if what == "lowdiff.restore":
         subject, instead = what, ""  # what to do instead is the reason's second half
     else:
-        subject, instead = f"strategy {what!r}", f" Instead, {_DCP}."
+        subject, instead = f"method {what!r}", f" Instead, {_DCP}."
     raise UnsupportedSetupError(
         f"{subject} does not support models sharded across ranks (FSDP2 fully_shard, "
         f"FSDP1, DTensor/tensor parallelism), and {found}: {why}.{instead}"

@@ -21,7 +21,7 @@ def optimizer_class(path: str) -> type[torch.optim.Optimizer]:
     module, _, name = path.rpartition(".")
     if not (module == "torch.optim" or module.startswith("torch.optim.")):
         raise InvalidArgumentError(
-            f"strategy 'lowdiff+' runs the optimizer on the CPU replica and supports torch.optim optimizers; got {path}"
+            f"method 'lowdiff+' runs the optimizer on the CPU replica and supports torch.optim optimizers; got {path}"
         )
     cls = getattr(importlib.import_module(module), name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):

@@ -166,11 +166,11 @@ class ReplicaBackend:
         if frozen:
             gi, pi, shape = frozen[0]
             raise UnsupportedSetupError(
-                f"strategy 'lowdiff+': {len(frozen)} parameter(s) of the optimizer do not require "
+                f"method 'lowdiff+': {len(frozen)} parameter(s) of the optimizer do not require "
                 f"a gradient (frozen; the first: group {gi}, parameter {pi}, shape {list(shape)}). "
                 "LowDiff+ snapshots each gradient through a hook on the parameters it is built "
                 "with: leave frozen parameters out of the optimizer (e.g. "
-                "Adam(p for p in model.parameters() if p.requires_grad)), or use strategy "
+                "Adam(p for p in model.parameters() if p.requires_grad)), or use method "
                 "'lowdiff'"
             )
 
@@ -207,7 +207,7 @@ class ReplicaBackend:
     def check_attach(self) -> None:
         if self.options.max_lag < 2:
             raise InvalidArgumentError(
-                "attach() with strategy 'lowdiff+' needs max_lag >= 2 (a step is handed over "
+                "attach() with method 'lowdiff+' needs max_lag >= 2 (a step is handed over "
                 "when the next one begins, so two snapshot slots are in use at once)"
             )
 

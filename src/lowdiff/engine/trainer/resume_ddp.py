@@ -48,7 +48,7 @@ def resume_ddp(s: Starter) -> int:
     newest = gens[-1] if gens else None
     if newest is not None and newest.strategy != objects.name:
         raise CheckpointMismatchError(
-            f"{newest.root} was written with strategy {newest.strategy!r}; this job runs "
+            f"{newest.root} was written with method {newest.strategy!r}; this job runs "
             f"{objects.name!r}"
         )
     in_place = (

@@ -47,7 +47,7 @@ def resume_fsdp(s: Starter) -> int:
     if newest is not None:
         if newest.strategy != objects.name:
             raise CheckpointMismatchError(
-                f"{newest.root} was written with strategy {newest.strategy!r}; this job runs "
+                f"{newest.root} was written with method {newest.strategy!r}; this job runs "
                 f"{objects.name!r}"
             )
         if job_sharding(newest.root) != FSDP2:

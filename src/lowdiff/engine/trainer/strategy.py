@@ -94,7 +94,7 @@ class EngineStrategy(Strategy):
             kind.check_optimizer(optimizer)
             if directory is None:
                 raise InvalidArgumentError(
-                    f"strategy {self.name!r} needs a checkpoint directory, got None"
+                    f"method {self.name!r} needs a checkpoint directory, got None"
                 )
         compressed = kind is None or kind.trains_compressed
         rank = training_compressor(opts.compressor) if compressed else NoCompression()

@@ -160,7 +160,7 @@ class TrainingObjects:
         assert self.layout is not None
         if manifest.get("strategy") != self.name:
             raise CheckpointMismatchError(
-                f"{root} was written by strategy {manifest.get('strategy')!r}, this Checkpointer uses {self.name!r}"
+                f"{root} was written by method {manifest.get('strategy')!r}, this Checkpointer uses {self.name!r}"
             )
         if manifest.get("compressor") != self.compressor.spec():
             raise CheckpointMismatchError(
