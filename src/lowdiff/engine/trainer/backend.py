@@ -36,11 +36,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from lowdiff.ddp.hooks import LowDiffHookState
-from lowdiff.engine.options import EngineOptions
-from lowdiff.engine.trainer.directory import CheckpointDir
-from lowdiff.engine.trainer.progress import Cadence, Progress
-from lowdiff.engine.trainer.session import ProcessSession
-from lowdiff.engine.trainer.training import TrainingObjects
+from lowdiff.engine.trainer.parts import SessionParts
 from lowdiff.engine.wire.messages import Full
 from lowdiff.proc.protocol import SlotMessage
 from lowdiff.strategy import StepGrads
@@ -86,16 +82,7 @@ class Backend(Protocol):
     slot_message: ClassVar[type[SlotMessage]]
     """What a step's slot is handed over as (``Record``, ``Step``)."""
 
-    def __init__(
-        self,
-        objects: TrainingObjects,
-        progress: Progress,
-        cadence: Cadence,
-        options: EngineOptions,
-        directory: CheckpointDir,
-        session: ProcessSession,
-        gradients: GradientSource,
-    ) -> None:
+    def __init__(self, parts: SessionParts, gradients: GradientSource) -> None:
         """The parts of the session the backend reads (none of them is its own)."""
 
     @staticmethod

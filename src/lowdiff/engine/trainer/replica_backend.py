@@ -21,12 +21,11 @@ from typing import Any, ClassVar
 import torch
 
 from lowdiff.ddp.hooks import LowDiffHookState, PlusHookState, plus_hook
-from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.replica.main import replica_main
 from lowdiff.engine.replica.optim import optimizer_class
 from lowdiff.engine.trainer.backend import GradientSource
-from lowdiff.engine.trainer.directory import CheckpointDir
-from lowdiff.engine.trainer.progress import Cadence, Progress
+from lowdiff.engine.trainer.parts import SessionParts
+from lowdiff.engine.trainer.progress import Progress
 from lowdiff.engine.trainer.session import ProcessSession
 from lowdiff.engine.trainer.snapshot import GradSnapshotter
 from lowdiff.engine.trainer.training import TrainingObjects
@@ -138,19 +137,11 @@ class ReplicaBackend:
     resume_message: ClassVar[type[Full] | None] = Init
     slot_message: ClassVar[type[SlotMessage]] = Step
 
-    def __init__(
-        self,
-        objects: TrainingObjects,
-        progress: Progress,
-        cadence: Cadence,
-        options: EngineOptions,
-        directory: CheckpointDir,
-        session: ProcessSession,
-        gradients: GradientSource,
-    ) -> None:
+    def __init__(self, parts: SessionParts, gradients: GradientSource) -> None:
         assert isinstance(gradients, SnapshotGradients)
-        self.objects, self.cadence, self.options = objects, cadence, options
-        self.directory, self.session, self.gradients = directory, session, gradients
+        (self.objects, self.progress, self.cadence, self.options, self.directory,
+         self.session) = parts.unpack()  # fmt: skip
+        self.gradients = gradients
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:

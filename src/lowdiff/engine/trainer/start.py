@@ -16,14 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.trainer.backend import Backend
-from lowdiff.engine.trainer.directory import CheckpointDir
-from lowdiff.engine.trainer.progress import Cadence, Progress
-from lowdiff.engine.trainer.session import ProcessSession
+from lowdiff.engine.trainer.parts import SessionParts
 from lowdiff.engine.trainer.staging import FullStager
 from lowdiff.engine.trainer.takeover import Takeover
-from lowdiff.engine.trainer.training import TrainingObjects
 from lowdiff.engine.wire.messages import Full
 from lowdiff.proc.holder import release_orphan
 from lowdiff.recovery.replay import RecoveryStats
@@ -34,21 +30,11 @@ class Starter:
     """The steps that start checkpointing (see the module docstring); every other part
     of the session is handed to it."""
 
-    def __init__(
-        self,
-        objects: TrainingObjects,
-        progress: Progress,
-        cadence: Cadence,
-        options: EngineOptions,
-        directory: CheckpointDir,
-        session: ProcessSession,
-        stager: FullStager,
-        backend: Backend,
-    ) -> None:
-        self.objects, self.progress, self.cadence = objects, progress, cadence
-        self.options, self.directory, self.session = options, directory, session
+    def __init__(self, parts: SessionParts, stager: FullStager, backend: Backend) -> None:
+        (self.objects, self.progress, self.cadence, self.options, self.directory,
+         self.session) = parts.unpack()  # fmt: skip
         self.stager, self.backend = stager, backend
-        self.takeover = Takeover(objects, progress, options, directory, session, stager, backend)
+        self.takeover = Takeover(parts, stager, backend)
 
     # ------------------------------------------------------------------ a new process
     def launch(self, first: type[Full] | None = None) -> None:

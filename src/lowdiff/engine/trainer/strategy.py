@@ -42,6 +42,7 @@ from lowdiff.engine.trainer.gradients import (
     training_compressor,
 )
 from lowdiff.engine.trainer.handover import Handover, OptimizerHooks
+from lowdiff.engine.trainer.parts import SessionParts
 from lowdiff.engine.trainer.pipeline import StepPipeline
 from lowdiff.engine.trainer.progress import Cadence, Progress
 from lowdiff.engine.trainer.replica_backend import ReplicaBackend, SnapshotGradients
@@ -144,8 +145,8 @@ class EngineStrategy(Strategy):
         )  # fmt: skip
         self.policy.watch(session, d)
         stager = FullStager(objects, self.progress, d, self.handover)
-        backend = kind(objects, self.progress, self.cadence, opts, d, session, self.gradients)
-        return Starter(objects, self.progress, self.cadence, opts, d, session, stager, backend)
+        parts = SessionParts(objects, self.progress, self.cadence, opts, d, session)
+        return Starter(parts, stager, kind(parts, self.gradients))
 
     def _plan_auto(self, s: Starter) -> None:
         """With ``full_every`` or ``batch_size`` ``"auto"``: the planner, fed by every part."""

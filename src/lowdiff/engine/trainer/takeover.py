@@ -32,13 +32,9 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
-from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.trainer.backend import Backend
-from lowdiff.engine.trainer.directory import CheckpointDir
-from lowdiff.engine.trainer.progress import Progress
-from lowdiff.engine.trainer.session import ProcessSession
+from lowdiff.engine.trainer.parts import SessionParts
 from lowdiff.engine.trainer.staging import FullStager
-from lowdiff.engine.trainer.training import TrainingObjects
 from lowdiff.engine.wire.messages import TakeoverRequest
 from lowdiff.proc import holder as rp
 from lowdiff.proc import takeover_socket
@@ -156,25 +152,15 @@ class Takeover:
     """This trainer's takeovers (see the module docstring).
 
     Args:
-        objects, progress, options: the training objects, the progress, the options.
-        directory: the checkpoint directory (the session goes on as the run taken over).
-        session: the session a process taken over is attached to.
+        parts: the session's parts (its directory goes on as the run taken over; a
+            process taken over is attached to its session).
         stager: stages into the staging buffer a process taken over made.
         backend: the process's configuration, and what it does once it serves this trainer.
     """
 
-    def __init__(
-        self,
-        objects: TrainingObjects,
-        progress: Progress,
-        options: EngineOptions,
-        directory: CheckpointDir,
-        session: ProcessSession,
-        stager: FullStager,
-        backend: Backend,
-    ) -> None:
-        self.objects, self.progress, self.options = objects, progress, options
-        self.directory, self.session = directory, session
+    def __init__(self, parts: SessionParts, stager: FullStager, backend: Backend) -> None:
+        self.objects, self.progress, self.options = parts.objects, parts.progress, parts.options
+        self.directory, self.session = parts.directory, parts.session
         self.stager, self.backend = stager, backend
         self.orphan: Orphan | None = None
         """The previous trainer's process, found before recovering from disk and not

@@ -18,12 +18,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.trainer.backend import GradientSource
-from lowdiff.engine.trainer.directory import CheckpointDir
-from lowdiff.engine.trainer.progress import Cadence, Progress
-from lowdiff.engine.trainer.session import ProcessSession
-from lowdiff.engine.trainer.training import TrainingObjects
+from lowdiff.engine.trainer.parts import SessionParts
 from lowdiff.engine.wire.configs import WriterConfig
 from lowdiff.engine.wire.messages import Full, Record
 from lowdiff.engine.writer.main import writer_main
@@ -44,18 +40,9 @@ class WriterBackend:
     resume_message: ClassVar[type[Full] | None] = None
     slot_message: ClassVar[type[SlotMessage]] = Record
 
-    def __init__(
-        self,
-        objects: TrainingObjects,
-        progress: Progress,
-        cadence: Cadence,
-        options: EngineOptions,
-        directory: CheckpointDir,
-        session: ProcessSession,
-        gradients: GradientSource,
-    ) -> None:
-        self.objects, self.progress, self.cadence = objects, progress, cadence
-        self.options, self.directory, self.session = options, directory, session
+    def __init__(self, parts: SessionParts, gradients: GradientSource) -> None:
+        (self.objects, self.progress, self.cadence, self.options, self.directory,
+         self.session) = parts.unpack()  # fmt: skip
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
