@@ -191,9 +191,9 @@ def test_the_lab_uses_no_private_library_names(area: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_import_lowdiff_loads_no_lab_module_and_no_lab_dependency() -> None:
-    """In a fresh interpreter, ``import lowdiff`` (and building a Checkpointer of lowdiff's
-    own) imports no lab module, and none of the lab's dependencies that torch does not
-    import by itself."""
+    """In a fresh interpreter, ``import lowdiff``, training with a Checkpointer of lowdiff's
+    own and inspecting and verifying its directory import no lab module, and none of the
+    lab's dependencies that torch does not import by itself."""
     code = (
         "import sys, torch\n"
         "before = set(sys.modules)\n"
@@ -202,6 +202,15 @@ def test_import_lowdiff_loads_no_lab_module_and_no_lab_dependency() -> None:
         "ck = lowdiff.Checkpointer(None, m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
         "                          method='compression-only', compressor=lowdiff.TopK(0.5))\n"
         "ck.close()\n"
+        "import tempfile, pathlib\n"
+        "d = pathlib.Path(tempfile.mkdtemp()) / 'ck'\n"
+        "with lowdiff.Checkpointer(d, m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
+        "                          compressor=lowdiff.TopK(0.5)) as ck:\n"
+        "    ck.resume()\n"
+        "    m(torch.randn(3, 2)).sum().backward()\n"
+        "    ck.step()\n"
+        "lowdiff.inspect_dir(d, verify=True)\n"
+        "assert lowdiff.verify_dir(d)[1] == []\n"
         "new = set(sys.modules) - before\n"
         "lab = sorted(x for x in new if x.split('.')[0] in\n"
         "             ('lowdiff_lab', 'psutil', 'tqdm', 'matplotlib', 'transformers'))\n"

@@ -168,9 +168,31 @@ def method_modules() -> tuple[str, ...]:
 
 
 def directory_kind(root: Path) -> DirectoryKind | None:
-    """The registered kind ``root`` is of, or None (a lowdiff directory, or nothing known)."""
-    load_plugins()
-    return next((k for k in _KINDS if k.matches(root)), None)
+    """The registered kind ``root`` is of, or None (a lowdiff directory, or nothing known).
+
+    The plugins are loaded only for a directory whose manifest names another format than
+    lowdiff's own: reading lowdiff's directories imports no plugin."""
+    found = next((k for k in _KINDS if k.matches(root)), None)
+    if found is None and not _loaded and _other_format(root):
+        load_plugins()
+        found = next((k for k in _KINDS if k.matches(root)), None)
+    return found
+
+
+def _other_format(root: Path) -> bool:
+    """Whether ``root`` holds a manifest (read, not verified) of a format not lowdiff's."""
+    import json  # noqa: PLC0415
+
+    from lowdiff.errors import LowDiffError  # noqa: PLC0415
+    from lowdiff.format.layout import MANIFEST  # noqa: PLC0415
+    from lowdiff.format.sfile import FORMAT_NAME, open_regular  # noqa: PLC0415
+
+    try:  # a regular file only: a named pipe in its place must not block the reader
+        with open_regular(root / MANIFEST) as f:
+            body = json.loads(f.read(1 << 20)).get("lowdiff_manifest", {})
+    except (OSError, ValueError, AttributeError, LowDiffError):
+        return False
+    return isinstance(body, dict) and body.get("format") not in (None, FORMAT_NAME)
 
 
 def commands() -> dict[str, Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]]:
