@@ -10,13 +10,12 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 EXAMPLES = ROOT / "examples"
 
-NOT_USER_PAGES = {DOCS / "history.md", DOCS / "changelog.md"}
-"""The history and the changelog say what changed, with revisions; every other page
-says what is true now."""
+NOT_USER_PAGES = {DOCS / "changelog.md"}
+"""The changelog says what changed; every other page says what is true now."""
 
 
 def user_pages() -> list[Path]:
-    """The README, CONTRIBUTING.md and every docs page but the history and the changelog."""
+    """The README, CONTRIBUTING.md and every docs page but the changelog."""
     pages = [README, ROOT / "CONTRIBUTING.md", *sorted(DOCS.rglob("*.md"))]
     return [p for p in pages if p not in NOT_USER_PAGES]
 

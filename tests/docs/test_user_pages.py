@@ -63,7 +63,7 @@ def _lines(path: Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
 def test_no_commit_hashes(page):
     found = [f"{n}: {m.group()}" for n, line in _lines(page) for m in HASH.finditer(line)]
-    assert found == [], f"{page.name}: commit hashes belong in docs/history.md"
+    assert found == [], f"{page.name}: a commit hash; stamp results with the version, and keep history in commits"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
