@@ -71,31 +71,21 @@ def translate(
     if method in RENAMED:
         _warn(f"method={method!r}", f"method={RENAMED[method]!r}", what)
         method = kw["method"] = RENAMED[method]
-    if old_order and kw.get("compressor") is None and method in (None, "lowdiff", "compression-only"):
+    if (
+        old_order
+        and kw.get("compressor") is None
+        and method in (None, "lowdiff", "compression-only")
+    ):
         # 0.1's default: LowDiff with top-k 1% (the call is in the old order: it keeps it)
         from lowdiff.compressors import TopK  # noqa: PLC0415
 
         kw["method"] = method or "lowdiff"
         kw["compressor"] = TopK(ratio=0.01)
-    registered = method is not None and method != "auto" and method not in BUILTIN
-    if registered:  # the method's own options (a baseline's), and any it will refuse
-        own = {k: kw.pop(k) for k in list(kw) if k not in known}
-        if own:
-            _warn(f"{', '.join(f'{k}=' for k in own)}", "method_options={...}", what)
-            kw["method_options"] = {**own, **(kw.get("method_options") or {})}
-        return args, kw
-    if "batch_size" in kw:
-        _warn("batch_size=", "records_per_file=", what)
-        kw.setdefault("records_per_file", kw.pop("batch_size"))
-    _group(kw, what, _REPLICA, "replica", ReplicaOptions, "ReplicaOptions")
-    _group(kw, what, _TIMEOUTS, "timeouts", Timeouts, "Timeouts")
-    remote_flat = {k: kw.pop(k) for k in _REMOTE if k in kw}
-    if remote_flat:
-        _warn(", ".join(f"{k}=" for k in remote_flat), "remote=RemoteOptions(...)", what)
-        url = kw.get("remote")
-        if not isinstance(url, str):
-            raise ArgumentTypeError(f"{what}: {next(iter(remote_flat))} is given without remote=")
-        kw["remote"] = RemoteOptions(url, **{_REMOTE[k]: v for k, v in remote_flat.items()})
+    kw, rewritten = regroup(kw, method, known, what)
+    for old, new in rewritten:
+        _warn(old, new, what)
+    if method is not None and method != "auto" and method not in BUILTIN:
+        return args, kw  # a registered method checks its own options
     unknown = sorted(set(kw) - set(known))
     if unknown:
         where = f"{what}(method={method!r})" if method else f"{what}()"
@@ -104,6 +94,46 @@ def translate(
             f"(its options: {', '.join(known)})"
         )
     return args, kw
+
+
+def regroup(
+    flat: dict[str, Any], method: str | None, known: tuple[str, ...], what: str = "Checkpointer"
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """0.1's flat options in today's spelling, and the (old, new) spellings it rewrote;
+    it warns about nothing (the lab's job configurations name options flat, as JSON does).
+
+    For lowdiff's own methods: ``batch_size`` is ``records_per_file``, and the replica's,
+    the timeouts' and the remote tier's options go into their groups. For a registered
+    method, every option ``Checkpointer`` does not take goes into ``method_options``.
+    """
+    kw, said = dict(flat), []
+    if method is not None and method != "auto" and method not in BUILTIN:
+        own = {k: kw.pop(k) for k in list(kw) if k not in known}
+        if own:
+            said.append((", ".join(f"{k}=" for k in own), "method_options={...}"))
+            kw["method_options"] = {**own, **(kw.get("method_options") or {})}
+        return kw, said
+    if "batch_size" in kw:
+        said.append(("batch_size=", "records_per_file="))
+        kw.setdefault("records_per_file", kw.pop("batch_size"))
+    for names, target, cls in (
+        (_REPLICA, "replica", ReplicaOptions),
+        (_TIMEOUTS, "timeouts", Timeouts),
+    ):
+        given = {k: kw.pop(k) for k in names if k in kw}
+        if given:
+            said.append(
+                (", ".join(f"{k}=" for k in given), f"{target}=lowdiff.{cls.__name__}(...)")
+            )
+            base = {} if kw.get(target) is None else dataclasses.asdict(kw[target])
+            kw[target] = cls(**{**base, **{names[k]: v for k, v in given.items()}})
+    remote = {k: kw.pop(k) for k in _REMOTE if k in kw}
+    if remote:
+        said.append((", ".join(f"{k}=" for k in remote), "remote=RemoteOptions(...)"))
+        if not isinstance(kw.get("remote"), str):
+            raise ArgumentTypeError(f"{what}: {next(iter(remote))} is given without remote=")
+        kw["remote"] = RemoteOptions(kw["remote"], **{_REMOTE[k]: v for k, v in remote.items()})
+    return kw, said
 
 
 RENAMED_OPTIONS: dict[str, str] = {
@@ -124,19 +154,9 @@ def did_you_mean(name: str, known: list[str] | tuple[str, ...], *, renamed: bool
     return f"; did you mean {RENAMED_OPTIONS.get(near[0], near[0])!r}?"
 
 
-def _group(
-    kw: dict[str, Any], what: str, names: dict[str, str], target: str, cls: type, cls_name: str
-) -> None:
-    flat = {k: kw.pop(k) for k in names if k in kw}
-    if not flat:
-        return
-    _warn(", ".join(f"{k}=" for k in flat), f"{target}=lowdiff.{cls_name}(...)", what)
-    given = kw.get(target)
-    base = {} if given is None else dataclasses.asdict(given)
-    kw[target] = cls(**{**base, **{names[k]: v for k, v in flat.items()}})
-
-
-def accepts_old_spellings(what: str, known: tuple[str, ...]) -> Callable[[Callable[P, R]], Callable[P, R]]:
+def accepts_old_spellings(
+    what: str, known: tuple[str, ...]
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorate ``__init__`` (or a function) so that the spellings of lowdiff 0.1 still
     work (see the module docstring). ``inspect.signature`` and type checkers see the
     decorated function's own parameters."""
@@ -153,4 +173,3 @@ def accepts_old_spellings(what: str, known: tuple[str, ...]) -> Callable[[Callab
         return call
 
     return wrap
-
