@@ -216,6 +216,11 @@ def test_import_lowdiff_loads_no_lab_module_and_no_lab_dependency() -> None:
         "             ('lowdiff_lab', 'psutil', 'tqdm', 'matplotlib', 'transformers'))\n"
         "print(lab)\n"
     )
+    # the lab is installed, and reachable through its plugin: not loading it is a choice
+    import importlib.metadata
+
+    plugins = importlib.metadata.entry_points(group="lowdiff.plugins")
+    assert "lowdiff_lab.plugin:register" in [ep.value for ep in plugins]
     env = {k: v for k, v in os.environ.items() if k != atomic.HOOKS_ENV}  # the suite's faults
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=100, check=True,

@@ -301,7 +301,6 @@ class Checkpointer:
         """The method's object (internal: its attributes are not a stable API)."""
         return self._impl
 
-    # ------------------------------------------------------------------ the API
     def resume(self) -> int:
         """Restore the newest recoverable state, or prepare an empty directory.
 
@@ -374,9 +373,8 @@ class Checkpointer:
 
     def retake(self, name: str) -> None:
         """With :func:`lowdiff.attach`: take ``extra_state[name]`` again now for every
-        step not handed over yet (a step is handed over when the next update begins),
-        replacing what was taken for it. For state a framework changes between the
-        step's update and the next one: an evaluation, a log or a save of the step."""
+        step not handed over yet, replacing what was taken for it (state a framework
+        changes after the step's update: an evaluation, a log or a save of the step)."""
         self._attached("retake").retake(name)
 
     def _attached(self, what: str) -> Any:
@@ -413,12 +411,9 @@ class Checkpointer:
 
     @property
     def stats(self) -> dict[str, float]:
-        """Counters of this session, times in seconds summed over the session (see the
-        reference's "Statistics" table): ``steps``, ``durable_step``, ``full_every``,
-        ``records_per_file``, the trainer's waits (``slot_wait_s``, ``full_wait_s``,
-        ``lag_wait_s``, ...), the checkpointing process's writes (``records_written``,
-        ``fulls_written``, ``record_bytes``, ``full_bytes``, ...) and, with ``remote=``,
-        the uploads (``remote_durable_step``, ``remote_bytes``, ...)."""
+        """Counters of this session, times in seconds summed over the session: the
+        trainer's waits, the checkpointing process's writes and, with ``remote=``, the
+        uploads (each key in the reference's "Statistics" table)."""
         return self._impl.stats
 
     @property
@@ -437,12 +432,20 @@ class Checkpointer:
         """:class:`lowdiff.RecoveryStats` of :meth:`resume`, or None."""
         return self._impl.recovery_stats  # type: ignore[no-any-return]
 
-    model = property(lambda self: self._impl.model, doc="The model being trained.")
-    optimizer = property(
-        lambda self: self._impl.optimizer,
-        doc="The optimizer whose updates are checkpointed (a framework's wrapper unwrapped).",
-    )
-    scheduler = property(lambda self: self._impl.scheduler, doc="The LR scheduler, or None.")
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model being trained."""
+        return self._impl.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer whose updates are checkpointed (a framework's wrapper unwrapped)."""
+        return self._impl.optimizer
+
+    @property
+    def scheduler(self) -> Any | None:
+        """The LR scheduler, or None."""
+        return self._impl.scheduler
 
     def __enter__(self) -> Checkpointer:
         return self

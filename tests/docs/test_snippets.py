@@ -158,7 +158,9 @@ def test_the_preemption_snippet_survives_sigterm(tmp_path):
     # the preempted trainer's checkpointing process waits for the next trainer (as it
     # should after a preemption): let it go, so that nothing outlives the test
     d = tmp_path / "ckpt"
-    holder.forget_released(d, holder.release_orphan(d, 30.0))
+    released = holder.release_orphan(d, 30.0)
+    assert released is not None, "the preempted trainer's checkpointing process was not waiting"
+    holder.forget_released(d, released)
     deadline = time.monotonic() + 30
     while _new_segments(before) and time.monotonic() < deadline:
         time.sleep(0.1)
