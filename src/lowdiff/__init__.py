@@ -8,7 +8,8 @@ Example:
 
 from __future__ import annotations
 
-from lowdiff.attach import attach, own_strategy
+from lowdiff.attach import attach
+from lowdiff.attach import own_strategy as own_strategy  # internal: for tests and tools
 from lowdiff.checkpointer import Checkpointer
 from lowdiff.compressors import QSGD, ApproxTopK, Compressor, NoCompression, RandomK, TopK
 from lowdiff.errors import (
@@ -79,4 +80,3 @@ __all__ = [
     "verify_dir",
     "__version__",
 ]
-_ = own_strategy  # internal (tests and tools): lowdiff.own_strategy(ck)
