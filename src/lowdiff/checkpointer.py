@@ -72,7 +72,9 @@ def _engine_options(method: str, given: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(timeouts, Timeouts):
         raise ArgumentTypeError(f"timeouts must be lowdiff.Timeouts, got {type(timeouts).__name__}")
     if not isinstance(replica, ReplicaOptions):
-        raise ArgumentTypeError(f"replica must be lowdiff.ReplicaOptions, got {type(replica).__name__}")
+        raise ArgumentTypeError(
+            f"replica must be lowdiff.ReplicaOptions, got {type(replica).__name__}"
+        )
     remote = RemoteOptions.of(given["remote"])
     if given["method_options"]:
         raise InvalidArgumentError(
@@ -339,6 +341,30 @@ class Checkpointer:
         """
         self._impl.step(metric)
 
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of the optimizer's parameters by their total norm: the
+        same norm, factor and bits as ``torch.nn.utils.clip_grad_norm_`` over them. Call
+        it where the loop clipped, between backward and :meth:`step` (or
+        ``optimizer.step()`` under :func:`lowdiff.attach`).
+
+        With ``method="lowdiff+"`` the gradients were already copied to host memory
+        during backward; this call carries the clipping factor to the replica, which
+        multiplies its copies by it, so each gradient goes to host memory once per step.
+        A clip that ``torch.nn.utils.clip_grad_norm_`` makes instead is detected and
+        stays exact, but its gradients are copied after it (on a GPU: not overlapped
+        with backward). Under ``fully_shard`` both are the same.
+
+        Returns:
+            The total norm of the gradients (as one vector), as torch returns it.
+        """
+        return self._impl.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
     def flush(self, remote: bool = False) -> int:
         """Make everything taken so far durable and wait for it; the newest durable step.
 
@@ -400,6 +426,21 @@ class Checkpointer:
         every rank, the job's last step.
         """
         return self._impl.durable_step
+
+    @property
+    def acknowledged_step(self) -> int:
+        """Newest step whose checkpoint data is in host memory and handed to the
+        checkpointing process: a crash of the training process loses no step up to it
+        (-1 before the first hand-over; with ``"compression-only"``, which writes
+        nothing, always -1, as :attr:`durable_step`).
+
+        On a CPU trainer it is the step ``ck.step()`` just finished. On a GPU, LowDiff's
+        record (and a full checkpoint) is copied to host memory while the next step runs,
+        and this trails :attr:`step_count` by at most one step; ``flush()`` and
+        ``close()`` catch it up. Driven by the optimizer's hooks (:func:`lowdiff.attach`),
+        a step is handed over when the next update begins. Under DDP: this rank's.
+        """
+        return self._impl.acknowledged_step
 
     @property
     def remote_durable_step(self) -> int:

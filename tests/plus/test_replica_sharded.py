@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import lowdiff
-from lowdiff.engine.replica.optim import ShardedOptimizer, balanced_shards
+from lowdiff.engine.replica.optim import ShardedOptimizer, balanced_shards, piece_plan
 from lowdiff.format import codec
 from lowdiff.proc import holder as rp
 from lowdiff.state.capture import diff_states, snapshot_state
@@ -35,10 +35,66 @@ KERNELS = [
     (torch.optim.SGD, {"lr": 0.05, "momentum": 0.8, "dampening": 0.1, "weight_decay": 1e-3}),
 ]
 FLAGS = [{"foreach": False}, {"foreach": True}, {"fused": True}]
-SHAPES = [(33, 17), (17,), (64, 8), (8,), (5, 3, 2), (1000,), (1,)]
+SHAPES = [(33, 17), (17,), (64, 8), (8,), (5, 3, 2), (1000,), (1,), (70, 300), (9001,)]
+"""Two parameters larger than ALIGN elements: with 2 and 3 shards they are cut."""
 
 
 # ----------------------------------------------------------------------------- shards
+
+
+def test_piece_plan_tiles_every_parameter_in_aligned_runs():
+    numels = [100_000, 10, 50_000, 3, 4096, 4097, 0, 1]
+    for n in (1, 2, 3, 5, 16):
+        runs = piece_plan(numels, n, 4096)
+        assert 1 <= len(runs) <= n
+        pieces = [pc for run in runs for pc in run]
+        assert [i for i, _, _ in pieces] == sorted(i for i, _, _ in pieces)  # in order
+        for i, size in enumerate(numels):
+            mine = [(a, b) for j, a, b in pieces if j == i]
+            assert mine[0][0] == 0 and mine[-1][1] == size  # covered end to end
+            assert all(b == a2 for (_, b), (a2, _) in zip(mine, mine[1:], strict=False))
+            assert all(a % 4096 == 0 for a, _ in mine)  # cuts at aligned offsets
+            if size <= 4096:
+                assert len(mine) == 1
+    loads = [sum(b - a for _, a, b in run) for run in piece_plan([1_000_000, 10, 10], 4)]
+    assert max(loads) - min(loads) <= 2 * 4096  # one large parameter, shared evenly
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        piece_plan([1], 0)
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_scaled_sharded_update_equals_scaled_gradients(flags, threads):
+    """``step(scale)`` (the trainer's clipping factor) gives the bits of one optimizer
+    stepped on the gradients the trainer multiplied by that factor."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(30_011,), (64, 8), (12_000,)]
+    ref_p = [nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    rep_p = [nn.Parameter(p.detach().clone(), requires_grad=False) for p in ref_p]
+    ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1, **flags)
+    for p in ref_p:
+        p.grad = torch.randn(p.shape, generator=g)
+    ref.step()
+    for p, q in zip(rep_p, ref_p, strict=True):
+        p.data.copy_(q.detach())
+    got = ShardedOptimizer(torch.optim.AdamW, rep_p, _resolved_state_dict(ref), threads)
+    try:
+        for _ in range(4):
+            grads = [torch.randn(s, generator=g) for s in shapes]
+            coef = torch.clamp(
+                1.0 / (torch.linalg.vector_norm(torch.cat([x.reshape(-1) for x in grads])) + 1e-6),
+                max=1.0,
+            )
+            assert coef.item() < 1.0  # the clip fires
+            for a, b, gr in zip(ref_p, rep_p, grads, strict=True):
+                a.grad = gr.clone()
+                b.grad = gr.clone()
+            torch._foreach_mul_([p.grad for p in ref_p], coef)
+            ref.step()
+            got.step(torch.tensor(coef.item(), dtype=coef.dtype))
+            _assert_same(ref, got, ref_p, rep_p)
+    finally:
+        got.close()
 
 
 def test_balanced_shards_cover_every_parameter_once_and_balance():
@@ -115,7 +171,6 @@ def test_sharded_update_equals_one_optimizer(cls, hp, flags, threads):
         rep_p[i] for i in range(1, len(SHAPES), 2)
     ]
     got = ShardedOptimizer(cls, in_opt_order, _resolved_state_dict(ref), threads)
-    assert len(got.shards) == min(threads, len(SHAPES))
     try:
         # a parameter without gradient until step 3: its state appears mid-run (not for
         # fused SGD, which itself fails on a mix of first and later momentum steps)
@@ -140,6 +195,9 @@ def test_sharded_update_equals_one_optimizer(cls, hp, flags, threads):
             ref.step()
             got.step()
             _assert_same(ref, got, ref_p, rep_p)
+        assert len(got.shards) == threads
+        # the element-wise optimizers share a large parameter between threads
+        assert (len(got._cuts) > 0) == (threads > 1)
     finally:
         got.close()
 

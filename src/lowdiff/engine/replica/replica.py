@@ -21,6 +21,7 @@ from lowdiff.engine.replica.optim import ShardedOptimizer, optimizer_class
 from lowdiff.engine.wire.configs import ReplicaConfig
 from lowdiff.errors import UsageError
 from lowdiff.format import codec, sfile
+from lowdiff.format.dtypes import dtype_from_name
 from lowdiff.format.sfile import plan, view_tensors
 from lowdiff.proc import holder as rp
 from lowdiff.state.record import RecordLayout
@@ -145,6 +146,7 @@ class Replica:
                 self.opt.state[owner][key] = view
                 bound.add(id(view))
         self._state_ids = bound
+        self.opt.invalidate()  # the shards' views name the old tensors
         state = self.opt.state
         self._state_shape = (len(state), sum(len(s) for s in state.values()))
         self._row_views.clear()  # they name the tensors of the old arena
@@ -211,7 +213,7 @@ class Replica:
                 p.grad = None if info.index in idle else g
             self._grads_bound = key
         opt.apply_hparams(codec.decode(meta["hp"]))
-        opt.step()
+        opt.step(self._scale(meta.get("scale")))
         self._rebind_optimizer_state()
         opt.apply_hparams(codec.decode(meta["hp_after"]))
         if self._arena_moved:  # the copies named the old arena's tensors
@@ -229,6 +231,27 @@ class Replica:
             self.publish(rp.STATE_RUNNING)  # the arena's name changed
         else:
             self.ctl.set_step(rp.STATE_RUNNING, self.step)
+
+    def _scale(self, spec: Any) -> torch.Tensor | None:
+        """The factor the trainer's clip multiplied the step's gradients by after they
+        were snapshotted (``[dtype name, factor, indices left as they are]``, or None):
+        returned for the optimizer's shards to apply, or applied here when some
+        gradients were copied after the clip."""
+        if spec is None:
+            return None
+        name, value, unscaled = spec
+        factor = torch.tensor(value, dtype=dtype_from_name(name))
+        if not unscaled:
+            return factor
+        skip = set(unscaled)
+        grads = [
+            p.grad
+            for info, p in zip(self.rl.params, self.params, strict=True)
+            if p.grad is not None and info.index not in skip
+        ]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        return None
 
     def forget_slots(self) -> None:
         """The snapshot slots are replaced (a new trainer took the process over): drop

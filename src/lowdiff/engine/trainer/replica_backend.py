@@ -13,6 +13,8 @@ of them, so the replica trails the trainer by at most ``max_lag`` steps.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import time
 import weakref
 from collections.abc import Callable
@@ -32,10 +34,12 @@ from lowdiff.engine.trainer.training import TrainingObjects
 from lowdiff.engine.wire.configs import ReplicaConfig
 from lowdiff.engine.wire.messages import Full, Init, Step
 from lowdiff.errors import InvalidArgumentError, LowDiffError, UnsupportedSetupError
+from lowdiff.format.dtypes import dtype_name
 from lowdiff.options import AUTO
 from lowdiff.plan import DEFAULT_MTBF_S, resolve_mtbf
 from lowdiff.proc.protocol import SlotMessage
 from lowdiff.state import capture as st
+from lowdiff.state import clipping
 from lowdiff.strategy import StepGrads
 
 
@@ -110,12 +114,44 @@ class SnapshotGradients:
         t0 = time.perf_counter()
         try:
             out.slot, out.nograd = snap.finish()
+            out.scale = snap.last_scale
         except BaseException:
             if snap.abandon() is not None:
                 session.slots.give_back()
             raise
         self.progress.stats["snapshot_finish_s"] += time.perf_counter() - t0
         return out
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None
+    ) -> torch.Tensor | None:
+        """Clip the optimizer's gradients as ``torch.nn.utils.clip_grad_norm_`` does, and
+        let the snapshot carry the factor instead of copying them again; the total norm.
+        None where the snapshot cannot tell a clip from other changes by version counters
+        (no process yet, ``fully_shard``): the caller clips as torch does."""
+        snap = self.snapshotter
+        if snap is None or snap.compare_bytes:
+            return None
+        grads = [
+            p.grad
+            for g in self.objects.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        if not grads:
+            return None
+        total, factor = clipping.norm_and_factor(
+            grads, max_norm, norm_type, error_if_nonfinite, foreach
+        )
+        value = float(factor)  # on a GPU: waits for the norm, as the copies' end does
+        if value == 1.0:
+            return total  # the clip changes no bit
+        if math.isfinite(value):
+            spec = (dtype_name(factor.dtype), value)
+            snap.record_scaling(functools.partial(clipping.scale_, grads, factor), spec)
+        else:  # a non-finite norm: the gradients are copied again at step()
+            clipping.scale_(grads, factor)
+        return total
 
     def close(self) -> None:
         if self.snapshotter is not None:

@@ -74,6 +74,7 @@ import torch
 
 from lowdiff.engine.trainer.snapshot_plan import (
     CHANGED,
+    SAME,
     UNSURE,
     Block,
     CpuCopies,
@@ -164,6 +165,10 @@ class GradSnapshotter:
         self.can_defer = autograd_hooks
         self.deferred = False
         """This step's copies wait for finish() (see SnapshotStats.deferred)."""
+        self.last_scale: tuple[str, float, list[int]] | None = None
+        """(dtype name, factor, optimizer indices to leave as they are): how the replica
+        multiplies the gradients in the slot of the step finished last (a clip made
+        through :meth:`record_scaling`), or None."""
         self._reset()
         # Under DDP the communication hook feeds on_reduced_grad() instead: the gradient an
         # autograd hook sees is not yet averaged over the ranks. A bare hook still notes
@@ -183,6 +188,13 @@ class GradSnapshotter:
         self.events: list[Any] = []
         for b in self.blocks:
             b.ready = 0
+        self.scaling: list[tuple[torch.Tensor, int, int, int] | None] | None = None
+        """Per parameter, at the clip of :meth:`record_scaling`: (its gradient, the
+        verdict on the slot's copy just before the clip, the gradient's and the hook's
+        tensor's version counters just after it)."""
+        self.scaling_spec: tuple[str, float] | None = None
+        self.scaling_broken = False
+        """A second clip in one step: no single factor describes the change."""
 
     def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
@@ -288,6 +300,7 @@ class GradSnapshotter:
                 else:
                     srcs.append(g)
         torch._foreach_copy_(dsts, srcs)
+        self.stats.gradient_copies += len(grads)
         self.stats.copy_s += time.perf_counter() - t0
         self.stats.copy_bytes += nbytes
 
@@ -309,6 +322,7 @@ class GradSnapshotter:
             done = torch.cuda.Event()
             done.record(self.stream)
             self.events.append(done)
+        self.stats.gradient_copies += len(grads)
 
     def _copy_cpu_like(self, dst: torch.Tensor, g: torch.Tensor) -> None:
         src = g.detach().reshape(-1)
@@ -317,7 +331,8 @@ class GradSnapshotter:
             dst[i : i + step].copy_(src[i : i + step], non_blocking=True)
 
     def finish(self) -> tuple[int, list[int]]:
-        """Complete the step's snapshot; returns (slot, optimizer indices without gradient)."""
+        """Complete the step's snapshot; returns (slot, optimizer indices without gradient).
+        :attr:`last_scale` says what the replica multiplies the slot by."""
         t0 = time.perf_counter()
         for f in self.futures:
             f.result()
@@ -326,6 +341,23 @@ class GradSnapshotter:
         self.stats.finish_wait_s += time.perf_counter() - t0
         slot = self._take_slot()
         dsts = self.dsts[slot]
+        kept = self._kept()
+        scale = None
+        if kept is not None and not self.deferred and any(kept.values()):
+            nograd, scale = self._finish_scaled(dsts, kept)
+            self.stats.scaled += 1
+        else:
+            nograd = self._finish_copies(dsts)
+            if kept is not None and all(kept.values()):
+                self.deferred = False  # the clip was the only change: copy during backward
+        self.stats.steps += 1
+        self._reset()
+        self.last_scale = scale
+        return slot, nograd
+
+    def _finish_copies(self, dsts: list[torch.Tensor]) -> list[int]:
+        """Copy what the hooks did not, or what changed after them; the indices without
+        gradient. Decides whether the next step's copies wait for finish()."""
         deferred = self.deferred
         if not deferred:
             self._copy_incomplete_blocks(dsts)
@@ -366,9 +398,94 @@ class GradSnapshotter:
             self.stats.deferred += deferred
             # every gradient changed after its hook: next step, copy them here only
             self.deferred = hooked > 0 and changed == hooked
-        self.stats.steps += 1
-        self._reset()
-        return slot, nograd
+        return nograd
+
+    def _finish_scaled(
+        self, dsts: list[torch.Tensor], kept: dict[int, bool]
+    ) -> tuple[list[int], tuple[str, float, list[int]]]:
+        """After a clip through :meth:`record_scaling`: the slot keeps the gradients the
+        clip was the only change to, which the replica multiplies by its factor; the
+        others are copied now, as they are, and listed as not to be multiplied."""
+        nograd: list[int] = []
+        again: list[tuple[torch.Tensor, torch.Tensor]] = []
+        unscaled: list[int] = []
+        for k, (info, _) in enumerate(self.params):
+            g = self._grad(k)
+            if g is None:
+                nograd.append(info.index)
+                continue
+            if kept[k]:
+                continue
+            if self.seen[k] is None:
+                self.stats.late += 1
+            else:
+                self.stats.recopied += 1
+            again.append((dsts[k], g.detach()))
+            unscaled.append(info.index)
+        self._copy_again(again)
+        assert self.scaling_spec is not None
+        dtype, factor = self.scaling_spec
+        return nograd, (dtype, factor, unscaled)
+
+    def record_scaling(self, multiply: Callable[[], None], spec: tuple[str, float]) -> None:
+        """Run ``multiply`` (a clip's in-place multiplication of every gradient by one
+        factor, ``spec`` = (dtype name, factor)) so that :meth:`finish` can keep the
+        copies made during backward and carry the factor instead of copying again.
+
+        The copies still in flight finish first (on CUDA the compute stream waits for
+        the copy stream), so none of them reads a clipped gradient. The version
+        counters then tell at ``finish()`` whether the clip was the only change since.
+        """
+        if self.pool is not None:
+            for f in self.futures:
+                f.result()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        if self.scaling is not None or self.scaling_broken:
+            # a second clip: no single factor describes both
+            self.scaling_broken = True
+            self.scaling = None
+            multiply()
+            return
+        before: list[tuple[torch.Tensor, int] | None] = []
+        for k in range(len(self.params)):
+            g, seen = self._grad(k), self.seen[k]
+            if g is None or seen is None:
+                before.append(None)
+            else:
+                before.append((g, verdict(g, seen, self.grad_at[k], self.used[k])))
+        multiply()
+        self.scaling = [
+            None if b is None else (b[0], b[1], b[0]._version, self.seen[k][0]._version)  # type: ignore[index]
+            for k, b in enumerate(before)
+        ]
+        self.scaling_spec = spec
+
+    def _kept(self) -> dict[int, bool] | None:
+        """After a clip through :meth:`record_scaling`, per parameter with a gradient:
+        whether the slot holds it as it was just before the clip (its block copied
+        whole during backward, nothing else changed before the clip) and the clip was
+        its only change since. None without such a clip (or after two)."""
+        record = self.scaling
+        if record is None or self.scaling_broken:
+            return None
+        out: dict[int, bool] = {}
+        for k, r in enumerate(record):
+            g = self._grad(k)
+            if g is None:
+                continue
+            seen = self.seen[k]
+            b = self.blocks[self.block_of[k]]
+            out[k] = (
+                r is not None
+                and seen is not None
+                and r[1] == SAME
+                and g is r[0]
+                and g._version == r[2]
+                and seen[0]._version == r[3]
+                and (self.deferred or b.ready == len(b.members))
+            )
+        return out
 
     def _copy_incomplete_blocks(self, dsts: list[torch.Tensor]) -> None:
         """Blocks some members of which had no gradient this step never became complete:
@@ -379,6 +496,7 @@ class GradSnapshotter:
                     seen = self.seen[k]
                     if seen is not None:
                         dsts[k].copy_(seen[0].detach())
+                        self.stats.gradient_copies += 1
 
     def _copy_again(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy (destination, gradient) ``pairs`` at ``finish()``."""
@@ -389,6 +507,7 @@ class GradSnapshotter:
         else:  # device to pinned host memory: a copy each, as the CUDA path always did
             for d, g in pairs:
                 d.copy_(g)
+        self.stats.gradient_copies += len(pairs)
 
     def abandon(self) -> int | None:
         """Forget a half-taken step (after an error); returns the slot it held, if any."""
@@ -423,4 +542,5 @@ def _recopy_changed(
             changed += 1
             d.copy_(g.detach())
     stats.recopied += changed
+    stats.gradient_copies += changed
     return changed

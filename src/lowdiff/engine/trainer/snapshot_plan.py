@@ -44,6 +44,12 @@ class SnapshotStats:
     running backward; ``"thread"``: the copy thread's busy time in its tasks)."""
     copy_bytes: int = 0
     """CPU: gradient bytes those block copies wrote."""
+    gradient_copies: int = 0
+    """Gradients copied to a slot, during backward and at step(), every copy counted."""
+    scaled: int = 0
+    """Steps whose slot kept the gradients as copied during backward, with the factor
+    of a clip made through ``ck.clip_grad_norm_`` carried to the replica instead of a
+    second copy."""
     extra: dict[str, float] = field(default_factory=dict)
 
 

@@ -186,6 +186,22 @@ class EngineStrategy(Strategy):
         """Under DDP with compression: lowdiff's communication hook, else None."""
         return self.gradients.hook_state
 
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip as torch does; under LowDiff+ the snapshot carries the factor (see
+        :meth:`lowdiff.Checkpointer.clip_grad_norm_`)."""
+        g = self.gradients
+        if isinstance(g, SnapshotGradients):
+            total = g.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+            if total is not None:
+                return total
+        return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
     @property
     def snapshotter(self) -> GradSnapshotter | None:
         """LowDiff+'s layer-wise gradient snapshotter of the running process, or None."""
@@ -223,6 +239,13 @@ class EngineStrategy(Strategy):
         return self.progress.durable_step()
 
     @property
+    def acknowledged_step(self) -> int:
+        """Newest step handed to the checkpointing process with its data in host memory
+        (see :attr:`lowdiff.Checkpointer.acknowledged_step`; this rank's)."""
+        self.pipeline.poll()
+        return self.progress.acknowledged_step()
+
+    @property
     def remote_durable_step(self) -> int:
         """Newest step the remote tier can recover (see
         :attr:`lowdiff.Checkpointer.remote_durable_step`)."""
@@ -244,6 +267,11 @@ class EngineStrategy(Strategy):
         )
         if self.options.remote is not None:
             out.update(remote_wait.stats(self.session, self.progress))
+        snap = self.snapshotter
+        if snap is not None:  # LowDiff+: the gradients' copies to host memory
+            out.update(
+                gradient_copies=snap.stats.gradient_copies, clip_scaled_steps=snap.stats.scaled
+            )
         hook = self.ddp_hook_state
         if hook is not None:  # DDP: bytes of lowdiff's gradient exchange
             out.update(hook.wire.as_dict())
