@@ -87,7 +87,25 @@ def test_norm_and_factor_give_torch_bits(norm_type, foreach, max_norm):
     assert all(torch.equal(a, p.grad) for a, p in zip(grads, params, strict=True))
 
 
-def test_clip_through_lowdiff_copies_each_gradient_once(tmp_path):
+def _use_copy_mode(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    import lowdiff.engine.trainer.snapshot as snapshot
+
+    real = snapshot.cpu_copy_mode
+    monkeypatch.setattr(snapshot, "cpu_copy_mode", lambda _mode="auto": real(mode))
+
+
+@pytest.fixture(params=["inline", "thread"])
+def copy_mode(request, monkeypatch):
+    """Both places the CPU snapshot copies can run (``"auto"`` picks one by the cores)."""
+    _use_copy_mode(monkeypatch, request.param)
+    return request.param
+
+
+def test_clip_through_lowdiff_copies_each_gradient_once(tmp_path, copy_mode):
+    """Beside backward (a copy thread, or CUDA's copy stream) the copies stay there and
+    the factor travels on every step; inline, from the second step on, the copies run
+    after the clip (they cost training the same there, and spare the replica the
+    multiplication)."""
     ref = _reference(STEPS)
     model, opt = _model()
     d = tmp_path / "ck"
@@ -96,6 +114,7 @@ def test_clip_through_lowdiff_copies_each_gradient_once(tmp_path):
         replica=lowdiff.ReplicaOptions(persist_every=1),
     ) as ck:  # fmt: skip
         assert ck.resume() == 0
+        assert ck.strategy_impl.snapshotter.copy_mode == copy_mode
         for t in range(STEPS):
             _backward(model, t)
             norm = ck.clip_grad_norm_(MAX_NORM)
@@ -105,7 +124,7 @@ def test_clip_through_lowdiff_copies_each_gradient_once(tmp_path):
         stats = ck.stats
         ck.flush()
     assert stats["gradient_copies"] == STEPS * _n_grads(opt)
-    assert stats["clip_scaled_steps"] == STEPS
+    assert stats["clip_scaled_steps"] == (STEPS if copy_mode == "thread" else 1)
     assert diff_states(snapshot_state(model, opt), ref[STEPS]) == []
     assert _check_persisted(d, ref) == list(range(STEPS + 1))
 
@@ -131,7 +150,8 @@ def test_clip_by_torch_copies_after_the_clip_from_the_second_step(tmp_path):
     _check_persisted(d, ref)
 
 
-def test_change_after_the_clip_is_copied_again_and_stays_exact(tmp_path):
+def test_change_after_the_clip_is_copied_again_and_stays_exact(tmp_path, monkeypatch):
+    _use_copy_mode(monkeypatch, "thread")  # the copies stay beside backward
     model, opt = _model()
     ref_model, ref_opt = _model()
     d = tmp_path / "ck"

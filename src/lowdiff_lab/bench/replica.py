@@ -35,6 +35,7 @@ from lowdiff.engine.replica.optim import optimizer_class
 from lowdiff.engine.replica.replica import Replica
 from lowdiff.engine.wire.configs import ReplicaConfig
 from lowdiff.format import codec
+from lowdiff.format.dtypes import dtype_name
 from lowdiff.format.sfile import plan, view_tensors
 from lowdiff.proc import holder as rp
 from lowdiff.state import capture as st
@@ -50,9 +51,29 @@ DEFAULT_KERNELS: tuple[tuple[str, dict[str, Any]], ...] = (
 """The optimizer classes and flags the bench compares by default."""
 
 
-def bench_shapes(n_params: int) -> list[tuple[int, ...]]:
-    """Parameter shapes of about ``n_params`` elements: blocks of a square linear layer
-    (weight, bias) and a layer norm (weight, bias), as in a small transformer."""
+SHAPES = ("blocks", "gpt2-117m")
+"""Parameter sets of the bench: ``"blocks"`` (about ``n_params`` elements in equal
+blocks) and ``"gpt2-117m"`` (the 117.8M-parameter GPT-2 of ``benchmarks/gpu_reference.py``:
+8 layers of width 1,024, a 16,384-token embedding, 256 positions)."""
+
+CLIP_FACTOR = 0.9
+"""With ``clip=True``: the factor every step's gradients are clipped by (the clip fires)."""
+
+
+def gpt2_shapes(n_layer: int, d: int, vocab: int, positions: int) -> list[tuple[int, ...]]:
+    """The parameter shapes of a GPT-2 (``transformers``' ``GPT2LMHeadModel``, tied head)."""
+    layer = [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]  # fmt: skip
+    return [(vocab, d), (positions, d), *(layer * n_layer), (d,), (d,)]
+
+
+def bench_shapes(n_params: int, shapes: str = "blocks") -> list[tuple[int, ...]]:
+    """Parameter shapes (:data:`SHAPES`): for ``"blocks"``, about ``n_params`` elements in
+    blocks of a square linear layer (weight, bias) and a layer norm (weight, bias), as in
+    a small transformer."""
+    if shapes == "gpt2-117m":
+        return gpt2_shapes(8, 1024, 16384, 256)
+    if shapes != "blocks":
+        raise ValueError(f"shapes must be one of {SHAPES}, got {shapes!r}")
     d = 512 if n_params >= 4 * (512 * 512 + 3 * 512) else 64
     per = d * d + 3 * d
     blocks = max(2, round(n_params / per))
@@ -63,11 +84,19 @@ class _Harness:
     """One replica and one bare optimizer over copies of the same parameters."""
 
     def __init__(
-        self, optimizer: str, flags: dict[str, Any], threads: int, n_params: int, seed: int
+        self,
+        optimizer: str,
+        flags: dict[str, Any],
+        threads: int,
+        n_params: int,
+        seed: int,
+        shapes: str = "blocks",
+        clip: bool = False,
     ) -> None:
         cls = optimizer_class(optimizer)
         g = torch.Generator().manual_seed(seed)
-        shapes = bench_shapes(n_params)
+        self.clip = clip
+        shapes = bench_shapes(n_params, shapes)
         self.n_params = sum(torch.Size(s).numel() for s in shapes)
         self.threads = threads
         trainer = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
@@ -90,6 +119,7 @@ class _Harness:
         rng_layout = st.RngLayout()
         self.layout = RecordLayout.build(infos, NoCompression(), [], rng_layout)
         self.row = torch.zeros(self.layout.row_bytes, dtype=torch.uint8)
+        self.copy_row: torch.Tensor | None = None
         views = self.layout.views(self.row)
         for i, gr in enumerate(self.grads):
             views[f"g{i}.values"].copy_(gr.reshape(-1))
@@ -136,16 +166,17 @@ class _Harness:
 
     def merge(self) -> float:
         """One replica step, timed as the checkpointing process times it (plus decoding)."""
-        meta_json = codec.dumps(
-            {
-                "step": self.rep.step,
-                "nograd": [],
-                "hp": self.hp,
-                "hp_after": self.hp,
-                "sched": None,
-                "rng": self.rng_extra,
-            }
-        )
+        meta: dict[str, Any] = {
+            "step": self.rep.step,
+            "nograd": [],
+            "hp": self.hp,
+            "hp_after": self.hp,
+            "sched": None,
+            "rng": self.rng_extra,
+        }
+        if self.clip:  # the slot holds the gradients as they were before the clip
+            meta["scale"] = [dtype_name(torch.float32), CLIP_FACTOR, []]
+        meta_json = codec.dumps(meta)
         saved = torch.get_num_threads()
         torch.set_num_threads(1)  # the replica process: one thread per shard
         try:
@@ -156,12 +187,33 @@ class _Harness:
             torch.set_num_threads(saved)
 
     def bare_step(self) -> float:
-        """One bare ``optimizer.step()`` with ``threads`` torch threads, timed."""
+        """One bare ``optimizer.step()`` with ``threads`` torch threads, timed (with
+        ``clip``, the gradients are first multiplied by the clip's factor, untimed, as
+        the replica multiplies its copies: the same bits on both sides)."""
+        saved = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            if self.clip:
+                torch._foreach_mul_(self.grads, torch.tensor(CLIP_FACTOR))
+            t0 = time.perf_counter()
+            self.bare.step()
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(saved)
+
+    def copy_in(self) -> float:
+        """The trainer's part: every gradient copied into a snapshot slot with
+        ``threads`` torch threads (one foreach copy, as a whole step's blocks), timed."""
+        if self.copy_row is None:  # its own row: the merged slot keeps its bits
+            self.copy_row = torch.zeros_like(self.row)
+        views = self.layout.views(self.copy_row)
+        dsts = [views[f"g{i}.values"] for i in range(len(self.grads))]
+        srcs = [x.reshape(-1) for x in self.grads]
         saved = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
             t0 = time.perf_counter()
-            self.bare.step()
+            torch._foreach_copy_(dsts, srcs)
             return time.perf_counter() - t0
         finally:
             torch.set_num_threads(saved)
@@ -201,6 +253,8 @@ def replica_update_bench(
     steps: int = 5,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    shapes: str = "blocks",
+    clip: bool = False,
 ) -> list[dict[str, Any]]:
     """Time the replica's update against a bare ``torch.optim`` step, side by side.
 
@@ -213,11 +267,18 @@ def replica_update_bench(
         steps: Timed steps per block (after one untimed step per side).
         seed: Seed of the parameters and gradients.
         progress: Called with a short status text per case.
+        shapes: The parameter set (:data:`SHAPES`; ``"gpt2-117m"`` ignores ``n_params``).
+        clip: Gradient clipping that fires on every step (factor :data:`CLIP_FACTOR`),
+            carried to the replica as ``ck.clip_grad_norm_`` carries it: the replica
+            multiplies its copies, the bare step's gradients are multiplied untimed.
 
     Returns:
         One row per (kernel, threads): ``replica_s`` and ``bare_s`` (median per step),
         ``ratio``, ``target`` (:data:`REPLICA_TARGET`), ``meets_target``, ``identical``
-        (same bits after the same steps), the per-block medians, and the case.
+        (same bits after the same steps), the per-block medians, and the case;
+        ``stage_s``: the replica's seconds per step in each stage of its merge (mean:
+        ``bind``, ``optimizer``, ``hand_back``), and ``copy_in_s``: the trainer's copy of
+        every gradient into a slot (median), for the profile of where the time goes.
     """
     if repeats < 1 or steps < 1:
         raise ValueError(f"repeats and steps must be at least 1, got {repeats} and {steps}")
@@ -229,10 +290,12 @@ def replica_update_bench(
             for n in threads:
                 flag_s = ",".join(f"{k}={v}" for k, v in flags.items()) or "defaults"
                 say(f"{optimizer.rsplit('.', 1)[-1]}({flag_s}) replica_threads={n}")
-                h = _Harness(optimizer, dict(flags), n, n_params, seed)
+                h = _Harness(optimizer, dict(flags), n, n_params, seed, shapes, clip)
                 try:
                     h.merge()  # untimed: first-step costs on both sides
                     h.bare_step()
+                    h.copy_in()
+                    h.rep.stage_s = dict.fromkeys(h.rep.stage_s, 0.0)
                     rep_all: list[float] = []
                     bare_all: list[float] = []
                     rep_blocks: list[float] = []
@@ -247,6 +310,9 @@ def replica_update_bench(
                                 statistics.median(ts)
                             )
                     same = h.identical()
+                    merges = len(rep_all)
+                    stage_s = {k: v / merges for k, v in h.rep.stage_s.items()}
+                    copy_in_s = statistics.median(h.copy_in() for _ in range(steps))
                 finally:
                     h.close()
                 rep_s, bare_s = statistics.median(rep_all), statistics.median(bare_all)
@@ -267,6 +333,10 @@ def replica_update_bench(
                         "bare_block_s": bare_blocks,
                         "steps_per_block": steps,
                         "cpus": os.cpu_count(),
+                        "shapes": shapes,
+                        "clip": clip,
+                        "stage_s": stage_s,
+                        "copy_in_s": copy_in_s,
                     }
                 )
     finally:

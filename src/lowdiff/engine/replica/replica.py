@@ -11,6 +11,7 @@ snapshots of it as full checkpoints.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from lowdiff.format.dtypes import dtype_from_name
 from lowdiff.format.sfile import plan, view_tensors
 from lowdiff.proc import holder as rp
 from lowdiff.state.record import RecordLayout
+
+MERGE_STAGES = ("bind", "optimizer", "hand_back")
+"""The stages of :meth:`Replica.merge` timed in :attr:`Replica.stage_s`."""
 
 
 class Replica:
@@ -71,6 +75,10 @@ class Replica:
         self._rng: Any = None
         self._grads_bound: int | None = None
         """The slot (by address) whose gradient views the parameters' ``.grad`` hold."""
+        self.stage_s = dict.fromkeys(MERGE_STAGES, 0.0)
+        """Seconds of :meth:`merge` per stage, summed: binding the slot's gradients and
+        the hyperparameters, the optimizer (with the clip's factor), and handing the step
+        back (state check, buffers and RNG copied, the step published)."""
         self.takeover_address: dict[str, str] = {}
         """How a new trainer reaches the process to take it over (published with the
         state; :mod:`lowdiff.engine.process.takeover`)."""
@@ -202,6 +210,7 @@ class Replica:
             raise UsageError(
                 f"replica is at step {self.step}, received the gradients of step {step}"
             )
+        t0 = time.perf_counter()
         grads, copies = self._slot_views(row)
         nograd = meta["nograd"]
         key = None if nograd else row.data_ptr()
@@ -213,7 +222,9 @@ class Replica:
                 p.grad = None if info.index in idle else g
             self._grads_bound = key
         opt.apply_hparams(codec.decode(meta["hp"]))
+        t1 = time.perf_counter()
         opt.step(self._scale(meta.get("scale")))
+        t2 = time.perf_counter()
         self._rebind_optimizer_state()
         opt.apply_hparams(codec.decode(meta["hp_after"]))
         if self._arena_moved:  # the copies named the old arena's tensors
@@ -231,6 +242,10 @@ class Replica:
             self.publish(rp.STATE_RUNNING)  # the arena's name changed
         else:
             self.ctl.set_step(rp.STATE_RUNNING, self.step)
+        stage = self.stage_s
+        stage["bind"] += t1 - t0
+        stage["optimizer"] += t2 - t1
+        stage["hand_back"] += time.perf_counter() - t2
 
     def _scale(self, spec: Any) -> torch.Tensor | None:
         """The factor the trainer's clip multiplied the step's gradients by after they

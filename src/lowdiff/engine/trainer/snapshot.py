@@ -348,8 +348,11 @@ class GradSnapshotter:
             self.stats.scaled += 1
         else:
             nograd = self._finish_copies(dsts)
-            if kept is not None and all(kept.values()):
-                self.deferred = False  # the clip was the only change: copy during backward
+        if self.can_defer and kept is not None and all(kept.values()):
+            # the clip was the only change. Where the copies run beside backward (CUDA,
+            # a copy thread) they stay there and the factor travels; inline they cost
+            # training the same after the clip, and spare the replica the multiplication
+            self.deferred = self.copy_mode == "inline"
         self.stats.steps += 1
         self._reset()
         self.last_scale = scale
