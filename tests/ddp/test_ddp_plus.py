@@ -60,6 +60,43 @@ def test_sharded_replica_equals_the_trainers(torchrun, tmp_path):
         )
 
 
+def test_clip_through_lowdiff_carries_the_factor_and_equals_torch_clip(torchrun, tmp_path):
+    """Every rank clips with ``ck.clip_grad_norm_`` (firing on every step): each gradient
+    is copied once per step, the factor travels to the replicas, and the job ends where
+    the same job clipping with torch ends; the replicas' shards equal the trainers."""
+    runs = {}
+    for via in ("torch", "lowdiff"):
+        out = tmp_path / f"o-{via}"
+        out.mkdir()
+        torchrun(
+            "--dir", str(tmp_path / f"ck-{via}"), "--out", str(out), "--strategy", "lowdiff+",
+            "--steps", "8", "--save-steps", "8", "--clip", "0.05", "--clip-via", via,
+        )  # fmt: skip
+        runs[via] = out
+    out = runs["lowdiff"]
+    for r in (0, 1):
+        (clipped,) = out.glob(f"clipped-rank{r}-*.txt")
+        assert clipped.read_text() == "8 8"  # the clip fired on every step
+        (copies,) = out.glob(f"copies-rank{r}-*.txt")
+        n_copies, scaled, n_params, steps = map(int, copies.read_text().split())
+        assert n_copies == n_params * steps and scaled >= 1
+        assert (
+            diff_states(
+                _load(runs["torch"] / f"final-rank{r}.pt"), _load(out / f"final-rank{r}.pt")
+            )
+            == []
+        )
+    # the replicas exited at close: a resumed job reads their persisted shards
+    o2 = tmp_path / "o2"
+    o2.mkdir()
+    torchrun("--dir", str(tmp_path / "ck-lowdiff"), "--out", str(o2), "--strategy", "lowdiff+", "--steps", "8")  # fmt: skip
+    for r in (0, 1):
+        assert (
+            diff_states(_load(out / f"state-8-rank{r}.pt"), _load(o2 / f"resumed-8-rank{r}.pt"))
+            == []
+        )
+
+
 COMMON = ("--strategy", "lowdiff+", "--steps", "12")
 
 

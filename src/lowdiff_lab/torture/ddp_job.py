@@ -21,7 +21,9 @@ plain process (``python -m lowdiff_lab.torture.ddp_job --single ...``), written 
 - ``resumed-{step}-rank{r}.pt``, ``state-{step}-rank{r}.pt``, ``final-rank{r}.pt``: states;
 - ``killed``: ``"{step} {point}"``, written just before the SIGKILL;
 - ``flushed-rank{r}-{pid}.txt``, ``clipped-rank{r}-{pid}.txt``: what flush() returned,
-  how many steps clipping changed.
+  how many steps clipping changed; under LowDiff+ ``copies-rank{r}-{pid}.txt``: the
+  gradient copies to host memory, the steps that carried a clip's factor, the
+  parameters this rank snapshots, and the steps.
 
 With ``--log-durable PREFIX`` each rank appends to ``PREFIX-rank{r}.txt``, with ``os.write``
 on an ``O_APPEND`` descriptor (each line is in the file once the call returns, so it
@@ -153,7 +155,10 @@ def train(args: argparse.Namespace) -> None:
             _die(ck, out, step, args)
         if args.check_merge:
             check_merge(ck, model)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        if args.clip_via == "lowdiff":
+            norm = ck.clip_grad_norm_(args.clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         clipped += int(norm > args.clip)
         ck.step()
         if log is not None:
@@ -162,6 +167,13 @@ def train(args: argparse.Namespace) -> None:
         if step + 1 in save:
             torch.save(snapshot_state(model, opt, sched), out / f"state-{step + 1}-rank{rank}.pt")
     (out / f"flushed-rank{rank}-{os.getpid()}.txt").write_text(str(ck.flush()))
+    stats = ck.stats
+    if "gradient_copies" in stats:  # LowDiff+: the gradients' copies to host memory
+        snap = ck.strategy_impl.snapshotter  # type: ignore[attr-defined]
+        (out / f"copies-rank{rank}-{os.getpid()}.txt").write_text(
+            f"{int(stats['gradient_copies'])} {int(stats['clip_scaled_steps'])} "
+            f"{len(snap.params)} {args.steps - start}"
+        )
     ck.close()
     # steps whose gradient norm exceeded --clip (so clipping changed the gradient)
     (out / f"clipped-rank{rank}-{os.getpid()}.txt").write_text(f"{clipped} {args.steps - start}")
@@ -249,6 +261,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="the Checkpointer's sigterm_timeout (0: None, lowdiff leaves SIGTERM alone)",
     )
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument(
+        "--clip-via",
+        choices=("torch", "lowdiff"),
+        default="torch",
+        help="clip with torch.nn.utils.clip_grad_norm_ or with ck.clip_grad_norm_",
+    )
     ap.add_argument("--check-merge", action="store_true")
     ap.add_argument(
         "--kill-worker",
