@@ -9,8 +9,10 @@ Models: causal transformer LMs built from a ``transformers`` GPT-2 config (vocab
 parameters, the default) and ``gpt2-1b`` (20 layers, width 2048: 1.04B parameters),
 built on the device from one seed. bf16 autocast, AdamW (``fused=True`` on CUDA, the
 fast mode GPU users pick; the LowDiff+ replica then runs its CPU twin), gradient
-clipping, steps of ``--accum`` micro-batches (gradient accumulation) of ``--batch``
-sequences of 255 tokens drawn from a seeded generator (nothing is downloaded). Arms, each on its own copy of the model (``--arms``):
+clipping to norm 1 with ``ck.clip_grad_norm_`` (torch's clip, whose factor LowDiff+
+hands to its replica), steps of ``--accum`` micro-batches (gradient accumulation) of
+``--batch`` sequences of 255 tokens drawn from a seeded generator (nothing is
+downloaded). Arms, each on its own copy of the model (``--arms``):
 
 - ``plain``: no compression, no checkpointing;
 - ``topk``: ``TopK(0.01)`` compression, no checkpointing (strategy ``"none"``);
@@ -24,18 +26,32 @@ sequences of 255 tokens drawn from a seeded generator (nothing is downloaded). A
   run to checkpoint often.
 
 Every repeat runs every arm once, in an order that rotates between repeats, after one
-untimed warm-up block per arm. A block is ``--steps`` steps and ends with ``ck.flush()``:
-its time counts everything until the block's checkpoints are durable. Reported: the
-median time per step of each arm over the repeats, each repeat's figure, and the ratios
-of ``lowdiff`` to ``topk`` and of ``lowdiff+`` and ``dcp`` to ``plain`` (compare ratios,
-measured side by side, not absolute times across machines), with the GPU memory the run
-held at its peak.
+untimed warm-up block per arm. A block is ``--steps`` steps (``--arm-steps`` sets another
+count for named arms: ``dcp=8,lowdiff+=20`` keeps the arms that write the whole state
+to short blocks) and ends with ``ck.flush()``: its time counts everything until the
+block's checkpoints are durable. Reported: the median time per step of each arm over the
+repeats, each repeat's figure, and the ratios of ``lowdiff`` to ``topk`` and of
+``lowdiff+`` and ``dcp`` to ``plain`` (compare ratios, measured side by side, not
+absolute times across machines), with the GPU memory the run held at its peak and, per
+arm, the milliseconds per step its blocks spent in their closing ``ck.flush()``.
+
+Bounds, for a run that must end within a fixed time:
+
+- ``--time-budget S``: after the first repeat, an arm's block is left out when the time
+  since the run began plus that arm's last block would exceed S seconds (cheap arms
+  keep their repeats when an expensive one runs out of time); ``per_repeat_ms`` then
+  holds fewer figures for it, and ``repeats_done`` counts the repeats that ran a block.
+- ``--json`` is written after every block as well (``"complete": false`` until the
+  end), so a run stopped from outside leaves the blocks it finished.
+- ``--no-restore-check``: leave out the restore of the LowDiff and LowDiff+ directories
+  into fresh copies (at 1.04B parameters each reads a 12.5 GB checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -114,6 +130,7 @@ class Arm:
             }
         else:
             kw = {"strategy": "dcp-async", "compressor": None, "full_every": 1}
+        self.steps = args.arm_steps.get(name, args.steps)
         self.parts: dict[str, float] = {}
         self.timed_steps = 0
         self.dir = workdir / name
@@ -126,7 +143,7 @@ class Arm:
             with torch.autocast(self.device.type, dtype=self.amp):
                 loss = self.model(input_ids=ids, labels=ids).loss
             (loss / self.accum).backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.ck.clip_grad_norm_(1.0)  # torch's clip; LowDiff+'s replica gets its factor
         self.ck.step()
         self.opt.zero_grad(set_to_none=True)
 
@@ -218,41 +235,82 @@ def git_revision() -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [n for n in args.arms if not (args.no_plus and n == "lowdiff+")]
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lowdiff-gpu-ref-", dir=args.workdir) as d:
         arms = [Arm(n, args, Path(d)) for n in names]
+        times: dict[str, list[float]] = {n: [] for n in names}
+        checks: dict[str, dict[str, Any]] = {}
+        repeats_done = 0
         try:
             for arm in arms:
                 arm.block(args.warmup, timed=False)
-            times: dict[str, list[float]] = {n: [] for n in names}
+            block_s: dict[str, float] = {}  # each arm's last timed block, flush included
             for r in range(args.repeats):
                 order = arms[r % len(arms) :] + arms[: r % len(arms)]
                 for arm in order:
-                    times[arm.name].append(arm.block(args.steps))
+                    elapsed = time.perf_counter() - t_start
+                    budget = args.time_budget
+                    if r > 0 and budget is not None and elapsed + block_s[arm.name] > budget:
+                        print(
+                            f"repeat {r + 1}: {arm.name:9s} left out: {elapsed:.1f} s spent, "
+                            f"its block takes {block_s[arm.name]:.1f} s, {budget:g} s allowed",
+                            flush=True,
+                        )
+                        continue
+                    t_block = time.perf_counter()
+                    times[arm.name].append(arm.block(arm.steps))
+                    block_s[arm.name] = time.perf_counter() - t_block
+                    repeats_done = r + 1
                     print(
                         f"repeat {r + 1}: {arm.name:9s} {times[arm.name][-1] * 1e3:.2f} ms/step",
                         flush=True,
                     )
-            record = arms[names.index("lowdiff")].ck.stats if "lowdiff" in names else None
-            ours = [a for a in arms if a.name in ("lowdiff", "lowdiff+")]
-            pinned = {a.name: a.ck.stats["slots_pinned"] for a in ours}
-            checks = {a.name: a.check_restore(args) for a in ours}
+                    if args.json is not None:  # what a run stopped from outside leaves
+                        write_json(
+                            args.json, result(args, arms, times, checks, repeats_done, False)
+                        )
+            if not args.no_restore_check:
+                checks = {a.name: a.check_restore(args) for a in arms if a.name in OURS}
+            res = result(args, arms, times, checks, repeats_done, True)
         finally:
             for arm in arms:
                 arm.ck.close()
-    med = {n: statistics.median(v) for n, v in times.items()}
+    res["wall_s"] = time.perf_counter() - t_start
+    return res
+
+
+OURS = ("lowdiff", "lowdiff+")
+
+
+def result(
+    args: argparse.Namespace,
+    arms: list[Arm],
+    times: dict[str, list[float]],
+    checks: dict[str, dict[str, Any]],
+    repeats_done: int,
+    complete: bool,
+) -> dict[str, Any]:
+    """The run's figures so far: medians over the blocks each arm has run."""
+    med = {n: statistics.median(v) for n, v in times.items() if v}
+    by_name = {a.name: a for a in arms}
     params = sum(p.numel() for p in arms[0].model.parameters())
     cuda = args.device.startswith("cuda")
     out: dict[str, Any] = {
         "machine": platform.node(),
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "torch": torch.__version__,
+        "lowdiff": lowdiff.__version__,
+        "cpus": os.cpu_count(),
         "git": git_revision(),
         "parameters": params,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "steps_per_block": {a.name: a.steps for a in arms},
+        "repeats_done": repeats_done,
+        "complete": complete,
         "ms_per_step": {n: v * 1e3 for n, v in med.items()},
         "per_repeat_ms": {n: [x * 1e3 for x in v] for n, v in times.items()},
         "restore_check": checks,
-        "slots_pinned": pinned,
+        "slots_pinned": {a.name: a.ck.stats["slots_pinned"] for a in arms if a.name in OURS},
         "parts_ms_per_step": {a.name: a.parts_ms_per_step() for a in arms if a.name != "plain"},
         "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
         "gpu_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else 0,
@@ -260,9 +318,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for key, arm, base in RATIOS:
         if arm in med and base in med:
             out[key] = med[arm] / med[base] - 1
-    if record is not None:
-        out["record_bytes_per_step"] = record["record_row_bytes"]
+    if "lowdiff" in by_name:
+        out["record_bytes_per_step"] = by_name["lowdiff"].ck.stats["record_row_bytes"]
     return out
+
+
+def write_json(path: Path, res: dict[str, Any]) -> None:
+    """Write ``res`` to ``path`` whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(res, indent=2))
+    tmp.replace(path)
 
 
 RATIOS = (
@@ -287,6 +352,20 @@ def arm_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def arm_steps(text: str) -> dict[str, int]:
+    """``NAME=N,...``: timed steps per block for the named arms."""
+    out: dict[str, int] = {}
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        name, _, n = item.partition("=")
+        name = name.strip()
+        if name not in ARMS or not n.strip().isdigit() or int(n) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=STEPS with NAME from {', '.join(ARMS)} and STEPS >= 1, got {item!r}"
+            )
+        out[name] = int(n)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -304,8 +383,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--replica-threads", type=int, default=1, help="LowDiff+ replica_threads")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per block")
+    ap.add_argument(
+        "--arm-steps",
+        type=arm_steps,
+        default={},
+        help="timed steps per block for named arms, e.g. dcp=8,lowdiff+=20 (default: --steps)",
+    )
     ap.add_argument("--warmup", type=int, default=8, help="untimed steps per arm first")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help="after the first repeat, leave out an arm's block when the run's time plus "
+        "that arm's last block would exceed S seconds",
+    )
+    ap.add_argument(
+        "--no-restore-check",
+        action="store_true",
+        help="leave out the restore of the LowDiff and LowDiff+ directories",
+    )
     ap.add_argument("--ratio", type=float, default=0.01, help="TopK ratio")
     ap.add_argument("--full-every", type=int, default=50)
     ap.add_argument("--batch-size", type=int, default=5)
@@ -319,9 +417,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{res['parameters'] / 1e6:.1f}M parameters, batch {2 if args.tiny else args.batch}"
         f" x {args.accum} micro-batches"
     )
+    print(
+        f"{res['repeats_done']} of {args.repeats} repeat(s) in {res['wall_s']:.0f} s; "
+        "steps per block: " + ", ".join(f"{k} {v}" for k, v in res["steps_per_block"].items())
+    )
     for n, v in res["ms_per_step"].items():
         reps = ", ".join(f"{x:.2f}" for x in res["per_repeat_ms"][n])
-        print(f"{n:9s} {v:8.2f} ms per step (median; per repeat {reps})")
+        flush = res["parts_ms_per_step"].get(n, {}).get("block_flush_s", 0.0)
+        print(f"{n:9s} {v:8.2f} ms per step (median; per repeat {reps}; closing flush {flush:.2f})")
     for key, text in RATIO_LINES.items():
         if key in res:
             print(f"{text}: {res[key]:+.1%}")
@@ -335,6 +438,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     for name, flag in res["slots_pinned"].items():
         print(f"{name}: slots page-locked: {'yes' if flag else 'no'}")
+    if args.no_restore_check:
+        print("restore check: left out (--no-restore-check)")
     for name, chk in res["restore_check"].items():
         print(
             f"restore of {name} at step {chk['step']} (live {chk['live_step']}): "
@@ -348,7 +453,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{res['gpu_total_bytes'] / 2**30:.1f} GiB"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps(res, indent=2))
+        write_json(args.json, res)
     return res
 
 
