@@ -105,6 +105,10 @@ class StepGrads:
     """Indices of parameters without a gradient this step."""
     slot: int = -1
     """The snapshot slot holding the gradients (LowDiff+)."""
+    scale: tuple[str, float, list[int]] | None = None
+    """LowDiff+: (dtype name, factor, indices) when the slot holds the gradients, but
+    those of the listed optimizer indices, as they were before
+    :meth:`Strategy.clip_grad_norm_` multiplied them by that factor."""
     extra_s: float = 0.0
     """Time spent profiling (counted as checkpointing work, not training)."""
     compress_s: float = 0.0
@@ -224,6 +228,20 @@ class Strategy(abc.ABC):
                 self.scheduler.step(metric)
         self.finish_update(t, grads, hp, time.perf_counter() - t0)
 
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of the optimizer's parameters by their total norm, as
+        ``torch.nn.utils.clip_grad_norm_`` over those parameters does; the total norm."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(
+            params, max_norm, norm_type, error_if_nonfinite, foreach
+        )
+
     def prepare_update(self) -> tuple[int, StepGrads, Any]:
         """The pipeline up to the update: ``begin_step``, ``before_update``,
         ``take_gradients`` and the hyperparameters; (t, grads, hp). Shared by :meth:`step`
@@ -316,6 +334,12 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def durable_step(self) -> int:
         """Newest step recoverable from disk (-1 before the first write)."""
+
+    @property
+    def acknowledged_step(self) -> int:
+        """Newest step a crash of the training process loses nothing up to: its data is
+        in host memory, handed to the background work (by default :attr:`durable_step`)."""
+        return self.durable_step
 
     @property
     @abc.abstractmethod

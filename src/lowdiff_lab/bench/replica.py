@@ -96,11 +96,11 @@ class _Harness:
         cls = optimizer_class(optimizer)
         g = torch.Generator().manual_seed(seed)
         self.clip = clip
-        shapes = bench_shapes(n_params, shapes)
-        self.n_params = sum(torch.Size(s).numel() for s in shapes)
+        shape_list = bench_shapes(n_params, shapes)
+        self.n_params = sum(torch.Size(s).numel() for s in shape_list)
         self.threads = threads
-        trainer = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
-        self.grads = [torch.randn(s, generator=g) * 1e-3 for s in shapes]
+        trainer = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shape_list]
+        self.grads = [torch.randn(s, generator=g) * 1e-3 for s in shape_list]
         hp = {"lr": 1e-3, **flags}
         topt = cls(trainer, **hp)  # type: ignore[call-arg]
         for p, gr in zip(trainer, self.grads, strict=True):

@@ -1,9 +1,10 @@
 """The end of a session on the trainer: ``flush()``, ``close()``, SIGTERM, interpreter
 exit, and a Checkpointer dropped without ``close()``.
 
-:class:`SessionEnd` makes what was handed over durable, stops (or leaves behind) the
-checkpointing process, and gives back what the session holds: the pipes, the pinned
-slots, the directory lock.
+:class:`SessionEnd` makes what was handed over durable (a send that waits for its
+device-to-host copy goes first, :mod:`lowdiff.engine.trainer.pending`), stops (or
+leaves behind) the checkpointing process, and gives back what the session holds: the
+pipes, the pinned slots and staging buffer, the directory lock.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class SessionEnd:
         try:
             self.handover.finish()
             if self.policy.suspended is None:
+                self.handover.copies.send_all()
                 self.starter.session.request(Flush(), Kind.FLUSHED)
         except CheckpointingSuspended:
             pass
@@ -131,6 +133,7 @@ class SessionEnd:
             self.handover.finish()  # steps driven by the optimizer's hooks
         s = self.starter
         if s is not None and s.session.started and self.policy.suspended is None:
+            self.handover.copies.send_all()
             s.session.request(Close(), Kind.CLOSED)
 
     def _settle_job(self, closed: bool) -> bool:
@@ -157,6 +160,7 @@ class SessionEnd:
         if self.policy.suspended is not None:
             return
         self.handover.finish()
+        self.handover.copies.send_all()
         s.session.link.request(
             Flush(),
             Kind.FLUSHED,
@@ -173,7 +177,10 @@ class SessionEnd:
             # A rank exiting without close() under DDP is a failed job that its launcher
             # will restart: leave the checkpointing process running (it writes or persists
             # what it holds and waits idle_timeout for a restarted trainer) instead of
-            # shutting it down.
+            # shutting it down; the steps whose copies were in flight are sent to it first.
+            if self.policy.suspended is None:
+                with contextlib.suppress(Exception):
+                    self.handover.copies.send_all()
             progress.close()
             if not s.backend.closes_when_dropped:
                 with contextlib.suppress(Exception):
@@ -189,6 +196,13 @@ class SessionEnd:
         s = self.starter
         if s is None:
             return
+        copies = self.handover.copies
+        if copies and not self.progress.closed and self.policy.suspended is None:
+            # dropped without close(): every step whose step() returned reaches the process
+            with contextlib.suppress(Exception):
+                copies.send_all()
+        copies.discard()  # close() sent them; after a failure they cannot go
+        s.stager.release()
         s.backend.release()
         # a checkpointing process of this directory that died on its own (SIGKILLed)
         # leaves its shared memory behind: removed now, not at the next resume() on the

@@ -2,7 +2,9 @@
 
 :class:`Handover` sends a step to the checkpointing process now (``ck.step()``: the
 scheduler has stepped) or, driven by the optimizer's hooks, once the user's scheduler has
-stepped: when the next update begins, or at ``flush()`` / ``close()``. It also takes
+stepped: when the next update begins, or at ``flush()`` / ``close()``; a send whose data
+a device still copies to host memory then waits for that copy among
+:attr:`Handover.copies` (:mod:`lowdiff.engine.trainer.pending`). It also takes
 ``extra_state`` entries that belong to a step but change after its update (a
 ``GradScaler`` after ``update()``, a framework's counters, what a framework does
 between two updates: an evaluation, a log).
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from lowdiff.engine.trainer.pending import PendingSends
 from lowdiff.errors import InvalidArgumentError, LowDiffError, UsageError
 from lowdiff.proc import preempt
 from lowdiff.recovery.replay import replaying
@@ -42,6 +45,9 @@ class Handover:
         self._pending_extra: list[tuple[dict[str, Any], set[str]]] = []
         self.late_extra: list[str] = []
         """``extra_state`` names taken again after the update (see :meth:`capture_after_update`)."""
+        self.copies = PendingSends()
+        """The sends handed over whose device-to-host copy may not have ended: a send
+        goes to the process once its copy did."""
 
     def handover(self, send: Callable[[], None], extra: dict[str, Any] | None) -> None:
         """Send now, or (deferred) when the next update begins or at flush / close."""

@@ -4,8 +4,10 @@
 :func:`lowdiff.attach`, the optimizer's hooks do; under DDP on every rank)::
 
     t = begin_step()               raise what the checkpointing process reported (an
-                                   error, a lost process); start on the first step
-                                   without resume(); the "auto" planner's step time
+                                   error, a lost process); send the hand-overs whose
+                                   copy ended; start on the first step without
+                                   resume(); the "auto" planner's step time; on a GPU,
+                                   the update waits for the last full checkpoint's copy
     grads = take_gradients(t)      the gradient source: compressed in place (LowDiff,
                                    compression-only; under DDP merged by lowdiff's hook),
                                    or LowDiff+'s layer-wise snapshot, finished
@@ -15,10 +17,12 @@
       [storage error suspended]      retry with a new process at the next multiple of f
       slot = backend.take_slot()     LowDiff: a free record slot; LowDiff+: the snapshot's
       fill the slot                  the compressed payloads, buffers, RNG, extra state
+                                     (from a GPU: copied on a side stream, not waited for)
       hand the slot over             Record / Step, now (or, driven by the optimizer's
-                                     hooks, when the next update begins)
+                                     hooks, when the next update begins); the message
+                                     goes once the copy ended (lowdiff.engine.trainer.pending)
       full checkpoint when due       LowDiff: every f steps (or as "auto" plans)
-      stager.ensure_taken()          the step is acknowledged
+      stager.ensure_taken()          the process holds the staging buffer (once per buffer)
       replan                         "auto": a new (f, b) when one is due
       refresh_job_durable()          under DDP: the job's durable step, in the background
 
@@ -74,6 +78,7 @@ class StepPipeline:
         self.start, self.starter = start, starter
         self.autoplan: AutoPlan | None = None
         """With ``full_every`` or ``batch_size`` ``"auto"``: the planner."""
+        handover.copies.progress = progress
 
     # ------------------------------------------------------------------ before the update
     def begin_step(self) -> int:
@@ -86,9 +91,13 @@ class StepPipeline:
         if self.starter is not None:
             with contextlib.suppress(CheckpointingSuspended):
                 self.starter.session.check()
+            self.send_copied()
         t = progress.step
         if self.autoplan is not None:
             self.autoplan.begin_step(t)
+        if self.starter is not None:
+            # after start(), which may have staged the first full checkpoint
+            self.starter.stager.before_update()
         return t
 
     def take_gradients(self, t: int) -> StepGrads:
@@ -117,43 +126,48 @@ class StepPipeline:
         progress = self.progress
         with contextlib.suppress(CheckpointingSuspended):
             if self.policy.suspended is not None:
+                self.handover.copies.discard()  # for the process dropped
                 if progress.step % self.cadence.full_every == 0:
                     self._retry_checkpointing(s)
                 return
             self._hand_over_slot(s, t, grads, hp)
             if s.backend.sends_fulls and self.full_due():
                 s.stager.emit(s.session, progress.step, Full)
-            s.stager.ensure_taken(s.session)  # the step is acknowledged on return
+            s.stager.ensure_taken(s.session)  # a new staging buffer outlives a crash
             if self.autoplan is not None:
                 self.poll()
                 self.autoplan.replan()
         self.refresh_job_durable()
 
     def _hand_over_slot(self, s: Starter, t: int, grads: StepGrads, hp: str) -> None:
-        """Fill the slot of step ``t`` (payloads, buffers, RNG, extra state) and send it."""
+        """Fill the slot of step ``t`` (payloads, buffers, RNG, extra state) and send it:
+        from a GPU, once the slot's copy to host memory ended (at the latest
+        :data:`~lowdiff.engine.trainer.pending.MAX_LAG` steps later)."""
         session, backend = s.session, s.backend
-        slots = session.slots
+        slots, copies = session.slots, self.handover.copies
         assert slots is not None
         if not backend.sends_fulls:
             s.stager.drop_when_released(session)  # the process holds the state now
+        if copies and not slots.free(session.counters):
+            copies.send_all()  # a slot frees only once the process has its record
         slot = backend.take_slot(t, grads)
         t1 = time.perf_counter()
         try:
             done = slots.fill_payloads(slot, grads.payloads) if grads.payloads else None
-            rng_extra, extra = slots.fill_state(slot)
-            if done is not None:
-                done.synchronize()  # the record is complete in host memory before it is sent
+            rng_extra, extra = slots.fill_state(slot, buffers=done is None)
         except BaseException:
             slots.give_back()
             raise
         message, nograd = backend.slot_message, grads.nograd
-        self.handover.handover(
-            # early: the first steps' records wait in the pipe for a process still starting
-            lambda: session.send(
-                message(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra)), early=True
-            ),
-            extra,
-        )
+
+        def send() -> None:
+            # the record's document now (after the user's scheduler stepped); sent once
+            # the slot's copy ended; early: the first steps' records wait in the pipe for a
+            # process still starting
+            msg = message(slot, t, slots.row_meta(t, nograd, hp, rng_extra, extra, grads.scale))
+            copies.submit(t + 1, done, lambda: session.send(msg, early=True))
+
+        self.handover.handover(send, extra)
         self.progress.stats["record_send_s"] += time.perf_counter() - t1
 
     def full_due(self) -> bool:
@@ -174,9 +188,23 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ progress
     def poll(self) -> None:
-        """Read what the checkpointing process reported."""
+        """Read what the checkpointing process reported; send the hand-overs whose copy
+        ended."""
         if self.starter is not None:
             self.starter.session.poll()
+            self.send_copied()
+
+    def send_copied(self) -> None:
+        """Send the hand-overs whose device-to-host copy ended, in order (drop them while
+        checkpointing is suspended: they were for the process dropped)."""
+        copies = self.handover.copies
+        if not copies:
+            return
+        if self.policy.suspended is not None:
+            copies.discard()
+            return
+        with contextlib.suppress(CheckpointingSuspended):
+            copies.poll()
 
     def refresh_job_durable(self) -> None:
         """Under DDP: exchange this shard's durable step with the other ranks (in the

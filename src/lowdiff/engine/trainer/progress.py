@@ -3,7 +3,8 @@
 :class:`Progress` is written by the step pipeline (the step), by the checkpointing
 process's reports (:mod:`lowdiff.engine.trainer.session`: the durable steps, the
 counters) and by resume (the recovered state), each through its own methods or counters;
-it is read by the public API (``ck.step_count``, ``ck.durable_step``, ``ck.stats``).
+it is read by the public API (``ck.step_count``, ``ck.durable_step``,
+``ck.acknowledged_step``, ``ck.stats``).
 :class:`Cadence` is the (f, b) in use, changed only by the ``"auto"`` planner.
 """
 
@@ -20,9 +21,9 @@ from lowdiff.state import capture as st
 
 STAT_KEYS = (
     "steps", "slot_wait_s", "full_wait_s", "full_copy_s", "fulls_requested", "fulls_written",
-    "full_bytes", "full_write_s", "record_send_s", "lag_wait_s", "snapshot_finish_s",
-    "record_files_written", "records_written", "record_bytes", "record_write_s",
-    "replica_merges", "replica_merge_s",
+    "full_bytes", "full_write_s", "record_send_s", "ack_wait_s", "lag_wait_s",
+    "snapshot_finish_s", "record_files_written", "records_written", "record_bytes",
+    "record_write_s", "replica_merges", "replica_merge_s",
 )  # fmt: skip
 """The counters of ``ck.stats`` that the training process keeps (see
 :attr:`lowdiff.Checkpointer.stats`)."""
@@ -65,6 +66,9 @@ class Progress:
         self.closed = False
         self.durable = -1
         """Newest step this rank's checkpointing process made durable (-1: none)."""
+        self.acknowledged = -1
+        """Newest step handed to this rank's checkpointing process with its data in host
+        memory (-1: none)."""
         self.remote_durable = -1
         """Newest step the remote tier can recover (-1: none, or no remote tier)."""
         self.remote_error: str | None = None
@@ -93,6 +97,11 @@ class Progress:
         """The state at ``step`` was staged as a full checkpoint."""
         self.last_full = step
 
+    def acknowledge(self, step: int) -> None:
+        """Step ``step`` was handed to the checkpointing process (its record, or a full
+        checkpoint of it, is in shared host memory and the message naming it is sent)."""
+        self.acknowledged = max(self.acknowledged, int(step))
+
     def saw_remote_error(self, text: str) -> None:
         """An upload to the remote tier failed (it is retried)."""
         self.remote_error = text
@@ -112,6 +121,7 @@ class Progress:
         self.recovered_extra = (stats.step, stats.extra)
         self.step = stats.step
         self.durable = stats.step if durable else -1
+        self.acknowledged = stats.step  # on disk, or in the replica in memory
         if durable and self.job is not None:
             # the ranks resumed at one agreed step from their shards' files: the job's
             # durable step is that one before the first exchange says so
@@ -140,6 +150,11 @@ class Progress:
     def durable_step(self) -> int:
         """This rank's durable step, or under DDP the job's (every shard has it)."""
         return self.durable if self.job is None else min(self.durable, self.job.values[0])
+
+    def acknowledged_step(self) -> int:
+        """This rank's acknowledged step: the newest one a crash of the trainer loses
+        nothing up to (at least the durable step)."""
+        return max(self.acknowledged, self.durable)
 
     def remote_durable_step(self) -> int:
         """This rank's remote durable step, or under DDP the job's: the newest step every

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
+from lowdiff.engine.trainer.pending import DeviceToHost, fresh_copies
 from lowdiff.engine.trainer.training import TrainingObjects, dumps
 from lowdiff.errors import InvalidArgumentError
 from lowdiff.format import codec
@@ -62,7 +63,7 @@ class RecordSlots:
         self.next = 0
         self.filled = 0
         """Slots handed to the checkpointing process (compared with its SLOTS_DONE)."""
-        self._side_stream: Any = None
+        self._to_host: DeviceToHost | None = None
         self._sched_text = codec.DumpsMemo()
         self._rng_text = codec.DumpsMemo()
 
@@ -84,6 +85,10 @@ class RecordSlots:
         self.filled += 1
         return slot
 
+    def free(self, counters: Any) -> bool:
+        """Whether a slot is free now (:meth:`take` would not wait)."""
+        return self.filled - int(counters[channel.SLOTS_DONE]) < len(self.views)
+
     def give_back(self) -> None:
         """Give back the slot taken last, never handed over."""
         self.filled -= 1
@@ -97,88 +102,126 @@ class RecordSlots:
     # ------------------------------------------------------------------ filling a row
     def fill_payloads(self, slot: int, payloads: dict[int, dict[str, torch.Tensor]]) -> Any:
         """Copy the step's compressed payloads into ``slot``: synchronously from the CPU
-        (returns None); from a CUDA device on a side stream, after the compute stream's
-        work that made them (returns the event to synchronize on before the record is
-        handed over: nothing of it may depend on the trainer's device memory)."""
+        (returns None); from a CUDA device, with the step's buffers, on a side stream
+        after the compute stream's work that made them (returns the event of the copy's
+        end: the record may be handed over only once it completed, see
+        :mod:`lowdiff.engine.trainer.pending`; :meth:`fill_state` then leaves the
+        buffers alone).
+
+        The side stream reads only memory made for the copy on the compute stream: each
+        run's concatenation, and a copy of every other payload field and of the buffers.
+        The next step may free the payloads and change the buffers (a forward pass) while
+        the copy runs; the copy's own sources are kept until it ends (``record_stream``).
+        """
         dev = self.objects.record_device
         if dev is None or dev.type != "cuda":
             self._copy_payloads(slot, payloads)
             return None
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=dev)
-        ready = torch.cuda.Event()
-        ready.record()
-        with torch.cuda.stream(self._side_stream):
-            self._side_stream.wait_event(ready)
-            self._copy_payloads(slot, payloads, non_blocking=self.pinned)
-            done = torch.cuda.Event()
-            done.record(self._side_stream)
-        return done
+        if self._to_host is None:
+            self._to_host = DeviceToHost(dev)
+        dsts, srcs = self._device_sources(slot, payloads)
+        return self._to_host.copy(dsts, srcs, non_blocking=self.pinned)
 
-    def _copy_payloads(
-        self,
-        slot: int,
-        payloads: dict[int, dict[str, torch.Tensor]],
-        non_blocking: bool = False,
-    ) -> None:
-        """Without ``non_blocking``, each run of fields that lie end to end in the row with
-        one dtype (the layout groups fields by element size) is filled from one
-        ``torch.cat``: two kernels for all its small tensors instead of a copy each. What
-        no complete run covers (a parameter without gradient this step) goes through one
-        batched copy."""
+    def _copy_payloads(self, slot: int, payloads: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Each run of fields that lie end to end in the row with one dtype (the layout
+        groups fields by element size) is filled from one ``torch.cat``: two kernels for
+        all its small tensors instead of a copy each. What no complete run covers (a
+        parameter without gradient this step) goes through one batched copy."""
         dst = self.dsts[slot]
         filled: list[_Run] = []
-        if not non_blocking:
-            for run in dst.runs:
-                srcs = run.gather(payloads)
-                if srcs is not None:
-                    run.fill(srcs)
-                    filled.append(run)
-            if len(filled) == len(dst.runs) and dst.runs_cover_all:
-                return  # every field of the row was in a run
-        done = {key for run in filled for key in run.keys}
-        dsts: list[torch.Tensor] = []
-        rest: list[torch.Tensor] = []
-        for index, payload in payloads.items():
-            fields = dst.payload.get(index)
-            if fields is None:
-                continue  # under DDP: another rank's shard
-            for name, tensor in payload.items():
-                if (index, name) not in done:
-                    dsts.append(fields[name])
-                    rest.append(tensor)
+        for run in dst.runs:
+            srcs = run.gather(payloads)
+            if srcs is not None:
+                run.fill(srcs)
+                filled.append(run)
+        if len(filled) == len(dst.runs) and dst.runs_cover_all:
+            return  # every field of the row was in a run
+        dsts, rest = _rest(dst, filled, payloads)
         if dsts:
-            torch._foreach_copy_(dsts, rest, non_blocking=non_blocking)
+            torch._foreach_copy_(dsts, rest)
 
-    def fill_state(self, slot: int) -> tuple[Any, Any]:
-        """Write the step's buffers and RNG states into ``slot``, right after the update.
+    def _device_sources(
+        self, slot: int, payloads: dict[int, dict[str, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The row's destinations and, on the device, new memory holding what goes there:
+        each complete run's concatenation, a copy of every other field and of the buffers."""
+        dst = self.dsts[slot]
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        filled: list[_Run] = []
+        for run in dst.runs:
+            got = run.gather(payloads)
+            if got is not None:
+                dsts.append(run.view)
+                srcs.append(torch.cat(got))
+                filled.append(run)
+        rest_dsts, rest = _rest(dst, filled, payloads)
+        dsts += rest_dsts
+        srcs += fresh_copies(rest)
+        if dst.buffers:
+            dsts += dst.buffers
+            srcs += fresh_copies(self.objects.buffer_refs.tensors())
+        return dsts, srcs
+
+    def fill_state(self, slot: int, buffers: bool = True) -> tuple[Any, Any]:
+        """Write the step's buffers (unless ``buffers`` is False: the device copies them,
+        see :meth:`fill_payloads`) and RNG states into ``slot``, right after the update.
 
         Returns the RNG bookkeeping and the extra state (``extra_state=``) of this moment.
         """
         objects = self.objects
         assert objects.rng_capture is not None
         dst = self.dsts[slot]
-        if dst.buffers:
+        if buffers and dst.buffers:
             torch._foreach_copy_(dst.buffers, objects.buffer_refs.tensors())
         rng_extra = objects.rng_capture.into(self.views[slot])
         return rng_extra, st.capture_extra(objects.extra)
 
-    def row_meta(self, t: int, nograd: list[int], hp: str, rng_extra: Any, extra: Any) -> str:
+    def row_meta(
+        self,
+        t: int,
+        nograd: list[int],
+        hp: str,
+        rng_extra: Any,
+        extra: Any,
+        scale: tuple[str, float, list[int]] | None = None,
+    ) -> str:
         """The record's JSON document (``codec.dumps`` of ``{"hp", "hp_after", "nograd",
-        "rng", "sched", "step"}``, keys sorted); the hyperparameters after the update and
-        the scheduler's state are taken now (after the scheduler stepped)."""
+        "rng", "sched", "step"}``, keys sorted, and ``"scale"`` when LowDiff+ carries a
+        clip's factor); the hyperparameters after the update and the scheduler's state
+        are taken now (after the scheduler stepped)."""
         objects = self.objects
         sched = (
             "null"
             if objects.scheduler is None
             else self._sched_text(objects.scheduler.state_dict())
         )
+        scaled = "" if scale is None else f'"scale":{dumps(list(scale))},'
         doc = (
             f'{{"hp":{hp},"hp_after":{objects.hp_text(objects.optimizer)},"nograd":{dumps(nograd)},'
-            f'"rng":{self._rng_text(rng_extra)},"sched":{sched},"step":{int(t)}}}'
+            f'"rng":{self._rng_text(rng_extra)},"sched":{sched},{scaled}"step":{int(t)}}}'
         )
         # the extra-state tree (already encoded) goes last, before the closing brace
         return doc if extra is None else f'{doc[:-1]},"extra":{dumps(extra)}}}'
+
+
+def _rest(
+    dst: _SlotDsts, filled: list[_Run], payloads: dict[int, dict[str, torch.Tensor]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The payload fields no run in ``filled`` covers: their views in the row, and the
+    payload tensors."""
+    done = {key for run in filled for key in run.keys}
+    dsts: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for index, payload in payloads.items():
+        fields = dst.payload.get(index)
+        if fields is None:
+            continue  # under DDP: another rank's shard
+        for name, tensor in payload.items():
+            if (index, name) not in done:
+                dsts.append(fields[name])
+                rest.append(tensor)
+    return dsts, rest
 
 
 T = TypeVar("T")
