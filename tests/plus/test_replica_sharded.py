@@ -26,7 +26,7 @@ from lowdiff.engine.replica.optim import ShardedOptimizer, balanced_shards, piec
 from lowdiff.format import codec
 from lowdiff.proc import holder as rp
 from lowdiff.state.capture import diff_states, snapshot_state
-from lowdiff_lab.bench.replica import _Harness, replica_update_bench
+from lowdiff_lab.bench.replica import _Harness, bench_shapes, replica_update_bench
 
 KERNELS = [
     (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}),
@@ -293,6 +293,25 @@ def test_replica_bench_reports_ratio_and_same_bits():
         assert r["identical"]
         assert r["replica_s"] > 0 and r["bare_s"] > 0
         assert r["target"] == 1.2 and r["ratio"] == pytest.approx(r["replica_s"] / r["bare_s"])
+        assert set(r["stage_s"]) == {"bind", "optimizer", "hand_back"} and r["copy_in_s"] > 0
+
+
+def test_replica_bench_with_clipping_keeps_the_bits():
+    """With ``clip=True`` the replica multiplies its copies by the factor and the bare
+    twin its gradients: both sides hold the same bits after the same steps."""
+    rows = replica_update_bench(
+        n_params=60_000,
+        threads=(2,),
+        kernels=(("torch.optim.AdamW", {"fused": True}), ("torch.optim.Adam", {"foreach": True})),
+        repeats=2,
+        steps=2,
+        clip=True,
+    )
+    assert [r["clip"] for r in rows] == [True, True]
+    assert all(r["identical"] for r in rows)
+    assert bench_shapes(0, "gpt2-117m") and sum(
+        torch.Size(s).numel() for s in bench_shapes(0, "gpt2-117m")
+    ) == 117_811_200  # the parameters of the 117.8M GPT-2 of benchmarks/gpu_reference.py
 
 
 # ----------------------------------------------------------------------------- end to end
