@@ -213,3 +213,28 @@ def test_clip_under_lowdiff_and_attach_is_torch_clip(tmp_path):
         opt.step()
     finally:
         ck.close()
+
+
+def test_clip_through_lowdiff_under_attach(tmp_path, monkeypatch):
+    """Under ``attach`` (the optimizer's own ``step()`` drives lowdiff, a step handed
+    over when the next begins) the factor travels with the step all the same."""
+    _use_copy_mode(monkeypatch, "thread")
+    ref = _reference(STEPS)
+    model, opt = _model()
+    d = tmp_path / "ck"
+    ck = lowdiff.attach(
+        d, model, opt, keep_full=None, replica=lowdiff.ReplicaOptions(persist_every=1)
+    )
+    try:
+        ck.resume()
+        for t in range(STEPS):
+            _backward(model, t)
+            assert float(ck.clip_grad_norm_(MAX_NORM)) > MAX_NORM
+            opt.step()
+            opt.zero_grad()
+        stats = ck.stats
+    finally:
+        ck.close()
+    assert stats["clip_scaled_steps"] == STEPS
+    assert stats["gradient_copies"] == STEPS * _n_grads(opt)
+    _check_persisted(d, ref)
