@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -451,6 +450,9 @@ def environment(copy_check: bool = True) -> dict[str, Any]:
 
     import lowdiff
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_reference import git_revision
+
     info: dict[str, Any] = {
         "kind": "gpu-env",
         "machine": platform.node(),
@@ -460,7 +462,7 @@ def environment(copy_check: bool = True) -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "python": platform.python_version(),
-        "git": _git_revision(),
+        "git": git_revision(),
         "gpu": None,
     }
     try:
@@ -474,25 +476,10 @@ def environment(copy_check: bool = True) -> dict[str, Any]:
         info["gpu"] = props.name
         info["gpu_memory_bytes"] = props.total_memory
         if copy_check:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
             import gpu_copy_check
 
             info["copy_gbps"] = gpu_copy_check.main(["--mib", "512", "--repeats", "5"])
     return info
-
-
-def _git_revision() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,53 +101,49 @@ def copy_mode(request, monkeypatch):
     return request.param
 
 
+def _train_clipped(d: Path, clip: str) -> tuple[dict[str, float], nn.Module, torch.optim.Optimizer]:
+    """LowDiff+ over ``STEPS`` steps, each clipped (``clip``: ``"lowdiff"`` through
+    ``ck.clip_grad_norm_``, ``"torch"`` through torch's), the clip firing every time;
+    the session's statistics."""
+    model, opt = _model()
+    with lowdiff.Checkpointer(
+        d, model, opt, method="lowdiff+", keep_full=None,
+        replica=lowdiff.ReplicaOptions(persist_every=1),
+    ) as ck:  # fmt: skip
+        assert ck.resume() == 0
+        for t in range(STEPS):
+            _backward(model, t)
+            if clip == "lowdiff":
+                norm = ck.clip_grad_norm_(MAX_NORM)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            assert float(norm) > MAX_NORM  # the clip fired
+            ck.step()
+            opt.zero_grad()
+        stats = ck.stats
+    return stats, model, opt
+
+
 def test_clip_through_lowdiff_copies_each_gradient_once(tmp_path, copy_mode):
     """Beside backward (a copy thread, or CUDA's copy stream) the copies stay there and
     the factor travels on every step; inline, from the second step on, the copies run
     after the clip (they cost training the same there, and spare the replica the
     multiplication)."""
     ref = _reference(STEPS)
-    model, opt = _model()
-    d = tmp_path / "ck"
-    with lowdiff.Checkpointer(
-        d, model, opt, method="lowdiff+", keep_full=None,
-        replica=lowdiff.ReplicaOptions(persist_every=1),
-    ) as ck:  # fmt: skip
-        assert ck.resume() == 0
-        assert ck.strategy_impl.snapshotter.copy_mode == copy_mode
-        for t in range(STEPS):
-            _backward(model, t)
-            norm = ck.clip_grad_norm_(MAX_NORM)
-            assert float(norm) > MAX_NORM  # the clip fired
-            ck.step()
-            opt.zero_grad()
-        stats = ck.stats
-        ck.flush()
+    stats, model, opt = _train_clipped(tmp_path / "ck", "lowdiff")
     assert stats["gradient_copies"] == STEPS * _n_grads(opt)
     assert stats["clip_scaled_steps"] == (STEPS if copy_mode == "thread" else 1)
     assert diff_states(snapshot_state(model, opt), ref[STEPS]) == []
-    assert _check_persisted(d, ref) == list(range(STEPS + 1))
+    assert _check_persisted(tmp_path / "ck", ref) == list(range(STEPS + 1))
 
 
 def test_clip_by_torch_copies_after_the_clip_from_the_second_step(tmp_path):
     ref = _reference(STEPS)
-    model, opt = _model()
-    d = tmp_path / "ck"
-    with lowdiff.Checkpointer(
-        d, model, opt, method="lowdiff+", keep_full=None,
-        replica=lowdiff.ReplicaOptions(persist_every=1),
-    ) as ck:  # fmt: skip
-        ck.resume()
-        for t in range(STEPS):
-            _backward(model, t)
-            assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)) > MAX_NORM
-            ck.step()
-            opt.zero_grad()
-        stats = ck.stats
+    stats, _, opt = _train_clipped(tmp_path / "ck", "torch")
     # the first step copied during backward and again after the clip; then once each
     assert stats["gradient_copies"] == (STEPS + 1) * _n_grads(opt)
     assert stats["clip_scaled_steps"] == 0
-    _check_persisted(d, ref)
+    _check_persisted(tmp_path / "ck", ref)
 
 
 def test_change_after_the_clip_is_copied_again_and_stays_exact(tmp_path, monkeypatch):
