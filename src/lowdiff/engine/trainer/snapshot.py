@@ -74,9 +74,9 @@ import torch
 
 from lowdiff.engine.trainer.snapshot_plan import (
     CHANGED,
-    SAME,
     UNSURE,
     Block,
+    ClipRecord,
     CpuCopies,
     SnapshotStats,
     no_grad_thread,
@@ -188,12 +188,9 @@ class GradSnapshotter:
         self.events: list[Any] = []
         for b in self.blocks:
             b.ready = 0
-        self.scaling: list[tuple[torch.Tensor, int, int, int] | None] | None = None
-        """Per parameter, at the clip of :meth:`record_scaling`: (its gradient, the
-        verdict on the slot's copy just before the clip, the gradient's and the hook's
-        tensor's version counters just after it)."""
-        self.scaling_spec: tuple[str, float] | None = None
-        self.scaling_broken = False
+        self.clip: ClipRecord | None = None
+        """The step's clip made through :meth:`record_scaling`, or None."""
+        self.clip_broken = False
         """A second clip in one step: no single factor describes the change."""
 
     def _hook(self, k: int) -> Callable[[torch.Tensor], None]:
@@ -426,8 +423,8 @@ class GradSnapshotter:
             again.append((dsts[k], g.detach()))
             unscaled.append(info.index)
         self._copy_again(again)
-        assert self.scaling_spec is not None
-        dtype, factor = self.scaling_spec
+        assert self.clip is not None
+        dtype, factor = self.clip.spec
         return nograd, (dtype, factor, unscaled)
 
     def record_scaling(self, multiply: Callable[[], None], spec: tuple[str, float]) -> None:
@@ -437,58 +434,36 @@ class GradSnapshotter:
 
         The copies still in flight finish first (on CUDA the compute stream waits for
         the copy stream), so none of them reads a clipped gradient. The version
-        counters then tell at ``finish()`` whether the clip was the only change since.
+        counters then tell at ``finish()`` whether the clip was the only change since
+        (:class:`~lowdiff.engine.trainer.snapshot_plan.ClipRecord`).
         """
         if self.pool is not None:
             for f in self.futures:
                 f.result()
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        if self.scaling is not None or self.scaling_broken:
+        if self.clip is not None or self.clip_broken:
             # a second clip: no single factor describes both
-            self.scaling_broken = True
-            self.scaling = None
+            self.clip_broken = True
+            self.clip = None
             multiply()
             return
-        before: list[tuple[torch.Tensor, int] | None] = []
-        for k in range(len(self.params)):
-            g, seen = self._grad(k), self.seen[k]
-            if g is None or seen is None:
-                before.append(None)
-            else:
-                before.append((g, verdict(g, seen, self.grad_at[k], self.used[k])))
-        multiply()
-        self.scaling = [
-            None if b is None else (b[0], b[1], b[0]._version, self.seen[k][0]._version)  # type: ignore[index]
-            for k, b in enumerate(before)
-        ]
-        self.scaling_spec = spec
+        grads = [self._grad(k) for k in range(len(self.params))]
+        self.clip = ClipRecord.around(multiply, spec, grads, self.seen, self.grad_at, self.used)
 
     def _kept(self) -> dict[int, bool] | None:
-        """After a clip through :meth:`record_scaling`, per parameter with a gradient:
-        whether the slot holds it as it was just before the clip (its block copied
-        whole during backward, nothing else changed before the clip) and the clip was
-        its only change since. None without such a clip (or after two)."""
-        record = self.scaling
-        if record is None or self.scaling_broken:
+        """After a clip through :meth:`record_scaling`: per parameter with a gradient,
+        whether the slot holds what the replica is to multiply by the clip's factor (a
+        block copied during backward counts only when copied whole). None without
+        such a clip (or after two)."""
+        if self.clip is None or self.clip_broken:
             return None
-        out: dict[int, bool] = {}
-        for k, r in enumerate(record):
-            g = self._grad(k)
-            if g is None:
-                continue
-            seen = self.seen[k]
-            b = self.blocks[self.block_of[k]]
-            out[k] = (
-                r is not None
-                and seen is not None
-                and r[1] == SAME
-                and g is r[0]
-                and g._version == r[2]
-                and seen[0]._version == r[3]
-                and (self.deferred or b.ready == len(b.members))
-            )
-        return out
+        blocks, of = self.blocks, self.block_of
+        return self.clip.kept(
+            [self._grad(k) for k in range(len(self.params))],
+            self.seen,
+            lambda k: self.deferred or blocks[of[k]].ready == len(blocks[of[k]].members),
+        )
 
     def _copy_incomplete_blocks(self, dsts: list[torch.Tensor]) -> None:
         """Blocks some members of which had no gradient this step never became complete:

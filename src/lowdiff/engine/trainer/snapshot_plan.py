@@ -5,7 +5,7 @@ gradient."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -201,3 +201,69 @@ def verdict(
     if g._version == v0 + 1:
         return SAME  # DDP's one copy from the bucket, nothing since
     return CHANGED if g._version > v0 + 1 else UNSURE
+
+
+class ClipRecord:
+    """A clip's in-place multiplication of the gradients by one factor, as the
+    snapshot saw it (:meth:`lowdiff.engine.trainer.snapshot.GradSnapshotter.record_scaling`).
+
+    Per parameter: its gradient, the verdict on the slot's copy just before the clip
+    (:func:`verdict`), and the version counters of the gradient and of the tensor its
+    hook copied just after the clip. At ``finish()`` a gradient whose slot copy was
+    :data:`SAME` before the clip, and whose counters have not moved since, is in the slot
+    as the clip found it: the replica multiplies it by ``spec``'s factor.
+    """
+
+    def __init__(
+        self,
+        spec: tuple[str, float],
+        entries: list[tuple[torch.Tensor, int, int, int] | None],
+    ) -> None:
+        self.spec = spec
+        """(dtype name, factor)."""
+        self.entries = entries
+
+    @classmethod
+    def around(
+        cls,
+        multiply: Callable[[], None],
+        spec: tuple[str, float],
+        grads: list[torch.Tensor | None],
+        seen: list[tuple[torch.Tensor, int] | None],
+        grad_at: list[tuple[torch.Tensor | None, int] | None],
+        used: list[bool],
+    ) -> ClipRecord:
+        """Judge every snapshotted gradient, run ``multiply``, note the counters."""
+        before: list[tuple[torch.Tensor, int] | None] = []
+        for g, s, at, u in zip(grads, seen, grad_at, used, strict=True):
+            before.append(None if g is None or s is None else (g, verdict(g, s, at, u)))
+        multiply()
+        entries: list[tuple[torch.Tensor, int, int, int] | None] = []
+        for b, s in zip(before, seen, strict=True):
+            if b is None or s is None:
+                entries.append(None)
+            else:
+                entries.append((b[0], b[1], b[0]._version, s[0]._version))
+        return cls(spec, entries)
+
+    def kept(
+        self,
+        grads: list[torch.Tensor | None],
+        seen: list[tuple[torch.Tensor, int] | None],
+        copied_whole: Callable[[int], bool],
+    ) -> dict[int, bool]:
+        """Per parameter with a gradient: whether its slot copy is to be multiplied."""
+        out: dict[int, bool] = {}
+        for k, (g, e, s) in enumerate(zip(grads, self.entries, seen, strict=True)):
+            if g is None:
+                continue
+            out[k] = (
+                e is not None
+                and s is not None
+                and e[1] == SAME
+                and g is e[0]
+                and g._version == e[2]
+                and s[0]._version == e[3]
+                and copied_whole(k)
+            )
+        return out
