@@ -16,8 +16,9 @@ One job, compared with an uninterrupted run of the same job after every step it 
    joined, with old rank ``min(r, W - 1)``'s RNG, scheduler and extra state; a resharded
    generation that died before it persisted a step is passed over.
 
-Gradient clipping fires at every step (its norm spans the ranks), so the replica applies
-gradients changed after their snapshot: they are copied again.
+Gradient clipping fires at every step (its norm spans the ranks), through torch on even
+steps and ``ck.clip_grad_norm_`` on odd ones, so the replica applies gradients changed
+after their snapshot: they are copied again.
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ def _job(
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 5, generator=g)
         x = x + 0.1 * torch.randn(6, 8)  # the global RNG is part of the state
         ((model(x) - y) ** 2).mean().backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if step % 2:  # lowdiff's clip: under fully_shard the same as torch's
+            norm = ck.clip_grad_norm_(MAX_NORM)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         info["clipped"] += int(norm.full_tensor() > MAX_NORM)  # the norm over both ranks
         counter.n += 1  # part of the step: captured by ck.step()
         ck.step()

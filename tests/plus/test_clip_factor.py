@@ -234,3 +234,38 @@ def test_clip_through_lowdiff_under_attach(tmp_path, monkeypatch):
     assert stats["clip_scaled_steps"] == STEPS
     assert stats["gradient_copies"] == STEPS * _n_grads(opt)
     _check_persisted(d, ref)
+
+
+@pytest.mark.parametrize("before", ["accumulate", "unscale"])
+def test_work_before_the_clip_stays_exact(tmp_path, monkeypatch, before):
+    """Two backward passes accumulated before the clip (the slot holds the sum, copied
+    once the block's gradients are final), or every gradient changed in place before
+    the clip (a ``GradScaler``'s unscaling): the replica ends where torch does."""
+    _use_copy_mode(monkeypatch, "thread")
+    model, opt = _model()
+    ref_model, ref_opt = _model()
+    d = tmp_path / "ck"
+    with lowdiff.Checkpointer(
+        d, model, opt, method="lowdiff+", keep_full=None,
+        replica=lowdiff.ReplicaOptions(persist_every=1),
+    ) as ck:  # fmt: skip
+        ck.resume()
+        for t in range(STEPS):
+            for m in (model, ref_model):
+                _backward(m, t)
+                if before == "accumulate":
+                    _backward(m, t + 100)
+                else:
+                    torch._foreach_mul_([p.grad for p in m.parameters()], 0.75)
+            assert float(ck.clip_grad_norm_(MAX_NORM)) > MAX_NORM
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_NORM)
+            ck.step()
+            ref_opt.step()
+            for o in (opt, ref_opt):
+                o.zero_grad()
+        stats = ck.stats
+    if before == "unscale":  # every gradient changed before the clip: none carried
+        assert stats["clip_scaled_steps"] == 0
+    model2, opt2 = _model()
+    assert lowdiff.restore(d, model2, opt2) == STEPS
+    assert diff_states(snapshot_state(model2, opt2), snapshot_state(ref_model, ref_opt)) == []
