@@ -153,3 +153,25 @@ def test_elastic_restarts_take_over_the_surviving_replica_processes(torchrun, tm
             diff_states(_load(reference / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt"))
             == []
         )
+
+
+def test_rank_raising_on_its_first_attempt_leaves_its_replica_and_exits(
+    torchrun, tmp_path, reference
+):
+    """Rank 0 raises in its first attempt: it exits at once (its interpreter does not wait
+    for the replica it leaves running), torchrun restarts the job, and every rank resumes
+    from its replica in memory, bit-identical at the end."""
+    run = tmp_path / "run"
+    run.mkdir()
+    torchrun(
+        "--dir", str(tmp_path / "ck"), "--out", str(run), *COMMON,
+        "--raise-rank", "0", "--raise-at", "5", restarts=1,
+    )  # fmt: skip
+    assert (run / "raised").read_text() == "5"
+    for r in (0, 1):
+        starts, _ = attempts(run, r)
+        assert starts == ["0 fresh", "5 memory"]
+        assert (
+            diff_states(_load(reference / f"final-rank{r}.pt"), _load(run / f"final-rank{r}.pt"))
+            == []
+        )

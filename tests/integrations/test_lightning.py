@@ -5,8 +5,11 @@ global step, epoch, data position) bit for bit."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import safetensors.torch
+import torch
 from tests.integrations.harness import kill_resume_compare
 
 pytest.importorskip("lightning", reason="lightning is not installed")
@@ -122,9 +125,11 @@ def test_lightning_fsdp2_resumes_bit_exactly_after_sigkill(torchrun, tmp_path):
     durable_at_kill = int(kill[-1])
     resumed = _after_last_resume(killed.stdout)
     start = resumed_at(resumed)
-    # rank 0's callback closes on the error rank 1's death raised (its replica persists
-    # its shard and exits): the job resumes from disk, or from both replicas when rank 0
-    # was stopped first
+    # rank 1 died between two updates, with step 9 not handed over yet: its replica holds
+    # step 8. Rank 0's callback leaves its replica in memory on the error rank 1's death
+    # raised, but rank 0 hands step 9 over when update 10 begins (or on torchrun's
+    # SIGTERM): the replicas are then a step apart and the job resumes from disk (from
+    # both replicas only when rank 0 stopped before that)
     assert resumed[0].split()[-1] in ("disk", "memory"), resumed[0]
     assert 0 <= durable_at_kill <= start <= 9, (durable_at_kill, start)
     want, got = steps(ref.stdout.splitlines()), steps(resumed)
@@ -137,3 +142,51 @@ def test_lightning_fsdp2_resumes_bit_exactly_after_sigkill(torchrun, tmp_path):
     assert safetensors.torch.load_file(str(tmp_path / "got.st.rank1"))[
         "model/net.0.weight"
     ].shape == (32, 16)
+
+
+DDP_JOB = Path(__file__).with_name("lightning_ddp_job.py")
+"""Lightning's DDP strategy with LowDiff+ on 2 gloo ranks, run under torchrun."""
+
+
+@pytest.fixture(scope="module")
+def ddp_plus_reference(torchrun, tmp_path_factory) -> Path:
+    """The uninterrupted run of :data:`DDP_JOB` (final states ``final-rank{r}.pt``)."""
+    base = tmp_path_factory.mktemp("lightning-ddp-plus-ref")
+    out = base / "out"
+    out.mkdir()
+    torchrun("--dir", str(base / "ck"), "--out", str(out), script=DDP_JOB)
+    assert sorted(f.read_text() for f in out.glob("start-rank*.txt")) == ["0 fresh", "0 fresh"]
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fail", ["kill", "raise"])
+def test_lightning_ddp_plus_resumes_from_the_replicas_in_memory_after_a_rank_fails(
+    torchrun, tmp_path, ddp_plus_reference, fail
+):
+    """Lightning's DDP strategy, LowDiff+, 2 gloo ranks under ``torchrun --max-restarts 1``:
+    rank 1 fails inside update 7's forward pass (SIGKILL, or an exception), after every
+    rank handed step 6 to its replica. Rank 0 fails on the collective of that update's
+    backward pass and Lightning calls ``on_exception``: its callback leaves its replica in
+    memory instead of closing it (a rank that raised lets go of its replica the same way).
+    The restarted job finds both replicas at step 6, rebuilds every rank's state from them
+    (``source == "memory"``) and ends bit-identical to an uninterrupted run."""
+    from lowdiff.state.capture import diff_states
+
+    run = tmp_path / "run"
+    run.mkdir()
+    torchrun("--dir", str(tmp_path / "ck"), "--out", str(run), "--fail-rank", "1",
+             "--fail-at", "7", "--fail", fail, script=DDP_JOB, restarts=1)  # fmt: skip
+    assert (run / "failed").read_text() == f"6 {fail}"  # the failure landed in update 7
+    starts = {f.name: f.read_text() for f in run.glob("start-rank*.txt")}
+    assert starts == {
+        "start-rank0-attempt0.txt": "0 fresh",
+        "start-rank1-attempt0.txt": "0 fresh",
+        "start-rank0-attempt1.txt": "6 memory",
+        "start-rank1-attempt1.txt": "6 memory",
+    }
+    for r in (0, 1):
+        want = torch.load(ddp_plus_reference / f"final-rank{r}.pt", weights_only=True)
+        got = torch.load(run / f"final-rank{r}.pt", weights_only=True)
+        assert diff_states(want, got) == [], r
+        assert int(got["trainer.global_step"]) == 12

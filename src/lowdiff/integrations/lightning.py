@@ -33,7 +33,10 @@ How it fits Lightning:
   logged since the resume (Lightning skips that step after any restore).
 - ``ck.stats`` is logged through the LightningModule's loggers every
   ``log_every_n_steps`` (``lowdiff/...``).
-- ``on_fit_end`` closes the checkpointer (everything durable); so does an exception.
+- ``on_fit_end`` closes the checkpointer (everything durable); so does an exception
+  (``on_exception``), except on a rank of a distributed LowDiff+ job: there the callback
+  lets go of the checkpointer as a rank that dies does, and its replica stays in memory
+  for the restarted rank (see below).
 
 Single optimizer, automatic optimization. Under DDP (``strategy="ddp"``) every rank runs
 the callback: lowdiff is given Lightning's ``DistributedDataParallel`` model and installs
@@ -50,9 +53,23 @@ FSDP2: with ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1
 ``fully_shard`` applied in the module's ``configure_model`` (a 1-D mesh,
 ``self.device_mesh["data_parallel"]``), Lightning's model is the ``fully_shard``ed
 module, and ``strategy="lowdiff+"`` checkpoints each rank's own shard (CPU ranks with
-gloo run it; see ``examples/lightning_train.py --fsdp2``). When a rank dies, the others'
-callbacks close on the error its death raised: their replicas persist their shards and
-exit, and the restarted job resumes at the newest step every shard holds.
+gloo run it; see ``examples/lightning_train.py --fsdp2``).
+
+When a rank of a LowDiff+ job (DDP or FSDP2) dies, the others fail on the collective its
+death broke (or on the launcher's SIGTERM, which Lightning raises as an exception), and
+Lightning calls ``on_exception`` on them; a rank whose own training raises gets the same
+call. These callbacks do not close: each
+lets go of its checkpointer as a rank that dies does, so every replica merges the steps
+it was handed, persists them, and waits in memory (``Timeouts(idle=...)``) for the
+restarted job. That job resumes from the replicas when all of them hold the same
+step (``ck.recovery_stats.source == "memory"``). A step is handed over when the next
+``optimizer.step`` begins: a rank that dies in update S before its gradients were
+exchanged leaves every replica at step S - 1; one that dies after the exchange, and
+before update S + 1 begins (in Lightning's hooks after the update, or loading the next
+batch), leaves the others to hand over step S, and the job resumes from disk, at the
+newest step every rank persisted (up to ``ReplicaOptions.persist_every`` steps back,
+``full_every`` by default under DDP). On one process, and under LowDiff, an exception
+closes the checkpointer.
 """
 
 from __future__ import annotations
@@ -63,7 +80,7 @@ from typing import Any, Literal
 
 import torch
 
-from lowdiff.attach import attach
+from lowdiff.attach import attach, own_strategy
 from lowdiff.checkpointer import Checkpointer, Method
 from lowdiff.compressors.base import Compressor
 from lowdiff.errors import LowDiffError
@@ -314,11 +331,33 @@ class LowDiffCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._close()
+        # Lightning calls this on every failure of fit() on this rank: an exception in
+        # training, a collective that failed because another rank died, its SIGTERM
+        # (raised as SIGTERMException), Ctrl+C; it tears the strategy down afterwards
+        if self.ck is not None and _keeps_replica_of_job(self.ck):
+            _leave_replica(self.ck)
+        else:
+            self._close()
 
     def _close(self) -> None:
         if self.ck is not None:
             self.ck.close()
+
+
+def _keeps_replica_of_job(ck: Checkpointer) -> bool:
+    """Whether ``ck`` is a rank of a distributed job (DDP or ``fully_shard``) whose
+    checkpointing process is LowDiff+'s replica."""
+    impl = own_strategy(ck)  # attach() builds only lowdiff's own methods
+    backend = impl.backend
+    return impl.objects.dist is not None and backend is not None and backend.keeps_replica
+
+
+def _leave_replica(ck: Checkpointer) -> None:
+    """Let go of ``ck`` after a failure as a rank of a distributed job that dies lets go
+    (:meth:`lowdiff.engine.trainer.strategy.EngineStrategy.let_go`): its replica merges
+    every step it received, persists, publishes itself orphaned and waits for the
+    restarted rank to take it over. ``ck`` counts as closed from here on."""
+    own_strategy(ck).let_go()
 
 
 def _plateau_steps_after_resume(trainer: pl.Trainer) -> None:

@@ -31,7 +31,7 @@ from lowdiff.errors import CheckpointWorkerError, DurabilityWarning
 from lowdiff.proc import preempt
 from lowdiff.proc.conn import ProcessConn
 from lowdiff.proc.protocol import Kind, Message, encode
-from lowdiff.proc.spawn import process_context, run_in_env, trainer_env
+from lowdiff.proc.spawn import forget_child, process_context, run_in_env, trainer_env
 
 EARLY_BYTES = 32 << 10
 """Most bytes of requests written before the process is ready: half a pipe's default
@@ -52,6 +52,10 @@ class _Start:
             self.proc.start()
         except BaseException as e:  # noqa: BLE001 -- raised where the start is taken up
             self.error = e
+        else:
+            # lowdiff ends its processes itself (close(), or a next trainer takes one
+            # over); the interpreter's exit must never wait for one (spawn.forget_child)
+            forget_child(self.proc)
 
     def close_all(self) -> None:
         for c in self.pipes:

@@ -37,6 +37,7 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing import forkserver, resource_tracker
+from multiprocessing import process as mp_process
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,21 @@ def process_context() -> Any:
     ctx.set_forkserver_preload(list(PRELOAD))
     server.ensure_running()
     return ctx
+
+
+def forget_child(process: Any) -> None:
+    """Take ``process`` off the children this interpreter joins at its exit.
+
+    ``multiprocessing`` joins every non-daemon process it started when the interpreter
+    exits. A checkpointing process left running for the next trainer (a rank of a failed
+    job, or a trainer dropped without ``close()``) waits up to its idle timeout for that
+    trainer: joining it would hold the exiting rank that long, while the job's other
+    ranks wait for it and its launcher sees no failure. lowdiff joins its processes
+    itself where it stops them.
+    """
+    children = getattr(mp_process, "_children", None)
+    if process is not None and isinstance(children, set):
+        children.discard(process)  # one taken over from a previous trainer is not in it
 
 
 def _forget_inherited_server() -> None:

@@ -21,6 +21,7 @@ import functools
 import os
 import weakref
 from collections.abc import Callable
+from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -126,7 +127,12 @@ class EngineStrategy(Strategy):
         )  # fmt: skip
         if self.starter is not None:
             self._plan_auto(self.starter)
-            atexit.register(_close_at_exit, weakref.ref(self))
+            ref = weakref.ref(self)
+            atexit.register(_close_at_exit, ref)
+            # a trainer that is itself a multiprocessing child (torch.multiprocessing.spawn,
+            # a forking launcher) never runs atexit handlers: it runs multiprocessing's
+            # exit finalizers, before it joins its own children (the checkpointing process)
+            mp_util.Finalize(None, _close_at_exit, args=(ref,), exitpriority=10)
             if opts.sigterm_timeout is not None:
                 preempt.register(self, opts.sigterm_timeout)
 
@@ -335,6 +341,20 @@ class EngineStrategy(Strategy):
         """Flush everything, wait until it is durable and stop the checkpointing process
         (see :meth:`lowdiff.Checkpointer.close`)."""
         self.ending.close(self._release)
+
+    def let_go(self) -> None:
+        """After a failure on a rank of a distributed job: let go as a rank that dies
+        does, without stopping the checkpointing process. The optimizer's hooks come off,
+        the steps whose copies are in flight are sent, the pipes close without a
+        ``Close``; the process writes (LowDiff) or merges and persists (LowDiff+) what it
+        was handed and waits ``Timeouts(idle=...)`` for the restarted rank, which takes
+        it over. In one process this is :meth:`close`."""
+        if self.is_closed:
+            return
+        self.hooks.detach()
+        for fn in self.ending.on_close:  # attach()'s own: the optimizer may be attached again
+            fn()
+        self.ending.close_at_exit(self.close, self._release)
 
     def preempt(self, deadline: float) -> None:
         """On SIGTERM: make every acknowledged step durable by ``deadline``."""
