@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -146,11 +147,17 @@ def test_clip_by_torch_copies_after_the_clip_from_the_second_step(tmp_path):
     _check_persisted(tmp_path / "ck", ref)
 
 
-def test_change_after_the_clip_is_copied_again_and_stays_exact(tmp_path, monkeypatch):
-    _use_copy_mode(monkeypatch, "thread")  # the copies stay beside backward
+def _beside_torch(
+    d: Path,
+    before: Callable[[nn.Module, int], None] = lambda m, t: None,
+    after: Callable[[nn.Module, int], None] = lambda m, t: None,
+) -> dict[str, float]:
+    """LowDiff+ clipping through ``ck.clip_grad_norm_`` (copies beside backward) and the
+    same training clipped by torch, side by side; ``before`` and ``after`` change both
+    models' gradients before and after the clip. Asserts the restored state equals
+    torch's; the session's statistics."""
     model, opt = _model()
     ref_model, ref_opt = _model()
-    d = tmp_path / "ck"
     with lowdiff.Checkpointer(
         d, model, opt, method="lowdiff+", keep_full=None,
         replica=lowdiff.ReplicaOptions(persist_every=1),
@@ -159,21 +166,32 @@ def test_change_after_the_clip_is_copied_again_and_stays_exact(tmp_path, monkeyp
         for t in range(STEPS):
             for m in (model, ref_model):
                 _backward(m, t)
-            assert float(ck.clip_grad_norm_(MAX_NORM)) > MAX_NORM
+                before(m, t)
+            assert float(ck.clip_grad_norm_(MAX_NORM)) > MAX_NORM  # the clip fired
             torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_NORM)
-            if t == 2:  # after the clip: one gradient changed by hand
-                for m in (model, ref_model):
-                    m[0].bias.grad.mul_(0.5)
+            for m in (model, ref_model):
+                after(m, t)
             ck.step()
             ref_opt.step()
             for o in (opt, ref_opt):
                 o.zero_grad()
         stats = ck.stats
-    assert stats["clip_scaled_steps"] == STEPS  # step 2: all but the changed one
-    assert stats["gradient_copies"] == STEPS * _n_grads(opt) + 1  # the changed one, again
     model2, opt2 = _model()
     assert lowdiff.restore(d, model2, opt2) == STEPS
     assert diff_states(snapshot_state(model2, opt2), snapshot_state(ref_model, ref_opt)) == []
+    return stats
+
+
+def test_change_after_the_clip_is_copied_again_and_stays_exact(tmp_path, monkeypatch):
+    _use_copy_mode(monkeypatch, "thread")  # the copies stay beside backward
+
+    def halve_one(m: nn.Module, t: int) -> None:
+        if t == 2:  # after the clip: one gradient changed by hand
+            m[0].bias.grad.mul_(0.5)
+
+    stats = _beside_torch(tmp_path / "ck", after=halve_one)
+    assert stats["clip_scaled_steps"] == STEPS  # step 2: all but the changed one
+    assert stats["gradient_copies"] == STEPS * _n_grads(_model()[1]) + 1  # and the changed one
 
 
 def test_clip_that_does_not_fire_changes_nothing(tmp_path):
@@ -242,30 +260,13 @@ def test_work_before_the_clip_stays_exact(tmp_path, monkeypatch, before):
     once the block's gradients are final), or every gradient changed in place before
     the clip (a ``GradScaler``'s unscaling): the replica ends where torch does."""
     _use_copy_mode(monkeypatch, "thread")
-    model, opt = _model()
-    ref_model, ref_opt = _model()
-    d = tmp_path / "ck"
-    with lowdiff.Checkpointer(
-        d, model, opt, method="lowdiff+", keep_full=None,
-        replica=lowdiff.ReplicaOptions(persist_every=1),
-    ) as ck:  # fmt: skip
-        ck.resume()
-        for t in range(STEPS):
-            for m in (model, ref_model):
-                _backward(m, t)
-                if before == "accumulate":
-                    _backward(m, t + 100)
-                else:
-                    torch._foreach_mul_([p.grad for p in m.parameters()], 0.75)
-            assert float(ck.clip_grad_norm_(MAX_NORM)) > MAX_NORM
-            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), MAX_NORM)
-            ck.step()
-            ref_opt.step()
-            for o in (opt, ref_opt):
-                o.zero_grad()
-        stats = ck.stats
+
+    def work(m: nn.Module, t: int) -> None:
+        if before == "accumulate":
+            _backward(m, t + 100)
+        else:
+            torch._foreach_mul_([p.grad for p in m.parameters()], 0.75)
+
+    stats = _beside_torch(tmp_path / "ck", before=work)
     if before == "unscale":  # every gradient changed before the clip: none carried
         assert stats["clip_scaled_steps"] == 0
-    model2, opt2 = _model()
-    assert lowdiff.restore(d, model2, opt2) == STEPS
-    assert diff_states(snapshot_state(model2, opt2), snapshot_state(ref_model, ref_opt)) == []
