@@ -131,6 +131,11 @@ def train(args: argparse.Namespace) -> None:
     source = ck.recovery_stats.source if ck.recovery_stats is not None else "fresh"
     (out / f"start-rank{rank}-{os.getpid()}.txt").write_text(f"{start} {source}")
     proc = own_strategy(ck).worker_process
+    node = os.environ.get("NODE_NAME")
+    if node is not None and proc is not None:
+        # a "node" of tests/ddp/nodes.py: its checkpointing process dies with it
+        with open(out / f"pids-{node}.txt", "a") as f:
+            f.write(f"{proc.pid}\n")
     adopted = ck.recovery_stats.takeover_pid if ck.recovery_stats is not None else None
     (out / f"process-rank{rank}-{os.getpid()}.txt").write_text(
         f"{proc.pid if proc is not None else -1} {adopted or -1}"
@@ -164,6 +169,8 @@ def train(args: argparse.Namespace) -> None:
         if log is not None:
             log.write(f"{step + 1} {ck.durable_step}")
         opt.zero_grad()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)  # stands in for a longer step
         if step + 1 in save:
             torch.save(snapshot_state(model, opt, sched), out / f"state-{step + 1}-rank{rank}.pt")
     (out / f"flushed-rank{rank}-{os.getpid()}.txt").write_text(str(ck.flush()))
@@ -238,6 +245,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True)
     ap.add_argument("--strategy", default="lowdiff")
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds slept after each step")
     ap.add_argument("--full-every", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--ef", action="store_true")
