@@ -1,4 +1,4 @@
-"""A tiny DDP job for :mod:`tests.ddp.nodes`: one rank per node, a 2-layer MLP on gloo.
+"""A tiny DDP job for :mod:`lowdiff_lab.torture.nodes`: one rank per node, a 2-layer MLP on gloo.
 
 ``python node_job.py --out OUT --steps N [--sleep S] [--helper]`` under ``torchrun`` whose
 agent has ``NODE_NAME`` (the node's name) and ``NODE_DIR`` (the node's local directory) in
@@ -13,7 +13,7 @@ Every rank appends ``PID STARTTIME`` of itself to ``OUT/pids-{node}.txt``; with
 ``--helper`` it also leaves one process behind (as a checkpointing or data-loading
 process may outlive it) in a session of its own, re-parented away from the rank (a
 double fork), and lists it there too: the processes of a lost node that
-:meth:`tests.ddp.nodes.Node.lose` finds only through that file. The job restarts from step 0 on
+:meth:`lowdiff_lab.torture.nodes.Node.lose` finds only through that file. The job restarts from step 0 on
 every attempt (no checkpoint).
 """
 

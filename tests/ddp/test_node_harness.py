@@ -1,4 +1,4 @@
-"""A whole node of a 2-node torchrun job lost mid-run and replaced (:mod:`tests.ddp.nodes`).
+"""A whole node of a 2-node torchrun job lost mid-run and replaced (:mod:`lowdiff_lab.torture.nodes`).
 
 Nodes A and B (one elastic agent and one gloo rank each, c10d rendezvous on 127.0.0.1)
 train :mod:`tests.ddp.node_job`; mid-run node B is lost (its agent, its rank and the
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from .nodes import Job, closure, running
+from lowdiff_lab.torture.nodes import Job, closure, running
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

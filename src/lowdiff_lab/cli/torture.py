@@ -20,19 +20,22 @@ def cmd_torture(args: argparse.Namespace) -> int:
             f"--out {args.out}: not empty (the runs of an earlier torture?); give a new or "
             "empty folder"
         )
-    if args.ddp is not None:
+    series = [f for f, n in (("--ddp", args.ddp), ("--nodes", args.nodes)) if n is not None]
+    if len(series) > 1:
+        raise InvalidArgumentError("--ddp and --nodes are two series: run one at a time")
+    if series:
         ignored = [o for o, given in (("--quick", args.quick), ("--kills", args.kills is not None),
                                       ("--jobs", args.jobs != 1)) if given]  # fmt: skip
         if ignored:
             verb = "apply" if len(ignored) > 1 else "applies"
             raise InvalidArgumentError(
-                f"{', '.join(ignored)} {verb} to the single-process profiles, not to --ddp N "
-                "(its N is the number of kills)"
+                f"{', '.join(ignored)} {verb} to the single-process profiles, not to "
+                f"{series[0]} N (its N is the number of kills)"
             )
-        return _torture_ddp(args)
+        return _torture_series(args)
     if args.strategy is not None:
         raise InvalidArgumentError(
-            "--method applies to the --ddp series only (lowdiff torture --ddp N)"
+            "--method applies to the --ddp and --nodes series only (lowdiff torture --ddp N)"
         )
     profile = QUICK if args.quick else FULL
     if args.kills is not None:
@@ -43,16 +46,23 @@ def cmd_torture(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _torture_ddp(args: argparse.Namespace) -> int:
+def _torture_series(args: argparse.Namespace) -> int:
+    """The 2-rank DDP kill series (``--ddp N``) or the node-loss series (``--nodes N``)."""
     import shutil
     import tempfile
 
     from lowdiff_lab.torture.ddp import run_ddp_kills
+    from lowdiff_lab.torture.node_loss import run_node_losses
 
-    work = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix="lowdiff-ddp-"))
+    nodes = args.nodes is not None
+    prefix = "lowdiff-nodes-" if nodes else "lowdiff-ddp-"
+    work = args.out if args.out is not None else Path(tempfile.mkdtemp(prefix=prefix))
     log = None if args.json or args.quiet else Progress().write
     strategy = args.strategy or "both"
-    report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=strategy, log=log)
+    if nodes:
+        report = run_node_losses(work, args.nodes, seed=args.seed, strategy=strategy, log=log)
+    else:
+        report = run_ddp_kills(work, args.ddp, seed=args.seed, strategy=strategy, log=log)
     print(report.dumps() if args.json else report.format_text())
     if args.out is None:
         if report.ok:
@@ -83,11 +93,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run only the 2-rank DDP kill series (torchrun, gloo) with N kills",
     )
     p.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="run only the node-loss series: a 2-node torchrun job (two agents on 127.0.0.1) "
+        "whose second node is lost and replaced, N times",
+    )
+    p.add_argument(
         "--method",
         dest="strategy",
         choices=("lowdiff", "lowdiff+", "both"),
         default=None,
-        help="method of the --ddp series (default both: alternating)",
+        help="method of the --ddp and --nodes series (default both: alternating)",
     )
     p.add_argument(
         "--strategy", action=DeprecatedFlag, new="--method", choices=("lowdiff", "lowdiff+", "both")

@@ -133,7 +133,7 @@ def train(args: argparse.Namespace) -> None:
     proc = own_strategy(ck).worker_process
     node = os.environ.get("NODE_NAME")
     if node is not None and proc is not None:
-        # a "node" of tests/ddp/nodes.py: its checkpointing process dies with it
+        # a "node" of lowdiff_lab.torture.nodes: its checkpointing process dies with it
         with open(out / f"pids-{node}.txt", "a") as f:
             f.write(f"{proc.pid}\n")
     adopted = ck.recovery_stats.takeover_pid if ck.recovery_stats is not None else None
