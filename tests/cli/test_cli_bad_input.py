@@ -41,9 +41,14 @@ def test_invalid_argument_values(argv, needle, capsys) -> None:
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["torture", "--method", "lowdiff+"], "--method applies to the --ddp series only"),
+        (
+            ["torture", "--method", "lowdiff+"],
+            "--method applies to the --ddp and --nodes series only",
+        ),
         (["torture", "--ddp", "2", "--kills", "3"], "--kills applies to the single-process"),
         (["torture", "--ddp", "2", "--quick", "--jobs", "2"], "--quick, --jobs apply to"),
+        (["torture", "--nodes", "2", "--quick"], "not to --nodes N"),
+        (["torture", "--nodes", "2", "--ddp", "2"], "--ddp and --nodes are two series"),
     ],
 )
 def test_torture_options_that_would_be_ignored_are_refused(argv, needle, capsys) -> None:
