@@ -33,9 +33,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -43,9 +44,16 @@ from lowdiff.state.capture import diff_states
 from lowdiff_lab.prefork import PreforkServer
 from lowdiff_lab.torture.report import TortureReport
 
+T = TypeVar("T")
+
 JOB_MODULE = "lowdiff_lab.torture.ddp_job"
 """The job torchrun starts when no script is given (run as a module)."""
-AGENT_PRELOAD = ("torch._dynamo", "torch.distributed.run", "lowdiff_lab.torture.ddp_agent", JOB_MODULE)
+AGENT_PRELOAD = (
+    "torch._dynamo",
+    "torch.distributed.run",
+    "lowdiff_lab.torture.ddp_agent",
+    JOB_MODULE,
+)
 """What the fork server of the agents imports (see :mod:`lowdiff_lab.prefork`)."""
 
 STEPS = 16
@@ -321,18 +329,14 @@ def _check_kill(
     acked = max(lg.durable for lg in logs)
     handed = logs[k.rank].last_step
     _check_steps(report, name, k, out, resumed, acked, handed)
-    wrong = _wrong_states(ref, out, resumed)
-    if wrong:
-        report.wrong_states += 1
-        report.wrong_states_by_strategy[k.strategy] += 1
-        report.fail(f"{name}: wrong state: {'; '.join(wrong)} ({out})")
-    elif p.returncode != 0:
+    exact = check_states(report, name, k.strategy, ref, out, resumed)
+    if exact and p.returncode != 0:
         report.fail(f"{name}: torchrun exit {p.returncode} (see {out / 'torchrun.log'})")
-    else:
+    elif exact:
         report.recoveries_ok += 1
     return (
         f"{name}: acknowledged {acked}, handed off {handed}, resumed at {resumed} from "
-        f"{source}, {'WRONG STATE' if wrong else 'states exact'}"
+        f"{source}, {'states exact' if exact else 'WRONG STATE'}"
     )
 
 
@@ -383,17 +387,65 @@ def _check_steps(
     lost, and after a trainer-only kill no handed-off step either."""
     if handed != k.step:
         report.fail(f"{name}: the killed rank's last step was {handed}, not {k.step} (see {out})")
-    report.margin(resumed, acked)
-    if resumed < acked:
-        report.lost_acknowledged += 1
-        report.lost_acknowledged_steps += acked - resumed
-        report.fail(f"{name}: resumed at {resumed}, but step {acked} was acknowledged ({out})")
+    check_acknowledged(report, name, out, resumed, acked)
     if not k.worker and resumed < handed:
         report.lost_handed_off += 1
         report.fail(
             f"{name}: trainer-only kill resumed at {resumed}, but every rank had handed off "
             f"step {handed} ({out})"
         )
+
+
+def check_acknowledged(
+    report: TortureReport, name: str, out: Path, resumed: int, acked: int
+) -> None:
+    """No acknowledged step lost: the resumed step is at least ``acked``."""
+    report.margin(resumed, acked)
+    if resumed < acked:
+        report.lost_acknowledged += 1
+        report.lost_acknowledged_steps += acked - resumed
+        report.fail(f"{name}: resumed at {resumed}, but step {acked} was acknowledged ({out})")
+
+
+def check_states(
+    report: TortureReport, name: str, strategy: str, ref: Path, out: Path, resumed: int
+) -> bool:
+    """No wrong state (every rank's resumed and final state is the reference's); whether
+    they were all exact."""
+    wrong = _wrong_states(ref, out, resumed)
+    if wrong:
+        report.wrong_states += 1
+        report.wrong_states_by_strategy[strategy] += 1
+        report.fail(f"{name}: wrong state: {'; '.join(wrong)} ({out})")
+    return not wrong
+
+
+def run_series(
+    workdir: str | Path,
+    plans: Sequence[T],
+    strategy_of: Callable[[T], str],
+    check: Callable[[TortureReport, int, T, Path, Path, PreforkServer], str],
+    log: Callable[[str], None] | None,
+    server: PreforkServer | None,
+) -> TortureReport:
+    """Run a series of 2-rank jobs: one uninterrupted reference run per strategy (under
+    ``workdir/reference-{strategy}/``), then ``check(report, i, plan, workdir, reference,
+    server)`` per plan, which runs it and adds its figures; a line of each to ``log``."""
+    t0 = time.monotonic()
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    report = TortureReport()
+    with contextlib.ExitStack() as stack:
+        if server is None:
+            server = stack.enter_context(PreforkServer(AGENT_PRELOAD))
+        strategies = sorted({strategy_of(p) for p in plans})
+        refs = {s: _reference(work, s, server) for s in strategies}
+        for i, plan in enumerate(plans):
+            line = check(report, i, plan, work, refs[strategy_of(plan)], server)
+            if log is not None:
+                log(line)
+    report.wall_s = time.monotonic() - t0
+    return report
 
 
 def _wrong_states(ref: Path, out: Path, resumed: int) -> list[str]:
@@ -448,17 +500,4 @@ def run_ddp_kills(
         (2, 0, 0)
     """
     plans = plan_kills(kills, seed, strategy)
-    t0 = time.monotonic()
-    work = Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    report = TortureReport()
-    with contextlib.ExitStack() as stack:
-        if server is None:
-            server = stack.enter_context(PreforkServer(AGENT_PRELOAD))
-        refs = {s: _reference(work, s, server) for s in sorted({k.strategy for k in plans})}
-        for i, k in enumerate(plans):
-            line = _check_kill(report, i, k, work, refs[k.strategy], server)
-            if log is not None:
-                log(line)
-    report.wall_s = time.monotonic() - t0
-    return report
+    return run_series(workdir, plans, lambda k: k.strategy, _check_kill, log, server)

@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -30,12 +29,12 @@ from pathlib import Path
 from lowdiff_lab.prefork import PreforkServer
 from lowdiff_lab.torture import ddp_job
 from lowdiff_lab.torture.ddp import (
-    AGENT_PRELOAD,
     STEPS,
     _common,
     _read_log,
-    _reference,
-    _wrong_states,
+    check_acknowledged,
+    check_states,
+    run_series,
 )
 from lowdiff_lab.torture.nodes import Job
 from lowdiff_lab.torture.report import TortureReport
@@ -130,21 +129,12 @@ def _check_loss(report: TortureReport, i: int, strategy: str, k: int, work: Path
     resumed, source = resumes.pop()  # type: ignore[misc]
     report.recoveries_by_source[f"{strategy} {source}"] += 1
     acked = max(a.durable, b.durable)  # what the job was told before the loss
-    report.margin(resumed, acked)
-    if resumed < acked:
-        report.lost_acknowledged += 1
-        report.lost_acknowledged_steps += acked - resumed
-        report.fail(f"{name}: resumed at {resumed}, but step {acked} was acknowledged ({out})")
-    wrong = _wrong_states(ref, out, resumed)
-    if wrong:
-        report.wrong_states += 1
-        report.wrong_states_by_strategy[strategy] += 1
-        report.fail(f"{name}: wrong state: {'; '.join(wrong)} ({out})")
-    else:
-        report.recoveries_ok += 1
+    check_acknowledged(report, name, out, resumed, acked)
+    exact = check_states(report, name, strategy, ref, out, resumed)
+    report.recoveries_ok += exact
     return (
         f"{name}: lost at step {lost_at}, acknowledged {acked}, resumed at {resumed} from "
-        f"{source}, {'WRONG STATE' if wrong else 'states exact'}"
+        f"{source}, {'states exact' if exact else 'WRONG STATE'}"
     )
 
 
@@ -177,17 +167,10 @@ def run_node_losses(
         states, acknowledged steps lost and what was left behind (``leaked``).
     """
     plans = plan_losses(losses, seed, strategy)
-    t0 = time.monotonic()
-    work = Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    report = TortureReport()
-    with contextlib.ExitStack() as stack:
-        if server is None:
-            server = stack.enter_context(PreforkServer(AGENT_PRELOAD))
-        refs = {s: _reference(work, s, server) for s in sorted({s for s, _ in plans})}
-    for i, (s, k) in enumerate(plans):
-        line = _check_loss(report, i, s, k, work, refs[s])
-        if log is not None:
-            log(line)
-    report.wall_s = time.monotonic() - t0
-    return report
+
+    def check(
+        report: TortureReport, i: int, plan: tuple[str, int], work: Path, ref: Path, _: object
+    ) -> str:
+        return _check_loss(report, i, plan[0], plan[1], work, ref)
+
+    return run_series(workdir, plans, lambda plan: plan[0], check, log, server)
