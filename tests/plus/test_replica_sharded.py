@@ -93,6 +93,7 @@ def test_scaled_sharded_update_equals_scaled_gradients(flags, threads):
             ref.step()
             got.step(torch.tensor(coef.item(), dtype=coef.dtype))
             _assert_same(ref, got, ref_p, rep_p)
+        assert (len(got._cuts) > 0) == (threads > 1)  # the large parameter was shared
     finally:
         got.close()
 
