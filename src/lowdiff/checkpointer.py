@@ -92,6 +92,8 @@ def _engine_options(method: str, given: dict[str, Any]) -> dict[str, Any]:
         max_lag=replica.max_lag,
         persist_every=replica.persist_every,
         replica_threads=replica.threads,
+        peer_copies=replica.peer_copies,
+        peer_address=replica.peer_address,
         start_timeout=timeouts.start,
         stall_timeout=timeouts.stall,
         idle_timeout=timeouts.idle,

@@ -73,17 +73,37 @@ class ReplicaOptions:
             ``full_every`` steps, the same steps on every rank.
         threads: parallel shards of the replica's update (whole tensors, balanced by
             size, one thread each; the same bits as one thread).
+        peer_copies: under DDP across several nodes, also keep a copy of another node's
+            shard in this rank's replica, updated from the averaged gradient every rank
+            already holds, so that the job resumes from memory when a whole node is lost
+            (:doc:`/guides/failures`). ``"auto"`` (the default): on when the job spans
+            more than one node (``WORLD_SIZE > LOCAL_WORLD_SIZE``); ``False``: off;
+            ``True``: required (an error where it cannot apply).
+        peer_address: the address this node's replicas listen on for their peers (the
+            host's name resolved, by default; ``LOWDIFF_PEER_ADDR`` overrides it).
     """
 
     max_lag: int = 2
     persist_every: int | Literal["auto"] = AUTO
     threads: int = 1
+    peer_copies: bool | Literal["auto"] = AUTO
+    peer_address: str | None = None
 
     def __post_init__(self) -> None:
         check_int("ReplicaOptions.max_lag", self.max_lag, 1)
         if self.persist_every != AUTO:
             check_int("ReplicaOptions.persist_every", self.persist_every, 1)
         check_int("ReplicaOptions.threads", self.threads, 1)
+        if self.peer_copies != AUTO and not isinstance(self.peer_copies, bool):
+            raise ArgumentTypeError(
+                f"ReplicaOptions.peer_copies must be True, False or 'auto', got {self.peer_copies!r}"
+            )
+        if self.peer_address is not None and (
+            not isinstance(self.peer_address, str) or not self.peer_address
+        ):
+            raise ArgumentTypeError(
+                f"ReplicaOptions.peer_address must be a host name or address, got {self.peer_address!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,11 +4,10 @@
 Nodes A and B (one elastic agent and one gloo rank each, c10d rendezvous on 127.0.0.1)
 train into one directory; once rank 1 logged its drawn step, node B is lost (agent,
 trainer and checkpointing process SIGKILLed, its local directory deleted) and node C
-joins as its replacement. LowDiff+ resumes from disk (its replica of B's shard went with
-the node: what ``docs/guides/failures.md`` says of a lost node; ``lowdiff torture --nodes
-N`` runs LowDiff too),
-at no older a step than the job was told durable, bit-identical to an uninterrupted run,
-and nothing is left running or in ``/dev/shm``.
+joins as its replacement. LowDiff+ resumes from memory: B's shard from the peer copy A's
+replica keeps of it (``docs/guides/failures.md``; ``lowdiff torture --nodes N`` runs
+LowDiff too), at no older a step than the job acknowledged, bit-identical to an
+uninterrupted run, and nothing is left running or in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -21,12 +20,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 @pytest.mark.timeout(400)
-def test_node_loss_resumes_from_the_shared_directory(tmp_path, prefork):
+def test_node_loss_resumes_from_the_peer_copy_in_memory(tmp_path, prefork):
     lines: list[str] = []
     report = run_node_losses(
         tmp_path, losses=1, seed=3, strategy="lowdiff+", log=lines.append, server=prefork
     )
     assert report.ok, "\n".join([*report.failures, *lines])
     assert report.kills == 1 and report.kills_by_target == {"node": 1}
-    assert report.recoveries_by_source == {"lowdiff+ disk": 1}
+    assert report.recoveries_by_source == {"lowdiff+ memory": 1}
     assert (report.wrong_states, report.lost_acknowledged, report.leaked) == (0, 0, 0)

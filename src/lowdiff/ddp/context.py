@@ -85,16 +85,32 @@ class DistContext:
         # an all-reduce, not dist.barrier(): NCCL's barrier needs a device guess
         self.all_min([0])
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (small, picklable), on every rank."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def exchange(
         self, tensors: dict[str, torch.Tensor], meta: dict[str, str]
     ) -> list[tuple[dict[str, torch.Tensor], dict[str, str]]]:
         """Every rank's ``(tensors, meta)``, on every rank (broadcasts of raw bytes, no pickle)."""
+        return self.gather_parts(list(range(self.world_size)), {self.rank: (tensors, meta)})
+
+    def gather_parts(
+        self,
+        sources: Sequence[int],
+        mine: dict[int, tuple[dict[str, torch.Tensor], dict[str, str]]],
+    ) -> list[tuple[dict[str, torch.Tensor], dict[str, str]]]:
+        """Part ``i`` of ``len(sources)``, on every rank, from rank ``sources[i]``, which
+        holds it in ``mine[i]`` (broadcasts of raw bytes, no pickle)."""
         from lowdiff.format.dtypes import dtype_from_name, dtype_name
         from lowdiff.format.sfile import TensorEntry, plan, view_tensors
 
         out = []
-        for src in range(self.world_size):
+        for i, src in enumerate(sources):
             if src == self.rank:
+                tensors, meta = mine[i]
                 entries, size = plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
                 head = json.dumps(
                     {

@@ -35,6 +35,8 @@ class EngineOptions:
     persist_every: int | str = AUTO
     idle_timeout: float = 300.0
     replica_threads: int = 1
+    peer_copies: bool | str = AUTO
+    peer_address: str | None = None
     on_storage_error: str = "raise"
     mtbf: float | None = None
     sigterm_timeout: float | None = 30.0
@@ -142,8 +144,7 @@ class EngineOptions:
             self._check_replica()
         if self.remote is not None and strategy not in ("lowdiff", "lowdiff+"):
             raise InvalidArgumentError(
-                "remote= is supported by methods 'lowdiff' and 'lowdiff+', got method "
-                f"{strategy!r}"
+                f"remote= is supported by methods 'lowdiff' and 'lowdiff+', got method {strategy!r}"
             )
         if self.remote is not None and sharded:
             # refused rather than running without the remote tier the caller asked for

@@ -62,7 +62,10 @@ REMOTE_DURABLE, REMOTE_BEAT, REMOTE_FILES, REMOTE_BYTES, REMOTE_NS, REMOTE_ERROR
 )
 REPLICA_MERGES, REPLICA_MERGE_NS = 14, 15
 STAGES_TAKEN = 16
-N_COUNTERS = 17
+PEER_ACKED = 17
+"""LowDiff+ with peer copies: one more than the newest step whose copy the other node's
+replica holds (0: none yet)."""
+N_COUNTERS = 18
 
 
 def new_counters() -> torch.Tensor:

@@ -382,6 +382,34 @@ def find_live_replica(
     return LiveReplica(found.descriptor, found.ctl, found.state, found.step, doc, arena), "ok"
 
 
+def peer_copy(live: LiveReplica) -> tuple[int, LiveReplica | None]:
+    """The peer copy a LowDiff+ replica keeps of another rank's shard (under DDP across
+    nodes): (that rank, the copy ready to read from), or (-1, None) when it keeps none
+    and (rank, None) when it has none to offer (never built, or no longer held)."""
+    peer = live.doc.get("peer")
+    if not isinstance(peer, dict) or not valid_segment_name(peer.get("ctl")):
+        return -1, None
+    rank = int(peer.get("rank", -1))
+    try:
+        ctl = ControlBlock(attach_segment(peer["ctl"]))
+    except FileNotFoundError:
+        return rank, None
+    try:
+        state, step, doc = ctl.read()
+    except (LowDiffError, ValueError):
+        ctl.shm.close()
+        return rank, None
+    if state != STATE_ORPHANED or not valid_segment_name(doc.get("arena")):
+        ctl.shm.close()
+        return rank, None
+    try:
+        arena = attach_segment(doc["arena"])
+    except FileNotFoundError:
+        ctl.shm.close()
+        return rank, None
+    return rank, LiveReplica(live.descriptor, ctl, state, step, doc, arena)
+
+
 def orphan_waits(root: Path | None) -> bool:
     """Whether a live process of ``root`` (by its descriptor) may be taken over: the next
     trainer then need not start the process server ahead of time."""

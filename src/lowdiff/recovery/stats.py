@@ -28,6 +28,10 @@ class RecoveryStats:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """Damaged files, and record files of another trajectory, passed over: (path, reason)."""
     source: str = "disk"
+    shard_sources: dict[int, str] = field(default_factory=dict)
+    """Under DDP, recovered from memory: where each rank's shard came from, by rank:
+    ``"memory"`` (that rank's replica) or ``"peer memory (rank R)"`` (the copy rank R's
+    replica keeps of it, when its own replica was lost with its node). Empty otherwise."""
     extra: Any = None
     """The extra state (``extra_state=``) of the recovered step, as saved (a JSON tree),
     or None when none was saved; applied by ``resume()`` / ``restore(extra_state=...)``."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
+import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -51,14 +52,17 @@ import torch
 from lowdiff.engine.process.remote import announce, drain, start_uploader
 from lowdiff.engine.process.takeover import ProcessTakeover, request_mismatch
 from lowdiff.engine.replica.optim import optimizer_class
-from lowdiff.engine.replica.replica import Persister, Replica
+from lowdiff.engine.replica.peer import Part, PeerLinks
+from lowdiff.engine.replica.replica import Persister, Replica, staged_tensors
 from lowdiff.engine.wire.configs import ReplicaConfig
 from lowdiff.engine.wire.messages import Durable, Init, Merged, Stage, Step, TakeoverRequest
+from lowdiff.errors import LowDiffError
 from lowdiff.format import codec, layout
 from lowdiff.plan import young_daly_s
 from lowdiff.proc import holder as rp
 from lowdiff.proc.channel import (
     BEAT,
+    PEER_ACKED,
     REPLICA_MERGE_NS,
     REPLICA_MERGES,
     SLOTS_DONE,
@@ -106,6 +110,20 @@ class ReplicaProcess:
         self.persister: Persister | None = None
         self.uploader: Uploader | None = None
         self.staging: torch.Tensor | None = None
+        self.links: PeerLinks | None = None
+        """With a peer copy: the links to the source and the holder (:mod:`.peer`)."""
+        self.copy: Replica | None = None
+        """With a peer copy: the copy of the source's shard."""
+        self.copy_ctl: rp.ControlBlock | None = None
+        self.acked = -1
+        """The newest step the holder said its copy of this shard holds."""
+        self.pending: list[tuple[int, int, dict[str, Any]]] = []
+        """Steps received and not merged: (slot, step, meta) (see :meth:`merge_step`)."""
+        self.stuck = False
+        """A step could not be merged (its source's part never came): no later one is."""
+        self.draining = False
+        self.orphan = False
+        """The trainer is gone (until a new one takes the process over)."""
 
     def start(self) -> None:
         """Publish the descriptor and the control block, build the (empty) replica."""
@@ -115,6 +133,14 @@ class ReplicaProcess:
         ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id, "layout_id": layout_id})
         _warm_up(cfg.optimizer)
         self.rep = Replica(cfg, ctl)
+        if cfg.peer is not None:
+            self.links = PeerLinks(cfg.peer, self._acked, cfg.peer.timeout)
+            name = f"lowdiff-{cfg.run_id[:16]}-pctl"
+            self.copy_ctl = rp.ControlBlock(rp.create_segment(name, rp.CTL_BYTES))
+            self.copy_ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id})
+            copy_cfg = dataclasses.replace(cfg, layout=cfg.peer.layout, shard=cfg.peer.shard)
+            self.copy = Replica(copy_cfg, self.copy_ctl, name="p")
+            self.rep.head = {"peer": {"rank": cfg.peer.source, "ctl": name}}
         remote = cfg.remote is not None
         self.persister = Persister(
             self.root,
@@ -128,6 +154,11 @@ class ReplicaProcess:
             self.uploader = start_uploader(
                 self.root, cfg.remote, cfg.keep_full, lambda: self.ctr, lambda m: self.end.send(m)
             )
+
+    def _acked(self, step: int) -> None:
+        """(a thread) The holder's copy of this shard holds ``step``."""
+        self.acked = max(self.acked, step)
+        self.ctr.raise_to(PEER_ACKED, self.acked + 1)
 
     def upload(self, path: Path) -> None:
         if self.uploader is not None:
@@ -163,19 +194,20 @@ class ReplicaProcess:
         assert rep is not None and persister is not None
         match msg:
             case Step(slot=slot, step=step, meta=meta):
-                t0 = time.perf_counter_ns()
-                rep.merge(self.slots[slot], step, codec.loads(meta))
-                self.ctr.add(REPLICA_MERGE_NS, time.perf_counter_ns() - t0)
-                self.ctr.add(REPLICA_MERGES)
-                self.ctr.add(SLOTS_DONE)
-                self.ctr.add(BEAT)
-                self.maybe_persist()
+                if self.links is not None:
+                    # this shard's part goes to its holder as soon as it arrives
+                    self.links.forward("step", step + 1, rep.per_rank_state(self.slots[slot]), meta)
+                self.pending.append((slot, step, codec.loads(meta)))
+                if not self.draining:
+                    self.merge_pending()
             case Stage(buffer=buffer):
                 self.ctr.add(STAGES_TAKEN)
                 self.staging = buffer
             case Init(step=step, entries=entries, meta=meta):
                 assert self.staging is not None
                 rep.init_from(self.staging, step, entries, meta)
+                if self.links is not None:
+                    self.init_copy(step, entries, meta)
                 self.staging = None  # the replica holds the state now: unmap the staging copy
                 self.ctr.add(STAGING_DONE)
                 self.ctr.add(BEAT)
@@ -187,6 +219,8 @@ class ReplicaProcess:
                     persister.snapshot(rep)
                     persister.wait()
                 if isinstance(msg, Close):
+                    if self.links is not None:
+                        self.links.end(rep.step)
                     self.drain_remote()
                     self.end.send(Closed(persister.persisted))
                     return False
@@ -194,6 +228,66 @@ class ReplicaProcess:
             case _:
                 raise unexpected(msg)
         return True
+
+    def init_copy(self, step: int, entries: list[Any], meta: dict[str, str]) -> None:
+        """Send this shard's part of the state ``Init`` holds to the holder, and build the
+        peer copy from the source's part and the source's shard this trainer staged."""
+        links, rep, copy = self.links, self.rep, self.copy
+        assert links is not None and rep is not None and copy is not None
+        assert self.staging is not None
+        own = {k: meta[k] for k in ("rng", "scheduler", "extra") if k in meta}
+        links.forward("init", step, rep.per_rank_state(), own)
+        staged = staged_tensors(self.staging, entries)
+        part = links.take_part(step, "init", links.timeout, final=False)
+        if part is None:
+            raise LowDiffError(
+                f"peer copy: the replica of rank {links.cfg.source} sent no state within "
+                f"{links.timeout:g} s (it listens at its node's ReplicaOptions.peer_address "
+                "or LOWDIFF_PEER_ADDR; ReplicaOptions(peer_copies=False) turns peer copies off)"
+            )
+        tensors = {k.removeprefix("peer/"): v for k, v in staged.items() if k.startswith("peer/")}
+        tensors.update(part.tensors)
+        copy.init_from_tensors(
+            tensors,
+            step,
+            {"optim": meta["peer_optim"], "model_aliases": meta["model_aliases"], **part.meta},
+        )
+        links.ack(step)
+
+    def merge_pending(self) -> None:
+        """Merge the steps received, in order. With a peer copy, a step is merged (into
+        this shard and into the copy together) only with its source's part: one that
+        never comes leaves it and every later step unmerged, so that this replica's shard
+        and its copy always hold the same step."""
+        rep, links = self.rep, self.links
+        assert rep is not None
+        while self.pending and not self.stuck:
+            slot, step, meta = self.pending[0]
+            row = self.slots[slot]
+            t0 = time.perf_counter_ns()
+            part: Part | None = None
+            if links is not None:
+                part = links.take_part(step + 1, "step", links.timeout, final=self.orphan)
+                if part is None:
+                    self.stuck = True
+                    why = "is gone" if links.source_gone else "sent none"
+                    print(
+                        f"lowdiff: peer copy: rank {links.cfg.source}'s replica {why} for step "
+                        f"{step}; this replica stays at step {rep.step}",
+                        file=sys.stderr, flush=True,
+                    )  # fmt: skip
+                    return
+            self.pending.pop(0)
+            rep.merge(row, step, meta)
+            if part is not None:
+                assert self.copy is not None and links is not None
+                self.copy.merge(row, step, _source_meta(meta, codec.loads(part.meta)), part.tensors)
+                links.ack(self.copy.step)
+            self.ctr.add(REPLICA_MERGE_NS, time.perf_counter_ns() - t0)
+            self.ctr.add(REPLICA_MERGES)
+            self.ctr.add(SLOTS_DONE)
+            self.ctr.add(BEAT)
+            self.maybe_persist()
 
     def serve(self) -> None:
         """Serve the trainer that started the process, then every trainer that takes it
@@ -211,11 +305,21 @@ class ReplicaProcess:
         # the trainer's streams first: a launcher waiting for the end of its output sees
         # it end at once, not after the last steps are merged
         release_trainer_stdio(self.root / layout.REPLICA_LOG)
+        # the steps in the pipe are received (their parts forwarded) before any is
+        # merged, and the holder hears which was the last: no replica waits on another
+        # that waits on it
+        self.draining = self.orphan = True
         self.end.drain(self.handle, (Kind.STEP, Kind.STAGE, Kind.INIT))
+        self.draining = False
         self.end.close()
+        if self.links is not None:
+            self.links.end(rep.step + len(self.pending))
+        self.merge_pending()
         if rep.opt is None:
             return False
         rep.takeover_address = self.takeover.address()
+        if self.copy is not None and self.copy.opt is not None:
+            self.copy.publish(rp.STATE_ORPHANED)
         rep.publish(rp.STATE_ORPHANED)
         if persister.persisted < rep.step:
             persister.snapshot(rep)
@@ -238,13 +342,19 @@ class ReplicaProcess:
     def make_segments(self, n: int) -> TrainerSegments:
         rep = self.rep
         assert rep is not None
-        return TrainerSegments.make(self.takeover.segment_prefix(), n, rep.rl.row_bytes)
+        return TrainerSegments.make(self.takeover.segment_prefix(), n, rep.slot_rl.row_bytes)
 
     def take_on(self, msg: TakeoverRequest, made: TrainerSegments) -> int:
         rep, persister = self.rep, self.persister
         assert rep is not None and persister is not None
         rep.forget_slots()
+        if self.copy is not None:
+            self.copy.forget_slots()
+        self.pending.clear()  # a step never merged is not the new trainer's
+        self.stuck = self.orphan = False
         self.slots, self.ctr = made.slots, made.counters
+        if self.acked >= 0:
+            self.ctr.raise_to(PEER_ACKED, self.acked + 1)
         announce(self.uploader, self.ctr)
         self.cfg = dataclasses.replace(
             self.cfg,
@@ -266,7 +376,23 @@ class ReplicaProcess:
             with contextlib.suppress(Exception):
                 self.rep.ctl.set_state(rp.STATE_CLOSED)
             self.rep.close()
+        if self.links is not None:
+            self.links.flush(5.0)
+            self.links.close()
+        if self.copy is not None:
+            self.copy.close()
+        if self.copy_ctl is not None:
+            rp.unlink_and_close(self.copy_ctl.shm)
         self.takeover.teardown()
+
+
+def _source_meta(own: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
+    """A step's document for the peer copy: the update's (every rank's: hyperparameters,
+    gradients without a value, the clip's factor) from this trainer's, the per-rank state
+    after it (scheduler, RNG, extra state) from the source's."""
+    out = {k: v for k, v in own.items() if k != "extra"}
+    out.update({k: source[k] for k in ("sched", "rng", "extra") if k in source})
+    return out
 
 
 def replica_main(

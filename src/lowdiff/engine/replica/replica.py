@@ -41,10 +41,16 @@ class Replica:
     new trainer reads (the only state in which a reader copies the replica).
     """
 
-    def __init__(self, cfg: ReplicaConfig, ctl: rp.ControlBlock) -> None:
+    def __init__(self, cfg: ReplicaConfig, ctl: rp.ControlBlock, name: str = "a") -> None:
         self.cfg = cfg
         self.rl = RecordLayout.from_json(cfg.layout)
+        self.slot_rl = self.rl if cfg.peer is None else RecordLayout.from_json(cfg.peer.slot_layout)
+        """The snapshot slots' layout (with a peer copy, both shards' gradients)."""
         self.ctl = ctl
+        self.name = name
+        """Names this replica's arenas (``lowdiff-RUN-NAME1``, ``NAME2``, ...)."""
+        self.head: dict[str, Any] = {}
+        """More for the control block's header (the peer copy's control block)."""
         self.arena: Any = None
         self.gen = 0
         self.tensors: dict[str, torch.Tensor] = {}
@@ -89,7 +95,7 @@ class Replica:
         entries, size = plan((k, v.dtype, tuple(v.shape)) for k, v in tensors.items())
         old = self.arena
         self.gen += 1
-        name = f"lowdiff-{self.cfg.run_id[:16]}-a{self.gen}"
+        name = f"lowdiff-{self.cfg.run_id[:16]}-{self.name}{self.gen}"
         shm = rp.create_segment(name, size)
         views = view_tensors(entries, rp.segment_tensor(shm, size))
         for k, v in tensors.items():
@@ -167,13 +173,15 @@ class Replica:
         key = row.data_ptr()
         got = self._row_views.get(key)
         if got is None:
-            views = self.rl.views(row)
+            views = self.slot_rl.views(row)
             grads = [views[f"g{info.index}.values"].view(info.shape) for info in self.rl.params]
             copies = [
                 (self.tensors[f"model/{name}"], v)
-                for name, v in self.rl.buffer_values(views).items()
+                for name, v in self.slot_rl.buffer_values(views).items()
             ]
-            copies += [(self.tensors[name], v) for name, v in self.rl.rng_tensors(views).items()]
+            copies += [
+                (self.tensors[name], v) for name, v in self.slot_rl.rng_tensors(views).items()
+            ]
             got = self._row_views[key] = (grads, copies)
         return got
 
@@ -181,10 +189,18 @@ class Replica:
     def init_from(
         self, staging: torch.Tensor, step: int, entries_json: list[Any], meta: dict[str, str]
     ) -> None:
-        entries = rp.entries_from_json(entries_json)
-        size = entries[-1].end if entries else 0
-        src = view_tensors(entries, staging[:size])
-        self._allocate({k: v for k, v in src.items()})
+        """Build the replica from the state its trainer staged (``Init``)."""
+        src = staged_tensors(staging, entries_json)
+        self.init_from_tensors(
+            {k: v for k, v in src.items() if not k.startswith("peer/")}, step, meta
+        )
+
+    def init_from_tensors(
+        self, tensors: dict[str, torch.Tensor], step: int, meta: dict[str, str]
+    ) -> None:
+        """Build the replica from ``tensors`` (model, optimizer state and RNG states, by
+        their names in a full checkpoint) and the full checkpoint's ``meta``."""
+        self._allocate(tensors)
         self.params = [
             torch.nn.Parameter(self.tensors[f"model/{p.name}"], requires_grad=False)
             for p in self.rl.params
@@ -203,7 +219,17 @@ class Replica:
         self.step = step
         self.publish(rp.STATE_RUNNING)
 
-    def merge(self, row: torch.Tensor, step: int, meta: dict[str, Any]) -> None:
+    def merge(
+        self,
+        row: torch.Tensor,
+        step: int,
+        meta: dict[str, Any],
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Apply step ``step``: the gradients in the snapshot slot ``row``, the update's
+        hyperparameters and the per-rank state after it (buffers, RNG, scheduler, extra
+        state) in ``meta``; with ``state``, the buffers and RNG states are those (a peer
+        copy's: its source's), not the slot's."""
         opt = self.opt
         assert opt is not None
         if step != self.step:
@@ -227,10 +253,14 @@ class Replica:
         t2 = time.perf_counter()
         self._rebind_optimizer_state()
         opt.apply_hparams(codec.decode(meta["hp_after"]))
-        if self._arena_moved:  # the copies named the old arena's tensors
-            _, copies = self._slot_views(row)
-        for dst, src in copies:
-            dst.copy_(src)
+        if state is not None:
+            for name, src in state.items():
+                self.tensors[name].copy_(src)
+        else:
+            if self._arena_moved:  # the copies named the old arena's tensors
+                _, copies = self._slot_views(row)
+            for dst, src in copies:
+                dst.copy_(src)
         # encoded when a persist or a reader needs them (metadata())
         self._sched, self._sched_json = meta["sched"], None
         self.rng_json = ""
@@ -246,6 +276,18 @@ class Replica:
         stage["bind"] += t1 - t0
         stage["optimizer"] += t2 - t1
         stage["hand_back"] += time.perf_counter() - t2
+
+    def per_rank_state(self, row: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """What differs between the ranks of a DDP job besides the metadata: the model's
+        buffers and the RNG states, in the snapshot slot ``row`` (the state after its
+        step), or by default in the replica as it is."""
+        if row is None:
+            buffers = {f"model/{n}" for n, _, _ in self.rl.buffers}
+            return {k: v for k, v in self.tensors.items() if k in buffers or k.startswith("rng.")}
+        views = self.slot_rl.views(row)
+        out = {f"model/{n}": v for n, v in self.slot_rl.buffer_values(views).items()}
+        out.update(self.slot_rl.rng_tensors(views))
+        return out
 
     def _scale(self, spec: Any) -> torch.Tensor | None:
         """The factor the trainer's clip multiplied the step's gradients by after they
@@ -351,6 +393,7 @@ class Replica:
                 "layout_id": self.rl.layout_id,
                 "arena": self.arena.name,
                 **self.takeover_address,
+                **self.head,
             },
             separators=(",", ":"),
         )
@@ -364,6 +407,13 @@ class Replica:
             self.opt.close()
         if self.arena is not None:
             rp.unlink_and_close(self.arena)
+
+
+def staged_tensors(staging: torch.Tensor, entries_json: list[Any]) -> dict[str, torch.Tensor]:
+    """The tensors an ``Init`` names in its staging buffer (views)."""
+    entries = rp.entries_from_json(entries_json)
+    size = entries[-1].end if entries else 0
+    return view_tensors(entries, staging[:size])
 
 
 class Persister(FullWriter):

@@ -89,6 +89,10 @@ class Backend(Protocol):
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         """Refuse an optimizer the process cannot run."""
 
+    def prepare_launch(self) -> None:
+        """A new process is about to start (under DDP on every rank at once: it may run
+        collectives)."""
+
     def process(self, run_id: str) -> tuple[Callable[..., None], Any, int]:
         """The process to start for run ``run_id``: (entry point, its config, slots)."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from lowdiff.ddp.hooks import LowDiffHookState, PlusHookState, plus_hook
+from lowdiff.ddp.peers import free_port, holder_of, peer_host
 from lowdiff.engine.replica.main import replica_main
 from lowdiff.engine.replica.optim import optimizer_class
 from lowdiff.engine.trainer.backend import GradientSource
@@ -31,7 +33,7 @@ from lowdiff.engine.trainer.progress import Progress
 from lowdiff.engine.trainer.session import ProcessSession
 from lowdiff.engine.trainer.snapshot import GradSnapshotter
 from lowdiff.engine.trainer.training import TrainingObjects
-from lowdiff.engine.wire.configs import ReplicaConfig
+from lowdiff.engine.wire.configs import PeerConfig, ReplicaConfig
 from lowdiff.engine.wire.messages import Full, Init, Step
 from lowdiff.errors import InvalidArgumentError, LowDiffError, UnsupportedSetupError
 from lowdiff.format.dtypes import dtype_name
@@ -66,7 +68,7 @@ class SnapshotGradients:
         dist = self.objects.dist
         if dist is None or dist.sharded:
             return  # fully_shard: the post-accumulate hooks see the reduce-scattered shard
-        owned = {id(p): k for k, (_, p) in enumerate(self.objects.shard_params())}
+        owned = {id(p): k for k, (_, p) in enumerate(self.objects.snapshot_params())}
         hook_state = PlusHookState(dist, owned, _weak_method(self._on_reduced_grad, None))
         try:
             self.objects.model.register_comm_hook(hook_state, plus_hook)  # type: ignore[operator]
@@ -87,7 +89,7 @@ class SnapshotGradients:
         dist = self.objects.dist
         sharded = dist is not None and dist.sharded
         self.snapshotter = GradSnapshotter(
-            self.objects.shard_params(),
+            self.objects.snapshot_params(),
             session.slots.rows(),
             session.slots.views,
             # the hooks on the model's parameters must not keep a Checkpointer dropped
@@ -178,6 +180,8 @@ class ReplicaBackend:
         (self.objects, self.progress, self.cadence, self.options, self.directory,
          self.session) = parts.unpack()  # fmt: skip
         self.gradients = gradients
+        self.peer: PeerConfig | None = None
+        """The peer copy the next process keeps (:meth:`prepare_launch`), or None."""
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -201,6 +205,24 @@ class ReplicaBackend:
                 "'lowdiff'"
             )
 
+    def prepare_launch(self) -> None:
+        """With peer copies: every rank picks the address its new replica will listen on
+        for its source, and the ranks trade them (a collective)."""
+        objects = self.objects
+        ctx = objects.dist
+        if ctx is None or objects.peer is None:
+            return
+        assert objects.peer_layout is not None and objects.snapshot_layout is not None
+        host = peer_host(self.options.peer_address)
+        mine = (host, free_port(host), os.urandom(32))
+        every = ctx.all_gather_object(mine)
+        holder = holder_of(ctx.rank, ctx.world_size, (ctx.rank - objects.peer) % ctx.world_size)
+        self.peer = PeerConfig(
+            objects.peer, list(objects.peer_shard), objects.peer_layout.to_json(),
+            objects.snapshot_layout.to_json(), (mine[0], mine[1]), mine[2], holder,
+            (every[holder][0], every[holder][1]), every[holder][2], self.options.start_timeout,
+        )  # fmt: skip
+
     def process(self, run_id: str) -> tuple[Callable[..., None], Any, int]:
         objects, opts = self.objects, self.options
         assert objects.layout is not None
@@ -220,6 +242,7 @@ class ReplicaBackend:
             None if objects.dist is None else list(objects.shard),
             remote=self.directory.remote_settings(opts.remote_settings()),
             mtbf=resolve_mtbf(opts.mtbf)[0] if persist_every == AUTO else DEFAULT_MTBF_S,
+            peer=self.peer,
         )
         return replica_main, cfg, opts.max_lag
 

@@ -40,9 +40,9 @@ class RecordSlots:
     def __init__(
         self, objects: TrainingObjects, n: int, tensor: torch.Tensor | None = None
     ) -> None:
-        assert objects.layout is not None
+        assert objects.snapshot_layout is not None
         self.objects = objects
-        self.layout: RecordLayout = objects.layout
+        self.layout: RecordLayout = objects.snapshot_layout
         if tensor is None:
             rp.ensure_shm_space(n * self.layout.row_bytes, "the record slots")
             tensor = torch.zeros((n, self.layout.row_bytes), dtype=torch.uint8).share_memory_()

@@ -53,6 +53,7 @@ class Starter:
         """
         if self.takeover.release_kept():
             self.wait_for_previous_writer()
+        self.backend.prepare_launch()
         target, cfg, n_slots = self.backend.process(self.directory.run_id)
         self.stager.reset()
         self.session.launch(target, cfg, n_slots)

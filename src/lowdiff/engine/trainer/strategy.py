@@ -31,6 +31,7 @@ from lowdiff.compressors.base import NoCompression
 from lowdiff.ddp.context import JobMin
 from lowdiff.ddp.context import detect as detect_dist
 from lowdiff.ddp.hooks import LowDiffHookState
+from lowdiff.ddp.peers import resolve_peer_copies
 from lowdiff.engine.options import EngineOptions
 from lowdiff.engine.trainer import remote_wait
 from lowdiff.engine.trainer.autotune import AutoPlan
@@ -56,7 +57,7 @@ from lowdiff.engine.trainer.storage_policy import StoragePolicy
 from lowdiff.engine.trainer.training import TrainingObjects
 from lowdiff.engine.trainer.writer_backend import WriterBackend
 from lowdiff.errors import InvalidArgumentError, UsageError
-from lowdiff.proc import preempt
+from lowdiff.proc import channel, preempt
 from lowdiff.proc.holder import orphan_waits
 from lowdiff.proc.spawn import warm_up
 from lowdiff.remote.store import preload
@@ -102,6 +103,10 @@ class EngineStrategy(Strategy):
         rank = training_compressor(opts.compressor) if compressed else NoCompression()
         records = record_compressor(rank, dist) if compressed else rank
         self.objects = TrainingObjects(self.name, model, optimizer, scheduler, records, dist, extra)
+        if kind is not None and kind.keeps_replica and dist is not None:
+            self.objects.keep_peer_copy(
+                resolve_peer_copies(opts.peer_copies, dist.rank, dist.world_size, dist.sharded)
+            )
         self.progress = Progress(None if dist is None else JobMin(dist, width=2))
         self.cadence = Cadence.of(opts.full_every, opts.batch_size)
         self.gradients: GradientSource = (
@@ -247,9 +252,14 @@ class EngineStrategy(Strategy):
     @property
     def acknowledged_step(self) -> int:
         """Newest step handed to the checkpointing process with its data in host memory
-        (see :attr:`lowdiff.Checkpointer.acknowledged_step`; this rank's)."""
+        (see :attr:`lowdiff.Checkpointer.acknowledged_step`; this rank's). With LowDiff+'s
+        peer copies, a step is acknowledged once the other node's copy holds it too."""
         self.pipeline.poll()
-        return self.progress.acknowledged_step()
+        progress, s = self.progress, self.starter
+        if self.objects.peer is None or s is None or s.session.counters is None:
+            return progress.acknowledged_step()
+        copied = s.session.counter(channel.PEER_ACKED) - 1
+        return max(min(progress.acknowledged, copied), progress.durable)
 
     @property
     def remote_durable_step(self) -> int:

@@ -76,13 +76,25 @@ class TrainingObjects:
         """The optimizer indices this rank checkpoints (all of them in one process)."""
         self.foreign: set[str] = set()
         """Under DDP: names of the parameters other ranks checkpoint."""
+        self.owner: list[int] = []
+        """Under DDP: the rank that checkpoints each optimizer index."""
         if dist is not None and not dist.sharded:
-            owner = assign_shards(self.numels, dist.world_size)
+            self.owner = owner = assign_shards(self.numels, dist.world_size)
             self.shard = [i for i, r in enumerate(owner) if r == dist.rank]
             self.foreign = {info.name for info, _ in self.params if owner[info.index] != dist.rank}
+        self.peer: int | None = None
+        """Under DDP across nodes with LowDiff+'s peer copies: the rank whose shard this
+        rank's replica also keeps (:mod:`lowdiff.ddp.peers`), else None."""
+        self.peer_shard: list[int] = []
+        """The optimizer indices of :attr:`peer`'s shard."""
         self.rng_layout: st.RngLayout | None = None
         self.rng_capture: st.RngCapture | None = None
         self.layout: RecordLayout | None = None
+        self.snapshot_layout: RecordLayout | None = None
+        """The layout of LowDiff+'s snapshot slots: :attr:`layout`, or with peer copies
+        the gradients of this rank's shard and of :attr:`peer`'s."""
+        self.peer_layout: RecordLayout | None = None
+        """With peer copies: the layout of :attr:`peer`'s shard (its replica's)."""
         self.layout_id = ""
         """``layout.layout_id``, taken once (a hash of the layout's JSON: every full
         checkpoint names it, and the engine never changes its layout)."""
@@ -99,12 +111,50 @@ class TrainingObjects:
             [info for info, _ in self.shard_params()], self.compressor, buffers, self.rng_layout
         )
         self.layout_id = self.layout.layout_id
+        self.snapshot_layout = self.layout
+        if self.peer is not None:
+            peer = set(self.peer_shard)
+            self.peer_layout = RecordLayout.build(
+                [info for info, _ in self.params if info.index in peer],
+                self.compressor, buffers, self.rng_layout,
+            )  # fmt: skip
+            self.snapshot_layout = RecordLayout.build(
+                [info for info, _ in self.snapshot_params()],
+                self.compressor, buffers, self.rng_layout,
+            )  # fmt: skip
+
+    def keep_peer_copy(self, source: int | None) -> None:
+        """Keep a copy of rank ``source``'s shard too (None: none); before the layout."""
+        assert self.layout is None and self.dist is not None or source is None
+        self.peer = source
+        self.peer_shard = (
+            [] if source is None else [i for i, r in enumerate(self.owner) if r == source]
+        )
 
     # ------------------------------------------------------------------ parameters
     def shard_params(self) -> list[tuple[st.ParamInfo, torch.nn.Parameter]]:
         """The parameters this rank checkpoints (its shard under DDP)."""
         shard = set(self.shard)
         return [(i, p) for i, p in self.params if i.index in shard]
+
+    def snapshot_params(self) -> list[tuple[st.ParamInfo, torch.nn.Parameter]]:
+        """The parameters whose gradients LowDiff+ snapshots: this rank's shard, and
+        with a peer copy :attr:`peer`'s shard too."""
+        keep = set(self.shard) | set(self.peer_shard)
+        return [(i, p) for i, p in self.params if i.index in keep]
+
+    def peer_state(self) -> tuple[dict[str, torch.Tensor], str]:
+        """:attr:`peer`'s shard of the model's parameters and of the optimizer's state
+        (every rank holds all of both under DDP): what the peer copy starts from."""
+        peer = set(self.peer_shard)
+        tensors = {
+            f"peer/model/{info.name}": p.detach() for info, p in self.params if info.index in peer
+        }
+        otensors, ojson = st.optimizer_state_tensors(
+            self.optimizer, shard_state_dict(self.optimizer.state_dict(), self.peer_shard)
+        )
+        tensors.update({f"peer/{k}": v for k, v in otensors.items()})
+        return tensors, ojson
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], str]:
         """The optimizer's state tensors (this rank's shard under DDP) and its JSON."""

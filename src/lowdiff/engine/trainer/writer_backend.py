@@ -48,6 +48,9 @@ class WriterBackend:
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         """Any optimizer: the writer never runs it."""
 
+    def prepare_launch(self) -> None:
+        """Nothing to prepare."""
+
     def process(self, run_id: str) -> tuple[Callable[..., None], Any, int]:
         objects, opts = self.objects, self.options
         assert objects.layout is not None

@@ -74,6 +74,31 @@ class WriterConfig:
 
 
 @dataclass(frozen=True)
+class PeerConfig:
+    """LowDiff+'s peer copies (:mod:`lowdiff.ddp.peers`), as a replica takes them: the
+    shard it copies, and how it reaches the replicas it trades with."""
+
+    source: int
+    """The rank whose shard this replica also keeps a copy of."""
+    shard: list[int]
+    """That shard's optimizer indices."""
+    layout: dict[str, Any]
+    """That shard's record layout (its own replica's)."""
+    slot_layout: dict[str, Any]
+    """The snapshot slots' layout: the gradients of this rank's shard and of the source's."""
+    listen: tuple[str, int]
+    """The address this replica takes the source's connection on."""
+    key: bytes
+    """The key that connection authenticates with."""
+    holder: int
+    """The rank whose replica keeps the copy of this replica's shard."""
+    holder_address: tuple[str, int]
+    holder_key: bytes
+    timeout: float = 120.0
+    """Seconds a replica waits for the other replicas' answers and parts."""
+
+
+@dataclass(frozen=True)
 class ReplicaConfig:
     """What LowDiff+'s replica (:mod:`lowdiff.engine.replica.main`) is started with."""
 
@@ -91,3 +116,5 @@ class ReplicaConfig:
     """The remote tier its persisted full checkpoints are uploaded to (``remote=``)."""
     mtbf: float = DEFAULT_MTBF_S
     """Seconds between failures that ``persist_every="auto"`` plans for (``mtbf=``)."""
+    peer: PeerConfig | None = None
+    """Under DDP across nodes: the peer copy this replica keeps, or None."""
