@@ -3,9 +3,10 @@
 Rank r's replica also keeps a copy of rank 1-r's shard, stepped from the averaged gradient
 its own trainer snapshots, with rank 1-r's per-rank state (RNG, buffers, scheduler, extra
 state) sent over a loopback socket by rank 1-r's replica. When rank 1's node is lost
-(its trainer and replica SIGKILLed, its shared memory and its shard directory gone), the
+(its trainer and replica SIGKILLed, its shared memory and its local storage gone: each
+rank writes to a directory of its own, as on nodes without a shared file system), the
 restarted job rebuilds rank 1's shard from rank 0's copy and ends bit-identical to an
-uninterrupted run; no file of rank 1's shard is read.
+uninterrupted run; no file of rank 1's shard is read (none is left to read).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def _rank(rank: int, store: str, ck: str, out: str, crash_after: int, seed_rng: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     counter = Counter(rank)
+    node = Path(ck, f"node-{rank}")  # each "node" has storage of its own, no shared file system
     ck_ = lowdiff.Checkpointer(
-        ck, model, opt, method="lowdiff+", scheduler=sched, extra_state={"counter": counter},
+        node, model, opt, method="lowdiff+", scheduler=sched, extra_state={"counter": counter},
         replica=lowdiff.ReplicaOptions(persist_every=100, peer_copies=True),
     )  # fmt: skip
     torch.manual_seed(100 + rank)  # per-rank RNG: dropout differs between the ranks
@@ -114,8 +116,8 @@ def _run(tmp: Path, name: str, ck: Path, crash_after: int = 0) -> Path:
 
 def _lose_node(ck: Path, rank: int) -> None:
     """What losing rank ``rank``'s node takes with it: its replica process (SIGKILLed),
-    its shared memory and its shard directory."""
-    root = ck / f"rank-{rank:05d}"
+    its shared memory and its local storage."""
+    root = ck / f"node-{rank}" / f"rank-{rank:05d}"
     d = rp.read_descriptor(root)
     assert d is not None and rp.pid_alive(d.pid), "the replica must outlive its trainer"
     os.kill(d.pid, signal.SIGKILL)
@@ -126,7 +128,7 @@ def _lose_node(ck: Path, rank: int) -> None:
     for n in os.listdir("/dev/shm"):
         if n.startswith(prefix):
             rp.unlink_segment(n)
-    shutil.rmtree(root)
+    shutil.rmtree(root.parent)
 
 
 def _equal(a: object, b: object) -> bool:

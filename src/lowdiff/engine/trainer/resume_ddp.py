@@ -42,6 +42,7 @@ def resume_ddp(s: Starter) -> int:
     if ctx.sharded:
         return resume_fsdp(s)
     refuse_fsdp2_job(job, "continuing it under DDP")
+    adopt_job_manifests(s)
     if remote_holds_lost_job(s):
         fetch_job(s)
     gens = generations(job)
@@ -71,6 +72,24 @@ def resume_ddp(s: Starter) -> int:
     if newest is None:
         raise CheckpointMismatchError(f"{job} holds shard directories but no job manifest")
     return _recover(s, newest, in_place)
+
+
+def adopt_job_manifests(s: Starter) -> None:
+    """(all ranks) A rank whose job directory holds no generation (a replacement node
+    with storage of its own) takes the job's manifests from a rank that has them, so
+    that every rank sees the job's generations: its shard then comes from another node's
+    peer copy in memory (:mod:`lowdiff.engine.trainer.resume_memory`)."""
+    ctx, job = s.objects.dist, s.directory.job_root
+    assert ctx is not None and job is not None
+    gens = [g for g in generations(job) if not g.single]
+    mine = {g.root.relative_to(job).as_posix(): layout.read_manifest(g.root) for g in gens}
+    every = ctx.all_gather_object(mine)
+    donor = next((m for m in every if m), None)
+    if gens or donor is None:
+        return
+    for rel, manifest in sorted(donor.items()):
+        (job / rel).mkdir(parents=True, exist_ok=True)
+        layout.write_manifest(job / rel, manifest)
 
 
 def _settle_every_shard(s: Starter, gens: list[Generation], peers_of: Generation | None) -> None:
