@@ -264,7 +264,6 @@ class ReplicaProcess:
         while self.pending and not self.stuck:
             slot, step, meta = self.pending[0]
             row = self.slots[slot]
-            t0 = time.perf_counter_ns()
             part: Part | None = None
             if links is not None:
                 part = links.take_part(step + 1, "step", links.timeout, final=self.orphan)
@@ -278,6 +277,7 @@ class ReplicaProcess:
                     )  # fmt: skip
                     return
             self.pending.pop(0)
+            t0 = time.perf_counter_ns()  # the merge's own time, not the wait for the part
             rep.merge(row, step, meta)
             if part is not None:
                 assert self.copy is not None and links is not None

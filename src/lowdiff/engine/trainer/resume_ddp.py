@@ -13,6 +13,7 @@ tier, each rank its share (:func:`fetch_job`), and recovered as a local one.
 
 from __future__ import annotations
 
+import os
 import re
 
 from lowdiff.ddp.context import rank_dir
@@ -58,6 +59,7 @@ def resume_ddp(s: Starter) -> int:
         and newest.world_size == ctx.world_size
         and d.root.parent == newest.root
     )
+    in_place = bool(ctx.all_min([int(in_place)])[0])  # every rank takes one path
     if in_place and s.backend.keeps_replica and resume_job_from_memory(s):
         return s.progress.step
     _settle_every_shard(s, gens, newest if in_place else None)
@@ -167,17 +169,39 @@ def remote_holds_lost_job(s: Starter) -> bool:
     return agreed == 1
 
 
+def shares_job_directory(s: Starter) -> bool:
+    """(all ranks) Whether every rank sees one job directory (a shared file system), or
+    some node has one of its own: rank 0 leaves a mark in it, every rank looks."""
+    ctx, job = s.objects.dist, s.directory.job_root
+    assert ctx is not None and job is not None
+    job.mkdir(parents=True, exist_ok=True)
+    token = ctx.all_max([int.from_bytes(os.urandom(6), "big") if ctx.rank == 0 else 0])[0]
+    mark = job / f".lowdiff-shared-{token:012x}"
+    if ctx.rank == 0:
+        mark.touch()
+    ctx.barrier()
+    seen = ctx.all_min([int(mark.exists())])[0] == 1
+    ctx.barrier()  # every rank looked before the mark goes
+    if ctx.rank == 0:
+        mark.unlink(missing_ok=True)
+    return seen
+
+
 def fetch_job(s: Starter) -> None:
-    """(all ranks) Download the job from the remote tier into the job directory: rank
-    ``r`` the shards ``r``, ``r + W``, ... of every generation (``W``: this world size),
-    rank 0 the job's manifests; per generation the ranks agree on the newest full
+    """(all ranks) Download the job from the remote tier into the job directory: on a
+    shared file system rank ``r`` the shards ``r``, ``r + W``, ... of every generation
+    (``W``: this world size), rank 0 the job's manifests; where the nodes have storage of
+    their own, every rank all of it; per generation the ranks agree on the newest full
     checkpoint every shard has committed and downloads intact (see
     :func:`lowdiff.remote.fetch`). Then this rank's shard directory is the one
     :func:`~lowdiff.recovery.job.rank_root` names for what came down."""
     url, ctx, job = s.options.remote, s.objects.dist, s.directory.job_root
     assert ctx is not None and job is not None and url is not None
+    shared = shares_job_directory(s)
 
     def mine(rel: str) -> bool:
+        if not shared:  # every node reads every shard from its own directory
+            return True
         shard = re.fullmatch(r"rank-(\d+)", rel.rsplit("/", 1)[-1])
         owner = 0 if shard is None else int(shard.group(1)) % ctx.world_size
         return owner == ctx.rank
