@@ -76,7 +76,7 @@ class ReplicaOptions:
         peer_copies: under DDP across several nodes, also keep a copy of another node's
             shard in this rank's replica, updated from the averaged gradient every rank
             already holds, so that the job resumes from memory when a whole node is lost
-            (:doc:`/guides/failures`). ``"auto"`` (the default): on when the job spans
+            (docs/guides/failures.md). ``"auto"`` (the default): on when the job spans
             more than one node (``WORLD_SIZE > LOCAL_WORLD_SIZE``); ``False``: off;
             ``True``: required (an error where it cannot apply).
         peer_address: the address this node's replicas listen on for their peers (the

@@ -334,10 +334,13 @@ class ReplicaProcess:
     def request_mismatch(self, msg: Any) -> str:
         rep = self.rep
         assert rep is not None
-        return request_mismatch(
+        why = request_mismatch(
             msg, self.cfg, _MATCH, self.root, what="replica", held=rep.step,
             holds=f"the replica is at {rep.step}", slots="snapshot slots",
         )  # fmt: skip
+        if not why and _copy_of(msg.cfg) != _copy_of(self.cfg):
+            why = "the new trainer's peer copies differ from the replica's"
+        return why
 
     def make_segments(self, n: int) -> TrainerSegments:
         rep = self.rep
@@ -384,6 +387,11 @@ class ReplicaProcess:
         if self.copy_ctl is not None:
             rp.unlink_and_close(self.copy_ctl.shm)
         self.takeover.teardown()
+
+
+def _copy_of(cfg: ReplicaConfig) -> int | None:
+    """The rank whose shard a replica of ``cfg`` keeps a copy of (None: none)."""
+    return None if cfg.peer is None else cfg.peer.source
 
 
 def _source_meta(own: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,9 @@ not cross a node.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -92,7 +94,7 @@ class PeerLinks:
 
     def __init__(self, cfg: PeerConfig, on_ack: Callable[[int], None], timeout: float) -> None:
         self.cfg, self.on_ack, self.timeout = cfg, on_ack, timeout
-        self.listener = Listener(tuple(cfg.listen), authkey=cfg.key)
+        self.listener = Listener((str(cfg.listen[0]), int(cfg.listen[1])), authkey=cfg.key)
         self._cv = threading.Condition()
         self._parts: dict[int, Part] = {}
         self.source_end: int | None = None
@@ -196,7 +198,10 @@ class PeerLinks:
         deadline = time.monotonic() + self.timeout
         while not self._closed:
             try:
-                return Client(tuple(cfg.holder_address), authkey=cfg.holder_key)
+                return Client(
+                    (str(cfg.holder_address[0]), int(cfg.holder_address[1])),
+                    authkey=cfg.holder_key,
+                )
             except OSError as e:
                 if time.monotonic() > deadline:
                     self.holder_error = (
@@ -256,5 +261,13 @@ class PeerLinks:
             self.listener.close()
         for conn in (self._in, self._out):
             if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
+                _shut(conn)
+
+
+def _shut(conn: Connection) -> None:
+    """Close ``conn`` so that the other end sees it closed at once: a plain ``close()``
+    leaves the socket open while a thread of this process still waits to read from it."""
+    with contextlib.suppress(Exception), socket.socket(fileno=os.dup(conn.fileno())) as s:
+        s.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(Exception):
+        conn.close()

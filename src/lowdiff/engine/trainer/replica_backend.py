@@ -223,6 +223,18 @@ class ReplicaBackend:
             (every[holder][0], every[holder][1]), every[holder][2], self.options.start_timeout,
         )  # fmt: skip
 
+    def _peer_config(self) -> PeerConfig | None:
+        """The peer copy of the next process (:meth:`prepare_launch`); before any launch
+        (a request to take a process over), what identifies it, without addresses."""
+        objects = self.objects
+        if objects.peer is None or self.peer is not None:
+            return self.peer
+        assert objects.peer_layout is not None and objects.snapshot_layout is not None
+        return PeerConfig(
+            objects.peer, list(objects.peer_shard), objects.peer_layout.to_json(),
+            objects.snapshot_layout.to_json(), ("", 0), b"", -1, ("", 0), b"",
+        )  # fmt: skip
+
     def process(self, run_id: str) -> tuple[Callable[..., None], Any, int]:
         objects, opts = self.objects, self.options
         assert objects.layout is not None
@@ -242,7 +254,7 @@ class ReplicaBackend:
             None if objects.dist is None else list(objects.shard),
             remote=self.directory.remote_settings(opts.remote_settings()),
             mtbf=resolve_mtbf(opts.mtbf)[0] if persist_every == AUTO else DEFAULT_MTBF_S,
-            peer=self.peer,
+            peer=self._peer_config(),
         )
         return replica_main, cfg, opts.max_lag
 
