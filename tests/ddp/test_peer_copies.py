@@ -28,6 +28,7 @@ from .spawned import join_group, run_ranks
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 STEPS = 10
+RESUME_AT = 6
 
 
 class Net(torch.nn.Module):
@@ -56,23 +57,41 @@ class Counter:
         self.seen = int(sd["seen"])
 
 
-def _rank(rank: int, store: str, ck: str, out: str, crash_after: int, seed_rng: bool) -> None:
+def _rank(
+    rank: int, world: int, local: int, store: str, ck: str, out: str, crash_after: int
+) -> None:
     import lowdiff
 
-    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", LOWDIFF_PEER_ADDR="127.0.0.1")
-    join_group(rank, 2, Path(store))
+    os.environ.update(
+        LOCAL_WORLD_SIZE=str(local), LOCAL_RANK=str(rank % local), LOWDIFF_PEER_ADDR="127.0.0.1"
+    )
+    join_group(rank, world, Path(store))
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(Net(), broadcast_buffers=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     counter = Counter(rank)
-    node = Path(ck, f"node-{rank}")  # each "node" has storage of its own, no shared file system
+    # each "node" has storage of its own, no shared file system
+    node = Path(ck, f"node-{rank // local}")
     ck_ = lowdiff.Checkpointer(
         node, model, opt, method="lowdiff+", scheduler=sched, extra_state={"counter": counter},
         replica=lowdiff.ReplicaOptions(persist_every=100, peer_copies=True),
     )  # fmt: skip
     torch.manual_seed(100 + rank)  # per-rank RNG: dropout differs between the ranks
     start = ck_.resume()
+
+    def save(name: str) -> None:
+        state = {
+            "model": model.module.state_dict(),
+            "optim": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "rng": torch.get_rng_state(),
+            "counter": counter.seen,
+        }
+        torch.save(state, Path(out, f"{name}-rank{rank}.pt"))
+
+    if start == RESUME_AT:
+        save("at-resume")
     stats = ck_.recovery_stats
     if stats is not None:
         Path(out, f"resumed-rank{rank}.json").write_text(
@@ -86,49 +105,45 @@ def _rank(rank: int, store: str, ck: str, out: str, crash_after: int, seed_rng: 
         counter.seen += 1
         ck_.step()  # steps the optimizer and the scheduler
         opt.zero_grad()
+        if step + 1 == RESUME_AT and crash_after == 0:
+            save("at-resume")
         if step + 1 == crash_after:
             deadline = time.monotonic() + 30
             while ck_.acknowledged_step < crash_after and time.monotonic() < deadline:
                 time.sleep(0.01)
             Path(out, f"acked-rank{rank}.txt").write_text(str(ck_.acknowledged_step))
             os._exit(0)  # the trainer dies; its replica lives on (or dies with its node)
-    torch.save(
-        {
-            "model": model.module.state_dict(),
-            "optim": opt.state_dict(),
-            "sched": sched.state_dict(),
-            "rng": torch.get_rng_state(),
-            "counter": counter.seen,
-        },
-        Path(out, f"final-rank{rank}.pt"),
-    )
+    save("final")
     ck_.close()
 
 
-def _run(tmp: Path, name: str, ck: Path, crash_after: int = 0) -> Path:
+def _run(tmp: Path, name: str, ck: Path, world: int, local: int, crash_after: int = 0) -> Path:
     out = tmp / name
     out.mkdir()
     store = tmp / f"store-{name}"
-    codes = run_ranks(_rank, 2, str(store), str(ck), str(out), crash_after, True, timeout=120)
-    assert codes == [0, 0], codes
+    codes = run_ranks(
+        _rank, world, world, local, str(store), str(ck), str(out), crash_after, timeout=180
+    )
+    assert codes == [0] * world, codes
     return out
 
 
-def _lose_node(ck: Path, rank: int) -> None:
-    """What losing rank ``rank``'s node takes with it: its replica process (SIGKILLed),
-    its shared memory and its local storage."""
-    root = ck / f"node-{rank}" / f"rank-{rank:05d}"
-    d = rp.read_descriptor(root)
-    assert d is not None and rp.pid_alive(d.pid), "the replica must outlive its trainer"
-    os.kill(d.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while rp.pid_alive(d.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    prefix = f"lowdiff-{d.run_id[:16]}-"
-    for n in os.listdir("/dev/shm"):
-        if n.startswith(prefix):
-            rp.unlink_segment(n)
-    shutil.rmtree(root.parent)
+def _lose_node(ck: Path, node: int, local: int) -> None:
+    """What losing node ``node`` takes with it: its ranks' replica processes
+    (SIGKILLed), their shared memory and the node's storage."""
+    root = ck / f"node-{node}"
+    for rank in range(node * local, (node + 1) * local):
+        d = rp.read_descriptor(root / f"rank-{rank:05d}")
+        assert d is not None and rp.pid_alive(d.pid), "the replica must outlive its trainer"
+        os.kill(d.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while rp.pid_alive(d.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prefix = f"lowdiff-{d.run_id[:16]}-"
+        for n in os.listdir("/dev/shm"):
+            if n.startswith(prefix):
+                rp.unlink_segment(n)
+    shutil.rmtree(root)
 
 
 def _equal(a: object, b: object) -> bool:
@@ -141,38 +156,65 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
-def _check(ref: Path, resumed: Path, shards: dict[str, str]) -> None:
-    for r in (0, 1):
+def _check(ref: Path, resumed: Path, shards: dict[str, str], at: tuple[str, ...]) -> None:
+    """Every rank resumed from memory at RESUME_AT, its shard from where ``shards`` says,
+    and its state (model, optimizer, scheduler, RNG, extra state) equals the
+    uninterrupted run's at each point of ``at``."""
+    for r in range(len(shards)):
         info = json.loads((resumed / f"resumed-rank{r}.json").read_text())
-        assert info == {"step": 6, "source": "memory", "shards": shards}
-        want = torch.load(ref / f"final-rank{r}.pt", weights_only=False)
-        got = torch.load(resumed / f"final-rank{r}.pt", weights_only=False)
-        assert want.keys() == got.keys()
-        diff = [k for k in want if not _equal(want[k], got[k])]
-        diff += [n for n in want["model"] if not torch.equal(want["model"][n], got["model"][n])]
-        assert diff == [], f"rank {r}: {diff} differ"
+        assert info == {"step": RESUME_AT, "source": "memory", "shards": shards}
+        for point in at:
+            want = torch.load(ref / f"{point}-rank{r}.pt", weights_only=False)
+            got = torch.load(resumed / f"{point}-rank{r}.pt", weights_only=False)
+            assert want.keys() == got.keys()
+            diff = [k for k in want if not _equal(want[k], got[k])]
+            diff += [n for n in want["model"] if not torch.equal(want["model"][n], got["model"][n])]
+            assert diff == [], f"rank {r}, {point}: {diff} differ"
+
+
+BOTH = ("at-resume", "final")
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("peer-ref")
-    return _run(tmp, "ref", tmp / "ck")
+    return _run(tmp, "ref", tmp / "ck", 2, 1)
 
 
 @pytest.mark.timeout(300)
 def test_node_lost_resumes_from_the_peer_copy_bit_identical(tmp_path, reference):
     ck = tmp_path / "ck"
-    crashed = _run(tmp_path, "crash", ck, crash_after=6)
+    crashed = _run(tmp_path, "crash", ck, 2, 1, crash_after=6)
     acked = [int((crashed / f"acked-rank{r}.txt").read_text()) for r in (0, 1)]
     assert acked == [6, 6]  # both shards and both copies held step 6 before the crash
-    _lose_node(ck, 1)
-    resumed = _run(tmp_path, "resumed", ck)
-    _check(reference, resumed, {"0": "memory", "1": "peer memory (rank 0)"})
+    _lose_node(ck, 1, 1)
+    resumed = _run(tmp_path, "resumed", ck, 2, 1)
+    _check(reference, resumed, {"0": "memory", "1": "peer memory (rank 0)"}, BOTH)
 
 
 @pytest.mark.timeout(300)
 def test_trainers_crash_each_takes_its_replica_with_its_copy_over(tmp_path, reference):
     ck = tmp_path / "ck"
-    _run(tmp_path, "crash", ck, crash_after=6)
-    resumed = _run(tmp_path, "resumed", ck)
-    _check(reference, resumed, {"0": "memory", "1": "memory"})
+    _run(tmp_path, "crash", ck, 2, 1, crash_after=6)
+    resumed = _run(tmp_path, "resumed", ck, 2, 1)
+    _check(reference, resumed, {"0": "memory", "1": "memory"}, BOTH)
+
+
+@pytest.mark.timeout(400)
+def test_two_nodes_of_two_ranks_lose_the_first_node(tmp_path):
+    """Ranks 0 and 1 on node 0, 2 and 3 on node 1; rank r copies rank (r - 2) mod 4. Node 0
+    is lost: ranks 0 and 1 come back from the copies ranks 2 and 3 keep."""
+    ref = _run(tmp_path, "ref", tmp_path / "ck-ref", 4, 2)
+    ck = tmp_path / "ck"
+    _run(tmp_path, "crash", ck, 4, 2, crash_after=6)
+    _lose_node(ck, 0, 2)
+    resumed = _run(tmp_path, "resumed", ck, 4, 2)
+    # compared where resumed: the training after it runs DDP's first-iteration buckets
+    # again, and with more than 2 ranks the all-reduce's sums then group differently
+    shards = {
+        "0": "peer memory (rank 2)",
+        "1": "peer memory (rank 3)",
+        "2": "memory",
+        "3": "memory",
+    }
+    _check(ref, resumed, shards, ("at-resume",))

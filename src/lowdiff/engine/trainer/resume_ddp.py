@@ -66,7 +66,7 @@ def resume_ddp(s: Starter) -> int:
     if not d.job_holds_checkpoints():
         # nothing was ever durable: a fresh job, generation 0, at this world size
         d.switch_root(rank_dir(job, ctx.rank))
-        if ctx.rank == 0:
+        if writes_job_manifests(ctx.rank):
             layout.write_manifest(job, job_manifest(ctx.world_size, objects.name))
         ctx.barrier()
         s.start_fresh()
@@ -74,6 +74,13 @@ def resume_ddp(s: Starter) -> int:
     if newest is None:
         raise CheckpointMismatchError(f"{job} holds shard directories but no job manifest")
     return _recover(s, newest, in_place)
+
+
+def writes_job_manifests(rank: int) -> bool:
+    """Whether this rank writes the job's manifests: rank 0, and the first rank of every
+    node (``LOCAL_RANK`` 0), so that a node with storage of its own holds them too (the
+    writes are atomic; on a shared file system they write the same bytes)."""
+    return rank == 0 or os.environ.get("LOCAL_RANK") == "0"
 
 
 def adopt_job_manifests(s: Starter) -> None:
@@ -130,7 +137,8 @@ def _recover(s: Starter, newest: Generation, in_place: bool) -> int:
         return s.continue_recovered(barrier=ctx.barrier)
     gen = newest.index + 1
     d.switch_root(rank_dir(generation_dir(job, gen), ctx.rank))
-    if ctx.rank == 0:
+    if writes_job_manifests(ctx.rank):
+        generation_dir(job, gen).mkdir(parents=True, exist_ok=True)
         layout.write_manifest(
             generation_dir(job, gen),
             job_manifest(ctx.world_size, objects.name, generation=gen, start_step=s.progress.step),
