@@ -57,8 +57,38 @@ class Counter:
         self.seen = int(sd["seen"])
 
 
+def _wrap(net: torch.nn.Module, world: int, fsdp: bool) -> torch.nn.Module:
+    if not fsdp:
+        return torch.nn.parallel.DistributedDataParallel(net, broadcast_buffers=False)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (net.a, net.b, net.c):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
+def _local(tree: object) -> object:
+    """``tree`` with every DTensor as this rank's shard."""
+    if hasattr(tree, "to_local"):
+        return tree.to_local().clone()  # type: ignore[attr-defined]
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_local(v) for v in tree]
+    return tree
+
+
 def _rank(
-    rank: int, world: int, local: int, store: str, ck: str, out: str, crash_after: int
+    rank: int,
+    world: int,
+    local: int,
+    store: str,
+    ck: str,
+    out: str,
+    crash_after: int,
+    fsdp: bool = False,
 ) -> None:
     import lowdiff
 
@@ -67,7 +97,8 @@ def _rank(
     )
     join_group(rank, world, Path(store))
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(Net(), broadcast_buffers=False)
+    model = _wrap(Net(), world, fsdp)
+    module = model if fsdp else model.module
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     counter = Counter(rank)
@@ -82,8 +113,8 @@ def _rank(
 
     def save(name: str) -> None:
         state = {
-            "model": model.module.state_dict(),
-            "optim": opt.state_dict(),
+            "model": _local(module.state_dict()),
+            "optim": _local(opt.state_dict()),
             "sched": sched.state_dict(),
             "rng": torch.get_rng_state(),
             "counter": counter.seen,
@@ -117,13 +148,22 @@ def _rank(
     ck_.close()
 
 
-def _run(tmp: Path, name: str, ck: Path, world: int, local: int, crash_after: int = 0) -> Path:
+def _run(
+    tmp: Path,
+    name: str,
+    ck: Path,
+    world: int,
+    local: int,
+    crash_after: int = 0,
+    fsdp: bool = False,
+) -> Path:
     out = tmp / name
     out.mkdir()
     store = tmp / f"store-{name}"
     codes = run_ranks(
-        _rank, world, world, local, str(store), str(ck), str(out), crash_after, timeout=180
-    )
+        _rank, world, world, local, str(store), str(ck), str(out), crash_after, fsdp,
+        timeout=180,
+    )  # fmt: skip
     assert codes == [0] * world, codes
     return out
 
@@ -218,3 +258,18 @@ def test_two_nodes_of_two_ranks_lose_the_first_node(tmp_path):
         "3": "memory",
     }
     _check(ref, resumed, shards, ("at-resume",))
+
+
+@pytest.mark.timeout(300)
+def test_fully_shard_node_lost_resumes_from_the_mirrored_replica(tmp_path):
+    """Under fully_shard no rank holds another's gradients: rank 0's replica mirrors rank
+    1's, fed with its snapshot slots. Node 1 is lost: rank 1's shard comes back from the
+    mirror, bit-identical, and the job ends as an uninterrupted one does."""
+    ref = _run(tmp_path, "ref", tmp_path / "ck-ref", 2, 1, fsdp=True)
+    ck = tmp_path / "ck"
+    crashed = _run(tmp_path, "crash", ck, 2, 1, crash_after=RESUME_AT, fsdp=True)
+    acked = [int((crashed / f"acked-rank{r}.txt").read_text()) for r in (0, 1)]
+    assert acked == [RESUME_AT, RESUME_AT]
+    _lose_node(ck, 1, 1)
+    resumed = _run(tmp_path, "resumed", ck, 2, 1, fsdp=True)
+    _check(ref, resumed, {"0": "memory", "1": "peer memory (rank 0)"}, BOTH)

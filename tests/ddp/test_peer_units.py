@@ -32,17 +32,15 @@ def test_every_shard_is_copied_once_on_another_node(world, local):
 
 def test_auto_turns_copies_on_across_nodes_only(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert resolve_peer_copies("auto", 1, 4, sharded=False) == 3
-    assert resolve_peer_copies("auto", 1, 2, sharded=False) is None  # one node
-    assert resolve_peer_copies(False, 1, 4, sharded=False) is None
-    assert resolve_peer_copies("auto", 1, 4, sharded=True) is None
-    with pytest.raises(UnsupportedSetupError, match="fully_shard"):
-        resolve_peer_copies(True, 1, 4, sharded=True)
+    assert resolve_peer_copies("auto", 1, 4) == 3
+    assert resolve_peer_copies("auto", 1, 2) is None  # one node
+    assert resolve_peer_copies(False, 1, 4) is None
     with pytest.raises(UnsupportedSetupError, match="several nodes"):
-        resolve_peer_copies(True, 1, 2, sharded=False)
+        resolve_peer_copies(True, 1, 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert resolve_peer_copies("auto", 1, 4) is None
     with pytest.raises(UnsupportedSetupError, match="LOCAL_WORLD_SIZE"):
-        resolve_peer_copies(True, 1, 4, sharded=False)
+        resolve_peer_copies(True, 1, 4)
 
 
 def test_replica_options_check_the_peer_settings():

@@ -38,22 +38,18 @@ def local_world_size() -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def resolve_peer_copies(
-    setting: bool | str, rank: int, world_size: int, sharded: bool
-) -> int | None:
+def resolve_peer_copies(setting: bool | str, rank: int, world_size: int) -> int | None:
     """The rank whose shard this rank copies, or None: no peer copies.
 
-    ``"auto"`` turns them on under DDP when the job spans several nodes; ``True`` asks
-    for them and is refused where they cannot apply.
+    ``"auto"`` turns them on when the job (DDP or ``fully_shard``) spans several nodes;
+    ``True`` asks for them and is refused where they cannot apply.
     """
     if setting is False:
         return None
     want = setting is True
     local = local_world_size()
     why = ""
-    if sharded:
-        why = "they are kept under DDP, not under fully_shard (FSDP2) yet"
-    elif world_size < 2:
+    if world_size < 2:
         why = "the job has one rank"
     elif local is None:
         why = "LOCAL_WORLD_SIZE is not set (start the job with torchrun)"

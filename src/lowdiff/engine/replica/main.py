@@ -115,6 +115,8 @@ class ReplicaProcess:
         self.copy: Replica | None = None
         """With a peer copy: the copy of the source's shard."""
         self.copy_ctl: rp.ControlBlock | None = None
+        self.mirror_row: torch.Tensor | None = None
+        """A mirror's slot: the source's slot of each step is copied in."""
         self.acked = -1
         """The newest step the holder said its copy of this shard holds."""
         self.pending: list[tuple[int, int, dict[str, Any]]] = []
@@ -138,8 +140,8 @@ class ReplicaProcess:
             name = f"lowdiff-{cfg.run_id[:16]}-pctl"
             self.copy_ctl = rp.ControlBlock(rp.create_segment(name, rp.CTL_BYTES))
             self.copy_ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id})
-            copy_cfg = dataclasses.replace(cfg, layout=cfg.peer.layout, shard=cfg.peer.shard)
-            self.copy = Replica(copy_cfg, self.copy_ctl, name="p")
+            if not cfg.peer.mirror:  # a mirror's layout comes with the source's state
+                self.copy = self._new_copy(cfg.peer.layout, cfg.peer.shard)
             self.rep.head = {"peer": {"rank": cfg.peer.source, "ctl": name}}
         remote = cfg.remote is not None
         self.persister = Persister(
@@ -195,8 +197,11 @@ class ReplicaProcess:
         match msg:
             case Step(slot=slot, step=step, meta=meta):
                 if self.links is not None:
-                    # this shard's part goes to its holder as soon as it arrives
-                    self.links.forward("step", step + 1, rep.per_rank_state(self.slots[slot]), meta)
+                    # this shard's part goes to its holder as soon as it arrives (a
+                    # mirror's: the whole slot)
+                    row = self.slots[slot]
+                    sent = {"row": row} if self.links.cfg.mirror else rep.per_rank_state(row)
+                    self.links.forward("step", step + 1, sent, meta)
                 self.pending.append((slot, step, codec.loads(meta)))
                 if not self.draining:
                     self.merge_pending()
@@ -229,15 +234,29 @@ class ReplicaProcess:
                 raise unexpected(msg)
         return True
 
+    def _new_copy(self, layout_json: dict[str, Any], shard: list[int] | None) -> Replica:
+        cfg = self.cfg
+        assert cfg.peer is not None and self.copy_ctl is not None
+        copy_cfg = dataclasses.replace(cfg, layout=layout_json, shard=shard)
+        if cfg.peer.mirror:  # fed with the source's slots, laid out as its own
+            copy_cfg = dataclasses.replace(
+                copy_cfg, peer=dataclasses.replace(cfg.peer, slot_layout=layout_json)
+            )
+        return Replica(copy_cfg, self.copy_ctl, name="p")
+
     def init_copy(self, step: int, entries: list[Any], meta: dict[str, str]) -> None:
         """Send this shard's part of the state ``Init`` holds to the holder, and build the
-        peer copy from the source's part and the source's shard this trainer staged."""
-        links, rep, copy = self.links, self.rep, self.copy
-        assert links is not None and rep is not None and copy is not None
-        assert self.staging is not None
-        own = {k: meta[k] for k in ("rng", "scheduler", "extra") if k in meta}
-        links.forward("init", step, rep.per_rank_state(), own)
+        peer copy from the source's part and the source's shard this trainer staged (a
+        mirror: from the source's whole state, its part)."""
+        links, rep = self.links, self.rep
+        assert links is not None and rep is not None and self.staging is not None
         staged = staged_tensors(self.staging, entries)
+        if links.cfg.mirror:
+            whole = {k: v for k, v in staged.items() if not k.startswith("peer/")}
+            links.forward("init", step, whole, {**meta, "layout": self.cfg.layout})
+        else:
+            own = {k: meta[k] for k in ("rng", "scheduler", "extra") if k in meta}
+            links.forward("init", step, rep.per_rank_state(), own)
         part = links.take_part(step, "init", links.timeout, final=False)
         if part is None:
             raise LowDiffError(
@@ -245,13 +264,23 @@ class ReplicaProcess:
                 f"{links.timeout:g} s (it listens at its node's ReplicaOptions.peer_address "
                 "or LOWDIFF_PEER_ADDR; ReplicaOptions(peer_copies=False) turns peer copies off)"
             )
-        tensors = {k.removeprefix("peer/"): v for k, v in staged.items() if k.startswith("peer/")}
-        tensors.update(part.tensors)
-        copy.init_from_tensors(
-            tensors,
-            step,
-            {"optim": meta["peer_optim"], "model_aliases": meta["model_aliases"], **part.meta},
-        )
+        if links.cfg.mirror:
+            layout_json = part.meta.pop("layout")
+            shard = codec.loads(part.meta["shard"]) if "shard" in part.meta else None
+            self.copy = self._new_copy(layout_json, shard)
+            self.mirror_row = torch.zeros(self.copy.slot_rl.row_bytes, dtype=torch.uint8)
+            self.copy.init_from_tensors(part.tensors, step, part.meta)
+        else:
+            assert self.copy is not None
+            tensors = {
+                k.removeprefix("peer/"): v for k, v in staged.items() if k.startswith("peer/")
+            }
+            tensors.update(part.tensors)
+            self.copy.init_from_tensors(
+                tensors,
+                step,
+                {"optim": meta["peer_optim"], "model_aliases": meta["model_aliases"], **part.meta},
+            )
         links.ack(step)
 
     def merge_pending(self) -> None:
@@ -281,7 +310,14 @@ class ReplicaProcess:
             rep.merge(row, step, meta)
             if part is not None:
                 assert self.copy is not None and links is not None
-                self.copy.merge(row, step, _source_meta(meta, codec.loads(part.meta)), part.tensors)
+                if links.cfg.mirror:  # the source's own slot, and its own document
+                    mirror = self.mirror_row
+                    assert mirror is not None
+                    mirror.copy_(part.tensors["row"])
+                    self.copy.merge(mirror, step, codec.loads(part.meta))
+                else:
+                    source = codec.loads(part.meta)
+                    self.copy.merge(row, step, _source_meta(meta, source), part.tensors)
                 links.ack(self.copy.step)
             self.ctr.add(REPLICA_MERGE_NS, time.perf_counter_ns() - t0)
             self.ctr.add(REPLICA_MERGES)

@@ -208,31 +208,42 @@ class ReplicaBackend:
     def prepare_launch(self) -> None:
         """With peer copies: every rank picks the address its new replica will listen on
         for its source, and the ranks trade them (a collective)."""
-        objects = self.objects
-        ctx = objects.dist
-        if ctx is None or objects.peer is None:
+        ctx = self.objects.dist
+        if ctx is None or self.objects.peer is None:
             return
-        assert objects.peer_layout is not None and objects.snapshot_layout is not None
         host = peer_host(self.options.peer_address)
         mine = (host, free_port(host), os.urandom(32))
         every = ctx.all_gather_object(mine)
-        holder = holder_of(ctx.rank, ctx.world_size, (ctx.rank - objects.peer) % ctx.world_size)
-        self.peer = PeerConfig(
-            objects.peer, list(objects.peer_shard), objects.peer_layout.to_json(),
-            objects.snapshot_layout.to_json(), (mine[0], mine[1]), mine[2], holder,
-            (every[holder][0], every[holder][1]), every[holder][2], self.options.start_timeout,
+        holder = holder_of(
+            ctx.rank, ctx.world_size, (ctx.rank - self.objects.peer) % ctx.world_size
+        )
+        self.peer = self._peer_config(
+            (mine[0], mine[1]), mine[2], holder, (every[holder][0], every[holder][1]),
+            every[holder][2],
         )  # fmt: skip
 
-    def _peer_config(self) -> PeerConfig | None:
-        """The peer copy of the next process (:meth:`prepare_launch`); before any launch
-        (a request to take a process over), what identifies it, without addresses."""
+    def _peer_config(
+        self,
+        listen: tuple[str, int] = ("", 0),
+        key: bytes = b"",
+        holder: int = -1,
+        holder_address: tuple[str, int] = ("", 0),
+        holder_key: bytes = b"",
+    ) -> PeerConfig | None:
+        """The peer copy the next process keeps; by default (a request to take a process
+        over, which runs no collective) what identifies it, without addresses."""
         objects = self.objects
-        if objects.peer is None or self.peer is not None:
-            return self.peer
-        assert objects.peer_layout is not None and objects.snapshot_layout is not None
+        if objects.peer is None:
+            return None
+        if listen[1] == 0 and self.peer is not None:
+            return self.peer  # the launched process's, addresses and all
+        assert objects.snapshot_layout is not None
+        mirror = objects.peer_layout is None  # fully_shard: the source's rows, sent whole
         return PeerConfig(
-            objects.peer, list(objects.peer_shard), objects.peer_layout.to_json(),
-            objects.snapshot_layout.to_json(), ("", 0), b"", -1, ("", 0), b"",
+            objects.peer, list(objects.peer_shard),
+            {} if mirror else objects.peer_layout.to_json(),  # type: ignore[union-attr]
+            objects.snapshot_layout.to_json(), listen, key, holder, holder_address, holder_key,
+            self.options.start_timeout, mirror=mirror,
         )  # fmt: skip
 
     def process(self, run_id: str) -> tuple[Callable[..., None], Any, int]:

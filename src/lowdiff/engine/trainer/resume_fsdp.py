@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 
 from lowdiff.ddp.context import rank_dir
+from lowdiff.engine.trainer.resume_manifests import adopt_job_manifests, writes_job_manifests
 from lowdiff.engine.trainer.resume_memory import resume_job_from_memory
 from lowdiff.engine.trainer.start import Starter
 from lowdiff.errors import CheckpointMismatchError, RecoveryError
@@ -41,6 +42,7 @@ def resume_fsdp(s: Starter) -> int:
     objects, d = s.objects, s.directory
     ctx, job = objects.dist, d.job_root
     assert ctx is not None and job is not None
+    adopt_job_manifests(s)
     gens = generations(job)
     newest = gens[-1] if gens else None
     in_place = False
@@ -57,8 +59,9 @@ def resume_fsdp(s: Starter) -> int:
                 "fully_shard, or export it with `lowdiff export --format dcp` and load that)"
             )
         in_place = newest.world_size == ctx.world_size and d.root.parent == newest.root
-        if in_place and s.backend.keeps_replica and resume_job_from_memory(s):
-            return s.progress.step
+    in_place = bool(ctx.all_min([int(in_place)])[0])  # every rank takes one path
+    if in_place and s.backend.keeps_replica and resume_job_from_memory(s):
+        return s.progress.step
     s.wait_for_previous_writer()
     others = sorted({o for g in gens for o in g.shard_dirs()} - {d.root})
     s.release_stale_orphans(others)  # replicas of another world size: persisted, gone
@@ -69,7 +72,7 @@ def resume_fsdp(s: Starter) -> int:
     ctx.barrier()  # every rank's previous checkpointing process has finished
     if not d.job_holds_checkpoints():
         d.switch_root(rank_dir(job, ctx.rank))
-        if ctx.rank == 0:
+        if writes_job_manifests(ctx.rank):
             layout.write_manifest(job, job_manifest(ctx.world_size, objects.name, sharding=FSDP2))
         ctx.barrier()
         s.start_fresh()
@@ -142,7 +145,8 @@ def _reshard(s: Starter, gen: int) -> int:
     ctx.barrier()  # every rank has read every shard
     gen_root = generation_dir(job, gen)
     s.directory.switch_root(rank_dir(gen_root, ctx.rank))
-    if ctx.rank == 0:
+    if writes_job_manifests(ctx.rank):
+        gen_root.mkdir(parents=True, exist_ok=True)
         body = job_manifest(
             ctx.world_size, objects.name, generation=gen, start_step=step, sharding=FSDP2
         )

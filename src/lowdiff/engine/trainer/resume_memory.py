@@ -74,19 +74,16 @@ def resume_job_from_memory(s: Starter) -> bool:
     objects, root = s.objects, s.directory.root
     ctx = objects.dist
     assert ctx is not None
-    # a rank whose directory was lost with its node has no manifest: under DDP another
-    # node's peer copy may serve its shard; under fully_shard every rank needs its own
-    has_manifest = (root / layout.MANIFEST).exists()
-    if ctx.sharded and not ctx.all_min([int(has_manifest)])[0]:
-        return False
-    if has_manifest:
+    # a rank whose directory was lost with its node has no manifest: another node's peer
+    # copy may serve its shard
+    if (root / layout.MANIFEST).exists():
         objects.check_manifest(layout.read_manifest(root), root)
     t0 = time.perf_counter()
     live, why = _find_replica(s)
     copy_of, copy = peer_copy(live) if live is not None else (-1, None)
     found = (live.step if live is not None else -1, copy_of, copy.step if copy is not None else -1)
     plan = memory_sources(ctx.all_gather_object(found))
-    if isinstance(plan, str) or (ctx.sharded and plan[1] != list(range(ctx.world_size))):
+    if isinstance(plan, str):
         s.takeover.miss_reason = why if live is None else str(plan)
         _let_go(s, live, copy)
         return False
@@ -145,12 +142,25 @@ def _restore_shard(
     ctx = objects.dist
     assert ctx is not None
     stats = RecoveryStats(full_step=step, step=step, source="memory")
-    if ctx.sharded:  # fully_shard: each rank's replica holds all this rank restores
-        assert live is not None
+    if ctx.sharded:
+        # fully_shard: each rank restores its own shard alone, from its own replica or,
+        # when that was lost, from the peer copy another node's replica sends
+        lost = [shard for shard, src in enumerate(sources) if src != shard]
+        mine = {}
+        for i, shard in enumerate(lost):
+            if sources[shard] == ctx.rank:
+                assert copy is not None
+                mine[i] = (copy.tensors(), dict(copy.doc["meta"]))
+        sent = ctx.gather_parts([sources[shard] for shard in lost], mine) if lost else []
+        if ctx.rank in lost:
+            tensors, meta = sent[lost.index(ctx.rank)]
+        else:
+            assert live is not None
+            tensors, meta = live.tensors(), live.doc["meta"]
         stats.read_s = time.perf_counter() - t0
         apply_full_state(
-            live.tensors(), live.doc["meta"], objects.model, objects.optimizer,
-            objects.scheduler, stats, where="replica in memory",
+            tensors, meta, objects.model, objects.optimizer, objects.scheduler, stats,
+            where="replica in memory",
         )  # fmt: skip
     else:
         mine = {}

@@ -156,7 +156,7 @@ class FullStager:
         }
         if objects.dist is not None:
             meta["shard"] = codec.dumps(objects.shard)
-        if objects.peer is not None:  # LowDiff+'s copy of another node's shard starts here
+        if objects.peer_shard:  # LowDiff+'s copy of another node's shard starts here
             peer_tensors, meta["peer_optim"] = objects.peer_state()
             tensors.update(peer_tensors)
         return tensors, meta

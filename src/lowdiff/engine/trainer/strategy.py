@@ -105,7 +105,7 @@ class EngineStrategy(Strategy):
         self.objects = TrainingObjects(self.name, model, optimizer, scheduler, records, dist, extra)
         if kind is not None and kind.keeps_replica and dist is not None:
             self.objects.keep_peer_copy(
-                resolve_peer_copies(opts.peer_copies, dist.rank, dist.world_size, dist.sharded)
+                resolve_peer_copies(opts.peer_copies, dist.rank, dist.world_size)
             )
         self.progress = Progress(None if dist is None else JobMin(dist, width=2))
         self.cadence = Cadence.of(opts.full_every, opts.batch_size)

@@ -112,7 +112,7 @@ class TrainingObjects:
         )
         self.layout_id = self.layout.layout_id
         self.snapshot_layout = self.layout
-        if self.peer is not None:
+        if self.peer is not None and self.peer_shard:
             peer = set(self.peer_shard)
             self.peer_layout = RecordLayout.build(
                 [info for info, _ in self.params if info.index in peer],
@@ -124,7 +124,9 @@ class TrainingObjects:
             )  # fmt: skip
 
     def keep_peer_copy(self, source: int | None) -> None:
-        """Keep a copy of rank ``source``'s shard too (None: none); before the layout."""
+        """Keep a copy of rank ``source``'s shard too (None: none); before the layout.
+        Under ``fully_shard`` this rank holds none of its gradients or state: the copy
+        mirrors the source's replica (:attr:`peer_shard` stays empty)."""
         assert self.layout is None and self.dist is not None or source is None
         self.peer = source
         self.peer_shard = (

@@ -96,6 +96,10 @@ class PeerConfig:
     holder_key: bytes
     timeout: float = 120.0
     """Seconds a replica waits for the other replicas' answers and parts."""
+    mirror: bool = False
+    """Under ``fully_shard``: no rank holds another's gradients, so the copy mirrors the
+    source's replica, fed with its snapshot slots (sent whole, as the source's part),
+    and starts from the source's own state (``layout`` and ``shard`` come with it)."""
 
 
 @dataclass(frozen=True)
