@@ -73,9 +73,10 @@ class ReplicaOptions:
             ``full_every`` steps, the same steps on every rank.
         threads: parallel shards of the replica's update (whole tensors, balanced by
             size, one thread each; the same bits as one thread).
-        peer_copies: under DDP across several nodes, also keep a copy of another node's
-            shard in this rank's replica, updated from the averaged gradient every rank
-            already holds, so that the job resumes from memory when a whole node is lost
+        peer_copies: in a job across several nodes, also keep a copy of another node's
+            shard in this rank's replica (under DDP updated from the averaged gradient
+            every rank already holds; under ``fully_shard`` a mirror fed with that rank's
+            snapshot slots), so that the job resumes from memory when a whole node is lost
             (docs/guides/failures.md). ``"auto"`` (the default): on when the job spans
             more than one node (``WORLD_SIZE > LOCAL_WORLD_SIZE``); ``False``: off;
             ``True``: required (an error where it cannot apply).

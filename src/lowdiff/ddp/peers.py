@@ -1,7 +1,7 @@
 """Where LowDiff+ keeps the peer copy of each rank's shard: on another node.
 
-Under DDP across nodes, rank ``r``'s replica also holds a copy of the shard of rank
-``(r - L) mod W`` (``L`` ranks per node, ``W`` in all), so the copy of rank ``p``'s shard
+In a job across nodes (DDP or ``fully_shard``), rank ``r``'s replica also holds a copy
+of the shard of rank ``(r - L) mod W`` (``L`` ranks per node, ``W`` in all), so the copy of rank ``p``'s shard
 lives on rank ``(p + L) mod W``: the same local rank on the next node, every rank holding
 exactly one copy (the load balanced, as Gemini places its replicas). Ranks are numbered
 node by node, as ``torchrun`` does (``RANK = node * LOCAL_WORLD_SIZE + LOCAL_RANK``).

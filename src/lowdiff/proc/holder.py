@@ -383,7 +383,7 @@ def find_live_replica(
 
 
 def peer_copy(live: LiveReplica) -> tuple[int, LiveReplica | None]:
-    """The peer copy a LowDiff+ replica keeps of another rank's shard (under DDP across
+    """The peer copy a LowDiff+ replica keeps of another rank's shard (in a job across
     nodes): (that rank, the copy ready to read from), or (-1, None) when it keeps none
     and (rank, None) when it has none to offer (never built, or no longer held)."""
     peer = live.doc.get("peer")

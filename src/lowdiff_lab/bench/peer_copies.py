@@ -5,9 +5,11 @@ A job is 2 gloo ranks, each its own "node" (``LOCAL_WORLD_SIZE=1``), started as 
 fresh interpreters (as a launcher restarts them), training an MLP with AdamW through
 LowDiff+ (:func:`rank_main`). :func:`run` drives the arms:
 
-- steady state, interleaved ``repeats`` times: peer copies ``off`` and ``on`` (and no
-  checkpointing, ``none``, for scale); per arm the median step time (the slower rank's
-  per step, after ``warmup`` steps) and the replica's CPU time per merged step;
+- steady state, interleaved ``repeats`` times: peer copies ``off`` and ``on`` under DDP
+  and under ``fully_shard`` (and DDP without checkpointing, ``none``, for scale); per arm
+  the median step time (the slower rank's per step, after ``warmup`` steps), the
+  replica's CPU time per merged step and, under ``fully_shard``, the bytes each replica
+  sends its holder per step (its snapshot slot: the gradient shard and per-rank state);
 - one node lost after step ``crash_after``, three ways: ``peer memory`` (each node on its
   own directory, rank 1's node lost: processes, shared memory and directory),
   ``disk`` (peer copies off, one shared directory, rank 1's node lost but not the shared
@@ -63,7 +65,18 @@ def rank_main(rank: int, spec_json: str) -> None:
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(_model())
+    if spec.get("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        model = _model()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(model, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ck = None
     start = 0
@@ -114,6 +127,7 @@ def rank_main(rank: int, spec_json: str) -> None:
         s = ck.stats
         out["merge_s"] = s["replica_merge_s"]
         out["merges"] = s["replica_merges"]
+        out["slot_bytes"] = ck.strategy_impl.objects.snapshot_layout.row_bytes
         ck.close()
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(out))
 
@@ -182,19 +196,23 @@ def run(
 ) -> dict[str, Any]:
     """Every arm (see the module docstring); the figures."""
     work.mkdir(parents=True, exist_ok=True)
-    steady: dict[str, list[float]] = {"none": [], "off": [], "on": []}
-    merge: dict[str, list[float]] = {"off": [], "on": []}
+    arms = ("none", "off", "on", "fsdp off", "fsdp on")
+    steady: dict[str, list[float]] = {a: [] for a in arms}
+    merge: dict[str, list[float]] = {a: [] for a in arms if a != "none"}
+    slot_bytes: dict[str, int] = {}
     walls: list[float] = []
     for i in range(repeats):
-        order = ["none", "off", "on"] if i % 2 == 0 else ["on", "off", "none"]
-        for mode in order:
-            spec = {"mode": mode, "steps": steps, "crash_after": 0, "dir": str(work / f"ck-{mode}-{i}"),
-                    "shared": False, "remote": None}  # fmt: skip
-            wall, reports = _launch(work, f"steady-{mode}-{i}", spec)
-            steady[mode].append(_step_s(reports, warmup))
+        for arm in arms if i % 2 == 0 else arms[::-1]:
+            mode = arm.split()[-1]
+            tag = f"steady-{arm.replace(' ', '-')}-{i}"
+            spec = {"mode": mode, "steps": steps, "crash_after": 0, "dir": str(work / f"ck-{tag}"),
+                    "shared": False, "remote": None, "fsdp": arm.startswith("fsdp")}  # fmt: skip
+            wall, reports = _launch(work, tag, spec)
+            steady[arm].append(_step_s(reports, warmup))
             if mode != "none":
-                merge[mode].append(max(r["merge_s"] / max(r["merges"], 1) for r in reports))
-            if mode == "on":
+                merge[arm].append(max(r["merge_s"] / max(r["merges"], 1) for r in reports))
+                slot_bytes[arm] = max(r["slot_bytes"] for r in reports)
+            if arm == "on":
                 walls.append(wall)
     recovery: dict[str, dict[str, Any]] = {}
     ways = {
@@ -230,6 +248,7 @@ def run(
         "params": sum(p.numel() for p in _model().parameters()),
         "step_s": {m: statistics.median(v) for m, v in steady.items()},
         "merge_s": {m: statistics.median(v) for m, v in merge.items()},
+        "slot_bytes": slot_bytes,
         "uninterrupted_job_s": statistics.median(walls),
         "recovery": recovery,
     }  # fmt: skip
@@ -242,12 +261,27 @@ def format_report(fig: dict[str, Any]) -> str:
         f"MLP of {fig['params'] / 1e6:.1f}M parameters, AdamW, 2 ranks of one node each; "
         f"median of {fig['repeats']} runs of {fig['steps']} steps",
         "",
-        "| | step | vs copies off | replica CPU per merged step |",
-        "|---|---:|---:|---:|",
-        f"| no checkpointing | {s['none'] * 1e3:.1f} ms | | |",
-        f"| LowDiff+, peer copies off | {s['off'] * 1e3:.1f} ms | 1.00x | {m['off'] * 1e3:.1f} ms |",
-        f"| LowDiff+, peer copies on | {s['on'] * 1e3:.1f} ms | {s['on'] / s['off']:.2f}x | "
-        f"{m['on'] * 1e3:.1f} ms |",
+        "| | step | vs copies off | replica CPU per merged step | sent per step |",
+        "|---|---:|---:|---:|---:|",
+        f"| DDP, no checkpointing | {s['none'] * 1e3:.1f} ms | | | |",
+    ]
+    sent = {
+        "on": "per-rank state",
+        "fsdp on": f"{fig['slot_bytes']['fsdp on'] / 1e6:.1f} MB (its slot)",
+    }
+    for arm, name in (
+        ("off", "DDP"),
+        ("on", "DDP"),
+        ("fsdp off", "fully_shard"),
+        ("fsdp on", "fully_shard"),
+    ):
+        base = "off" if arm == "on" else "fsdp off" if arm == "fsdp on" else arm
+        copies = "on" if arm.endswith("on") else "off"
+        lines.append(
+            f"| {name}, LowDiff+, peer copies {copies} | {s[arm] * 1e3:.1f} ms | "
+            f"{s[arm] / s[base]:.2f}x | {m[arm] * 1e3:.1f} ms | {sent.get(arm, '')} |"
+        )
+    lines += [
         "",
         f"Node lost after step {fig['crash_after']}; uninterrupted job: "
         f"{fig['uninterrupted_job_s']:.1f} s",

@@ -1,11 +1,13 @@
 """LowDiff+'s peer copies, the replica process's side: the links to the replicas it
 trades with.
 
-Under DDP across nodes (:mod:`lowdiff.ddp.peers`) each replica also keeps a copy of
-another node's shard, its *source*'s. The copy's parameters and optimizer state are
-updated from the averaged gradients this rank's trainer snapshots anyway; what differs
-per rank (its RNG states, its model buffers, its scheduler and extra state) comes from
-the source's replica, as a *part* per step:
+In a job across nodes (:mod:`lowdiff.ddp.peers`) each replica also keeps a copy of
+another node's shard, its *source*'s. Under DDP the copy's parameters and optimizer state
+are updated from the averaged gradients this rank's trainer snapshots anyway; what
+differs per rank (its RNG states, its model buffers, its scheduler and extra state) comes
+from the source's replica, as a *part* per step. Under ``fully_shard`` the copy is a
+mirror: the part is the source's whole snapshot slot (and, at the start, its whole
+state).
 
 - this replica forwards its own part of every step it receives to the replica that keeps
   its copy (its *holder*), and the holder answers with an *ack* once the copy merged it;
