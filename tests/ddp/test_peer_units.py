@@ -3,7 +3,9 @@ the options, and the links between two replicas (loopback sockets, one process).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -81,8 +83,9 @@ def test_pack_round_trips_every_dtype_and_shape():
         assert torch.equal(back[k], v)
 
 
-def _pair(timeout: float = 5.0) -> tuple[PeerLinks, PeerLinks, list[int]]:
-    """Two replicas that copy each other's shard, on loopback."""
+@contextlib.contextmanager
+def _pair(timeout: float = 5.0) -> Iterator[tuple[PeerLinks, PeerLinks, list[int]]]:
+    """Two replicas that copy each other's shard, on loopback (closed at the end)."""
     host = "127.0.0.1"
     ports, keys = [free_port(host), free_port(host)], [b"a" * 32, b"b" * 32]
     acks: list[int] = []
@@ -94,13 +97,17 @@ def _pair(timeout: float = 5.0) -> tuple[PeerLinks, PeerLinks, list[int]]:
             (host, ports[other]), keys[other], timeout,
         )  # fmt: skip
 
-    return PeerLinks(cfg(0), acks.append, timeout), PeerLinks(cfg(1), lambda s: None, timeout), acks
+    a, b = PeerLinks(cfg(0), acks.append, timeout), PeerLinks(cfg(1), lambda s: None, timeout)
+    try:
+        yield a, b, acks
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.timeout(60)
 def test_parts_travel_to_the_holder_and_acks_come_back():
-    a, b, acks = _pair()
-    try:
+    with _pair() as (a, b, acks):
         state = {"rng.torch": torch.arange(10, dtype=torch.uint8)}
         a.forward("step", 4, state, '{"sched":null}')
         part = b.take_part(4, "step", 10.0, final=False)
@@ -114,15 +121,11 @@ def test_parts_travel_to_the_holder_and_acks_come_back():
         # a part of another kind is not the one asked for
         a.forward("init", 5, state, {})
         assert b.take_part(5, "step", 0.3, final=False) is None
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.timeout(60)
 def test_an_ended_source_stops_a_final_wait_but_not_a_live_one():
-    a, b, _ = _pair()
-    try:
+    with _pair() as (a, b, _):
         a.forward("step", 3, {}, "{}")
         assert b.take_part(3, "step", 10.0, final=True) is not None
         a.end(3)
@@ -132,20 +135,14 @@ def test_an_ended_source_stops_a_final_wait_but_not_a_live_one():
         # a replica whose trainer lives waits: the source may be taken over and go on
         a.forward("step", 4, {}, "{}")
         assert b.take_part(4, "step", 10.0, final=False) is not None
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_source_that_is_gone_ends_the_wait():
-    a, b, _ = _pair()
-    try:
+    with _pair() as (a, b, _):
         a.forward("step", 1, {}, "{}")
         assert b.take_part(1, "step", 10.0, final=False) is not None
         a.close()  # its node is lost: the connection closes
         t0 = time.monotonic()
         assert b.take_part(2, "step", 20.0, final=False) is None
         assert b.source_gone and time.monotonic() - t0 < 10
-    finally:
-        b.close()
