@@ -40,7 +40,7 @@ BATCH = 64
 PERSIST_EVERY = 10
 
 
-def _model() -> torch.nn.Module:
+def _model() -> torch.nn.Sequential:
     layers: list[torch.nn.Module] = [torch.nn.Linear(64, HIDDEN), torch.nn.GELU()]
     for _ in range(LAYERS - 1):
         layers += [torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU()]
@@ -70,11 +70,12 @@ def rank_main(rank: int, spec_json: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (2,))
-        model = _model()
-        for layer in model:
+        net = _model()
+        for layer in net:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
-        model = fully_shard(model, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        model: torch.nn.Module = net
     else:
         model = torch.nn.parallel.DistributedDataParallel(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -127,7 +128,8 @@ def rank_main(rank: int, spec_json: str) -> None:
         s = ck.stats
         out["merge_s"] = s["replica_merge_s"]
         out["merges"] = s["replica_merges"]
-        out["slot_bytes"] = ck.strategy_impl.objects.snapshot_layout.row_bytes
+        impl: Any = ck.strategy_impl
+        out["slot_bytes"] = impl.objects.snapshot_layout.row_bytes
         ck.close()
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(out))
 
