@@ -51,12 +51,11 @@ import torch
 
 from lowdiff.engine.process.remote import announce, drain, start_uploader
 from lowdiff.engine.process.takeover import ProcessTakeover, request_mismatch
+from lowdiff.engine.replica.copy import PeerCopy, source_of
 from lowdiff.engine.replica.optim import optimizer_class
-from lowdiff.engine.replica.peer import Part, PeerLinks
 from lowdiff.engine.replica.replica import Persister, Replica, staged_tensors
 from lowdiff.engine.wire.configs import ReplicaConfig
 from lowdiff.engine.wire.messages import Durable, Init, Merged, Stage, Step, TakeoverRequest
-from lowdiff.errors import LowDiffError
 from lowdiff.format import codec, layout
 from lowdiff.plan import young_daly_s
 from lowdiff.proc import holder as rp
@@ -110,13 +109,8 @@ class ReplicaProcess:
         self.persister: Persister | None = None
         self.uploader: Uploader | None = None
         self.staging: torch.Tensor | None = None
-        self.links: PeerLinks | None = None
-        """With a peer copy: the links to the source and the holder (:mod:`.peer`)."""
-        self.copy: Replica | None = None
-        """With a peer copy: the copy of the source's shard."""
-        self.copy_ctl: rp.ControlBlock | None = None
-        self.mirror_row: torch.Tensor | None = None
-        """A mirror's slot: the source's slot of each step is copied in."""
+        self.copy: PeerCopy | None = None
+        """The copy of another node's shard (:mod:`lowdiff.engine.replica.copy`), or None."""
         self.acked = -1
         """The newest step the holder said its copy of this shard holds."""
         self.pending: list[tuple[int, int, dict[str, Any]]] = []
@@ -136,13 +130,8 @@ class ReplicaProcess:
         _warm_up(cfg.optimizer)
         self.rep = Replica(cfg, ctl)
         if cfg.peer is not None:
-            self.links = PeerLinks(cfg.peer, self._acked, cfg.peer.timeout)
-            name = f"lowdiff-{cfg.run_id[:16]}-pctl"
-            self.copy_ctl = rp.ControlBlock(rp.create_segment(name, rp.CTL_BYTES))
-            self.copy_ctl.write(rp.STATE_INIT, -1, {"run_id": cfg.run_id})
-            if not cfg.peer.mirror:  # a mirror's layout comes with the source's state
-                self.copy = self._new_copy(cfg.peer.layout, cfg.peer.shard)
-            self.rep.head = {"peer": {"rank": cfg.peer.source, "ctl": name}}
+            self.copy = PeerCopy(cfg, self._acked)
+            self.rep.head = self.copy.head
         remote = cfg.remote is not None
         self.persister = Persister(
             self.root,
@@ -196,12 +185,8 @@ class ReplicaProcess:
         assert rep is not None and persister is not None
         match msg:
             case Step(slot=slot, step=step, meta=meta):
-                if self.links is not None:
-                    # this shard's part goes to its holder as soon as it arrives (a
-                    # mirror's: the whole slot)
-                    row = self.slots[slot]
-                    sent = {"row": row} if self.links.cfg.mirror else rep.per_rank_state(row)
-                    self.links.forward("step", step + 1, sent, meta)
+                if self.copy is not None:  # this shard's part goes to its holder at once
+                    self.copy.forward(step, self.slots[slot], rep, meta)
                 self.pending.append((slot, step, codec.loads(meta)))
                 if not self.draining:
                     self.merge_pending()
@@ -211,8 +196,8 @@ class ReplicaProcess:
             case Init(step=step, entries=entries, meta=meta):
                 assert self.staging is not None
                 rep.init_from(self.staging, step, entries, meta)
-                if self.links is not None:
-                    self.init_copy(step, entries, meta)
+                if self.copy is not None:
+                    self.copy.start(step, staged_tensors(self.staging, entries), meta, rep)
                 self.staging = None  # the replica holds the state now: unmap the staging copy
                 self.ctr.add(STAGING_DONE)
                 self.ctr.add(BEAT)
@@ -224,8 +209,8 @@ class ReplicaProcess:
                     persister.snapshot(rep)
                     persister.wait()
                 if isinstance(msg, Close):
-                    if self.links is not None:
-                        self.links.end(rep.step)
+                    if self.copy is not None:
+                        self.copy.end(rep.step)
                     self.drain_remote()
                     self.end.send(Closed(persister.persisted))
                     return False
@@ -234,91 +219,30 @@ class ReplicaProcess:
                 raise unexpected(msg)
         return True
 
-    def _new_copy(self, layout_json: dict[str, Any], shard: list[int] | None) -> Replica:
-        cfg = self.cfg
-        assert cfg.peer is not None and self.copy_ctl is not None
-        copy_cfg = dataclasses.replace(cfg, layout=layout_json, shard=shard)
-        if cfg.peer.mirror:  # fed with the source's slots, laid out as its own
-            copy_cfg = dataclasses.replace(
-                copy_cfg, peer=dataclasses.replace(cfg.peer, slot_layout=layout_json)
-            )
-        return Replica(copy_cfg, self.copy_ctl, name="p")
-
-    def init_copy(self, step: int, entries: list[Any], meta: dict[str, str]) -> None:
-        """Send this shard's part of the state ``Init`` holds to the holder, and build the
-        peer copy from the source's part and the source's shard this trainer staged (a
-        mirror: from the source's whole state, its part)."""
-        links, rep = self.links, self.rep
-        assert links is not None and rep is not None and self.staging is not None
-        staged = staged_tensors(self.staging, entries)
-        if links.cfg.mirror:
-            whole = {k: v for k, v in staged.items() if not k.startswith("peer/")}
-            links.forward("init", step, whole, {**meta, "layout": self.cfg.layout})
-        else:
-            own = {k: meta[k] for k in ("rng", "scheduler", "extra") if k in meta}
-            links.forward("init", step, rep.per_rank_state(), own)
-        part = links.take_part(step, "init", links.timeout, final=False)
-        if part is None:
-            raise LowDiffError(
-                f"peer copy: the replica of rank {links.cfg.source} sent no state within "
-                f"{links.timeout:g} s (it listens at its node's ReplicaOptions.peer_address "
-                "or LOWDIFF_PEER_ADDR; ReplicaOptions(peer_copies=False) turns peer copies off)"
-            )
-        if links.cfg.mirror:
-            layout_json = part.meta.pop("layout")
-            shard = codec.loads(part.meta["shard"]) if "shard" in part.meta else None
-            self.copy = self._new_copy(layout_json, shard)
-            self.mirror_row = torch.zeros(self.copy.slot_rl.row_bytes, dtype=torch.uint8)
-            self.copy.init_from_tensors(part.tensors, step, part.meta)
-        else:
-            assert self.copy is not None
-            tensors = {
-                k.removeprefix("peer/"): v for k, v in staged.items() if k.startswith("peer/")
-            }
-            tensors.update(part.tensors)
-            self.copy.init_from_tensors(
-                tensors,
-                step,
-                {"optim": meta["peer_optim"], "model_aliases": meta["model_aliases"], **part.meta},
-            )
-        links.ack(step)
-
     def merge_pending(self) -> None:
         """Merge the steps received, in order. With a peer copy, a step is merged (into
         this shard and into the copy together) only with its source's part: one that
         never comes leaves it and every later step unmerged, so that this replica's shard
         and its copy always hold the same step."""
-        rep, links = self.rep, self.links
+        rep, copy = self.rep, self.copy
         assert rep is not None
         while self.pending and not self.stuck:
             slot, step, meta = self.pending[0]
             row = self.slots[slot]
-            part: Part | None = None
-            if links is not None:
-                part = links.take_part(step + 1, "step", links.timeout, final=self.orphan)
-                if part is None:
-                    self.stuck = True
-                    why = "is gone" if links.source_gone else "sent none"
-                    print(
-                        f"lowdiff: peer copy: rank {links.cfg.source}'s replica {why} for step "
-                        f"{step}; this replica stays at step {rep.step}",
-                        file=sys.stderr, flush=True,
-                    )  # fmt: skip
-                    return
+            part = None if copy is None else copy.take(step, final=self.orphan)
+            if copy is not None and part is None:
+                self.stuck = True
+                print(
+                    f"lowdiff: peer copy: {copy.why_not(step)}; this replica stays at step "
+                    f"{rep.step}",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                return
             self.pending.pop(0)
             t0 = time.perf_counter_ns()  # the merge's own time, not the wait for the part
             rep.merge(row, step, meta)
-            if part is not None:
-                assert self.copy is not None and links is not None
-                if links.cfg.mirror:  # the source's own slot, and its own document
-                    mirror = self.mirror_row
-                    assert mirror is not None
-                    mirror.copy_(part.tensors["row"])
-                    self.copy.merge(mirror, step, codec.loads(part.meta))
-                else:
-                    source = codec.loads(part.meta)
-                    self.copy.merge(row, step, _source_meta(meta, source), part.tensors)
-                links.ack(self.copy.step)
+            if copy is not None and part is not None:
+                copy.merge(row, step, meta, part)
             self.ctr.add(REPLICA_MERGE_NS, time.perf_counter_ns() - t0)
             self.ctr.add(REPLICA_MERGES)
             self.ctr.add(SLOTS_DONE)
@@ -348,14 +272,14 @@ class ReplicaProcess:
         self.end.drain(self.handle, (Kind.STEP, Kind.STAGE, Kind.INIT))
         self.draining = False
         self.end.close()
-        if self.links is not None:
-            self.links.end(rep.step + len(self.pending))
+        if self.copy is not None:
+            self.copy.end(rep.step + len(self.pending))
         self.merge_pending()
         if rep.opt is None:
             return False
         rep.takeover_address = self.takeover.address()
-        if self.copy is not None and self.copy.opt is not None:
-            self.copy.publish(rp.STATE_ORPHANED)
+        if self.copy is not None:
+            self.copy.publish_orphaned()
         rep.publish(rp.STATE_ORPHANED)
         if persister.persisted < rep.step:
             persister.snapshot(rep)
@@ -374,7 +298,7 @@ class ReplicaProcess:
             msg, self.cfg, _MATCH, self.root, what="replica", held=rep.step,
             holds=f"the replica is at {rep.step}", slots="snapshot slots",
         )  # fmt: skip
-        if not why and _copy_of(msg.cfg) != _copy_of(self.cfg):
+        if not why and source_of(msg.cfg) != source_of(self.cfg):
             why = "the new trainer's peer copies differ from the replica's"
         return why
 
@@ -415,28 +339,9 @@ class ReplicaProcess:
             with contextlib.suppress(Exception):
                 self.rep.ctl.set_state(rp.STATE_CLOSED)
             self.rep.close()
-        if self.links is not None:
-            self.links.flush(5.0)
-            self.links.close()
         if self.copy is not None:
             self.copy.close()
-        if self.copy_ctl is not None:
-            rp.unlink_and_close(self.copy_ctl.shm)
         self.takeover.teardown()
-
-
-def _copy_of(cfg: ReplicaConfig) -> int | None:
-    """The rank whose shard a replica of ``cfg`` keeps a copy of (None: none)."""
-    return None if cfg.peer is None else cfg.peer.source
-
-
-def _source_meta(own: dict[str, Any], source: dict[str, Any]) -> dict[str, Any]:
-    """A step's document for the peer copy: the update's (every rank's: hyperparameters,
-    gradients without a value, the clip's factor) from this trainer's, the per-rank state
-    after it (scheduler, RNG, extra state) from the source's."""
-    out = {k: v for k, v in own.items() if k != "extra"}
-    out.update({k: source[k] for k in ("sched", "rng", "extra") if k in source})
-    return out
 
 
 def replica_main(
