@@ -227,6 +227,9 @@ def test_node_lost_resumes_from_the_peer_copy_bit_identical(tmp_path, reference)
     crashed = _run(tmp_path, "crash", ck, 2, 1, crash_after=6)
     acked = [int((crashed / f"acked-rank{r}.txt").read_text()) for r in (0, 1)]
     assert acked == [6, 6]  # both shards and both copies held step 6 before the crash
+    # what `lowdiff inspect` shows of rank 0's orphaned replica: its copy of rank 1's shard
+    status = rp.replica_status(ck / "node-0" / "rank-00000")
+    assert status is not None and status["peer_copy"] == {"rank": 1, "step": 6}
     _lose_node(ck, 1, 1)
     resumed = _run(tmp_path, "resumed", ck, 2, 1)
     _check(reference, resumed, {"0": "memory", "1": "peer memory (rank 0)"}, BOTH)

@@ -234,6 +234,9 @@ def _job_text(args: argparse.Namespace, job: Any) -> None:
         if lr is not None:
             at = f"step {lr['step']}, " if lr.get("step", -1) >= 0 else ""
             line += f"  {_process_label(lr)}: {at}{lr['state']} (pid {lr['pid']})"
+            copy = lr.get("peer_copy")
+            if copy is not None:
+                line += f", with the copy of rank {copy['rank']}'s shard at step {copy['step']}"
         print(line)
         if args.all:  # every file of the shard
             for f in s.full_checkpoints:

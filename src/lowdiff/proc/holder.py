@@ -520,4 +520,9 @@ def replica_status(root: Path) -> dict[str, Any] | None:
     out["step"] = step
     # LowDiff's writer publishes the same block as LowDiff+'s replica
     out["process"] = doc.get("process", "replica")
+    peer = doc.get("peer") if ours else None
+    if isinstance(peer, dict) and valid_segment_name(peer.get("ctl")):
+        with contextlib.suppress(FileNotFoundError, LowDiffError, ValueError):
+            _, copy_step, _ = read_control_block(peer["ctl"])
+            out["peer_copy"] = {"rank": int(peer.get("rank", -1)), "step": copy_step}
     return out
