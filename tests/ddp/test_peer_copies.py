@@ -89,6 +89,7 @@ def _rank(
     out: str,
     crash_after: int,
     fsdp: bool = False,
+    remote: str = "",
 ) -> None:
     import lowdiff
 
@@ -104,9 +105,11 @@ def _rank(
     counter = Counter(rank)
     # each "node" has storage of its own, no shared file system
     node = Path(ck, f"node-{rank // local}")
+    # with a remote tier: no peer copies, persisted every 3 steps and uploaded
+    replica = lowdiff.ReplicaOptions(persist_every=3 if remote else 100, peer_copies=not remote)
     ck_ = lowdiff.Checkpointer(
         node, model, opt, method="lowdiff+", scheduler=sched, extra_state={"counter": counter},
-        replica=lowdiff.ReplicaOptions(persist_every=100, peer_copies=True),
+        replica=replica, remote=f"file://{remote}" if remote else None,
     )  # fmt: skip
     torch.manual_seed(100 + rank)  # per-rank RNG: dropout differs between the ranks
     start = ck_.resume()
@@ -140,7 +143,12 @@ def _rank(
             save("at-resume")
         if step + 1 == crash_after:
             deadline = time.monotonic() + 30
-            while ck_.acknowledged_step < crash_after and time.monotonic() < deadline:
+            impl = ck_.strategy_impl
+            while time.monotonic() < deadline:
+                impl.pipeline.poll()  # type: ignore[attr-defined]
+                uploaded = impl.progress.remote_durable  # type: ignore[attr-defined]
+                if ck_.acknowledged_step >= crash_after and (not remote or uploaded >= crash_after):
+                    break
                 time.sleep(0.01)
             Path(out, f"acked-rank{rank}.txt").write_text(str(ck_.acknowledged_step))
             os._exit(0)  # the trainer dies; its replica lives on (or dies with its node)
@@ -156,12 +164,13 @@ def _run(
     local: int,
     crash_after: int = 0,
     fsdp: bool = False,
+    remote: str = "",
 ) -> Path:
     out = tmp / name
     out.mkdir()
     store = tmp / f"store-{name}"
     codes = run_ranks(
-        _rank, world, world, local, str(store), str(ck), str(out), crash_after, fsdp,
+        _rank, world, world, local, str(store), str(ck), str(out), crash_after, fsdp, remote,
         timeout=180,
     )  # fmt: skip
     assert codes == [0] * world, codes
@@ -196,13 +205,16 @@ def _equal(a: object, b: object) -> bool:
     return a == b
 
 
-def _check(ref: Path, resumed: Path, shards: dict[str, str], at: tuple[str, ...]) -> None:
-    """Every rank resumed from memory at RESUME_AT, its shard from where ``shards`` says,
-    and its state (model, optimizer, scheduler, RNG, extra state) equals the
+def _check(
+    ref: Path, resumed: Path, shards: dict[str, str], at: tuple[str, ...], source: str = "memory"
+) -> None:
+    """Every rank resumed from ``source`` at RESUME_AT, its shard from where ``shards``
+    says, and its state (model, optimizer, scheduler, RNG, extra state) equals the
     uninterrupted run's at each point of ``at``."""
     for r in range(len(shards)):
         info = json.loads((resumed / f"resumed-rank{r}.json").read_text())
-        assert info == {"step": RESUME_AT, "source": "memory", "shards": shards}
+        expect = shards if source == "memory" else {}
+        assert info == {"step": RESUME_AT, "source": source, "shards": expect}
         for point in at:
             want = torch.load(ref / f"{point}-rank{r}.pt", weights_only=False)
             got = torch.load(resumed / f"{point}-rank{r}.pt", weights_only=False)
@@ -276,3 +288,17 @@ def test_fully_shard_node_lost_resumes_from_the_mirrored_replica(tmp_path):
     _lose_node(ck, 1, 1)
     resumed = _run(tmp_path, "resumed", ck, 2, 1, fsdp=True)
     _check(ref, resumed, {"0": "memory", "1": "peer memory (rank 0)"}, BOTH)
+
+
+@pytest.mark.timeout(300)
+def test_without_copies_a_lost_node_s_shard_comes_from_the_remote_tier(tmp_path, reference):
+    """Each node its own directory, copies off, a remote tier: node 1 is lost. Node 0's
+    shard is read from its own disk, node 1's downloaded from the remote tier (and
+    node 0's own shard downloaded to the replacement node): the job resumes at the step
+    both persisted and uploaded."""
+    ck, remote = tmp_path / "ck", tmp_path / "remote"
+    _run(tmp_path, "crash", ck, 2, 1, crash_after=RESUME_AT, remote=str(remote))
+    _lose_node(ck, 1, 1)
+    resumed = _run(tmp_path, "resumed", ck, 2, 1, remote=str(remote))
+    _check(reference, resumed, {"0": "", "1": ""}, BOTH, source="disk")
+    assert (ck / "node-0" / "rank-00001").is_dir()  # node 0 read node 1's shard too

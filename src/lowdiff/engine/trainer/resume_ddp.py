@@ -64,6 +64,7 @@ def resume_ddp(s: Starter) -> int:
     if in_place and s.backend.keeps_replica and resume_job_from_memory(s):
         return s.progress.step
     _settle_every_shard(s, gens, newest if in_place else None)
+    fetch_missing_shards(s, gens)
     if not d.job_holds_checkpoints():
         # nothing was ever durable: a fresh job, generation 0, at this world size
         d.switch_root(rank_dir(job, ctx.rank))
@@ -169,6 +170,37 @@ def shares_job_directory(s: Starter) -> bool:
     if ctx.rank == 0:
         mark.unlink(missing_ok=True)
     return seen
+
+
+def fetch_missing_shards(s: Starter, gens: list[Generation]) -> None:
+    """(all ranks) Recovery from disk reads every shard of a generation on every rank.
+    Where a rank's directory lacks some (the nodes have storage of their own, and a node
+    was lost or holds only its own ranks' shards), they are downloaded from the remote
+    tier, when there is one: the shards this node lacks, each from its newest full
+    checkpoint every shard has committed (:func:`lowdiff.remote.fetch`)."""
+    url, ctx, job = s.options.remote, s.objects.dist, s.directory.job_root
+    assert ctx is not None and job is not None
+    lacking = {
+        d.relative_to(job).as_posix()
+        for g in gens
+        if not g.single
+        for d in g.shard_dirs()
+        if not (d / layout.MANIFEST).exists()
+    }
+    if url is None or not ctx.all_max([int(bool(lacking))])[0]:
+        return
+    shared = shares_job_directory(s)
+
+    def mine(rel: str) -> bool:
+        if rel not in lacking:
+            return False
+        if not shared:
+            return True
+        shard = re.fullmatch(r"rank-(\d+)", rel.rsplit("/", 1)[-1])
+        return shard is not None and int(shard.group(1)) % ctx.world_size == ctx.rank
+
+    fetch(url, job, s.options.remote_options, mine=mine, agree_min=lambda v: ctx.all_min([v])[0])
+    ctx.barrier()  # every shard is down before any rank reads the job
 
 
 def fetch_job(s: Starter) -> None:
