@@ -13,9 +13,10 @@ from lowdiff.recovery.job import generations
 
 def writes_job_manifests(rank: int) -> bool:
     """Whether this rank writes the job's manifests: rank 0, and the first rank of every
-    node (``LOCAL_RANK`` 0), so that a node with storage of its own holds them too (the
-    writes are atomic; on a shared file system they write the same bytes)."""
-    return rank == 0 or os.environ.get("LOCAL_RANK") == "0"
+    node (``LOCAL_RANK`` 0; every rank where the launcher does not say), so that a node
+    with storage of its own holds them too (the writes are atomic; on a shared file
+    system they write the same bytes)."""
+    return rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def adopt_job_manifests(s: Starter) -> None:
