@@ -51,7 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--dir", required=True, help="checkpoint directory (shared by all ranks)")
+    ap.add_argument(
+        "--dir", required=True, help="checkpoint directory (shared, or local to each node)"
+    )
     ap.add_argument(
         "--method",
         "--strategy",
