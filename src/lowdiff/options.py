@@ -80,8 +80,9 @@ class ReplicaOptions:
             (docs/guides/failures.md). ``"auto"`` (the default): on when the job spans
             more than one node (``WORLD_SIZE > LOCAL_WORLD_SIZE``); ``False``: off;
             ``True``: required (an error where it cannot apply).
-        peer_address: the address this node's replicas listen on for their peers (the
-            host's name resolved, by default; ``LOWDIFF_PEER_ADDR`` overrides it).
+        peer_address: the address this node's replicas listen on for their peers. By
+            default ``LOWDIFF_PEER_ADDR``, else this host's address on the route to
+            ``MASTER_ADDR`` (the interface the job's own traffic takes).
     """
 
     max_lag: int = 2

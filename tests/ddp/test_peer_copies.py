@@ -129,7 +129,14 @@ def _rank(
     stats = ck_.recovery_stats
     if stats is not None:
         Path(out, f"resumed-rank{rank}.json").write_text(
-            json.dumps({"step": start, "source": stats.source, "shards": stats.shard_sources})
+            json.dumps(
+                {
+                    "step": start,
+                    "source": stats.source,
+                    "shards": stats.shard_sources,
+                    "taken_over": stats.takeover_pid is not None,
+                }
+            )
         )
     for step in range(start, STEPS):
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -206,15 +213,22 @@ def _equal(a: object, b: object) -> bool:
 
 
 def _check(
-    ref: Path, resumed: Path, shards: dict[str, str], at: tuple[str, ...], source: str = "memory"
+    ref: Path,
+    resumed: Path,
+    shards: dict[str, str],
+    at: tuple[str, ...],
+    source: str = "memory",
+    taken_over: bool = False,
 ) -> None:
     """Every rank resumed from ``source`` at RESUME_AT, its shard from where ``shards``
-    says, and its state (model, optimizer, scheduler, RNG, extra state) equals the
+    says, taking its replica's process over or not as ``taken_over`` says, and its state (model, optimizer, scheduler, RNG, extra state) equals the
     uninterrupted run's at each point of ``at``."""
     for r in range(len(shards)):
         info = json.loads((resumed / f"resumed-rank{r}.json").read_text())
         expect = shards if source == "memory" else {}
-        assert info == {"step": RESUME_AT, "source": source, "shards": expect}
+        assert info == {
+            "step": RESUME_AT, "source": source, "shards": expect, "taken_over": taken_over,
+        }  # fmt: skip
         for point in at:
             want = torch.load(ref / f"{point}-rank{r}.pt", weights_only=False)
             got = torch.load(resumed / f"{point}-rank{r}.pt", weights_only=False)
@@ -252,7 +266,8 @@ def test_trainers_crash_each_takes_its_replica_with_its_copy_over(tmp_path, refe
     ck = tmp_path / "ck"
     _run(tmp_path, "crash", ck, 2, 1, crash_after=6)
     resumed = _run(tmp_path, "resumed", ck, 2, 1)
-    _check(reference, resumed, {"0": "memory", "1": "memory"}, BOTH)
+    # every rank took its replica's process over (its copy in it): none was started anew
+    _check(reference, resumed, {"0": "memory", "1": "memory"}, BOTH, taken_over=True)
 
 
 @pytest.mark.timeout(400)

@@ -144,7 +144,8 @@ class EngineOptions:
             self._check_replica()
         if self.remote is not None and strategy not in ("lowdiff", "lowdiff+"):
             raise InvalidArgumentError(
-                f"remote= is supported by methods 'lowdiff' and 'lowdiff+', got method {strategy!r}"
+                "remote= is supported by methods 'lowdiff' and 'lowdiff+', got method "
+                f"{strategy!r}"
             )
         if self.remote is not None and sharded:
             # refused rather than running without the remote tier the caller asked for

@@ -370,6 +370,12 @@ def find_live_replica(
     found, why = find_orphan(root, layout_id, wait_s)
     if found is None:
         return None, why
+    return _with_arena(found)
+
+
+def _with_arena(found: Orphan) -> tuple[LiveReplica | None, str]:
+    """``found`` with the arena its control block names attached, or (None, why not;
+    ``found`` closed)."""
     doc = found.doc
     if not valid_segment_name(doc.get("arena")):
         found.close()
@@ -399,15 +405,10 @@ def peer_copy(live: LiveReplica) -> tuple[int, LiveReplica | None]:
     except (LowDiffError, ValueError):
         ctl.shm.close()
         return rank, None
-    if state != STATE_ORPHANED or not valid_segment_name(doc.get("arena")):
+    if state != STATE_ORPHANED:
         ctl.shm.close()
         return rank, None
-    try:
-        arena = attach_segment(doc["arena"])
-    except FileNotFoundError:
-        ctl.shm.close()
-        return rank, None
-    return rank, LiveReplica(live.descriptor, ctl, state, step, doc, arena)
+    return rank, _with_arena(Orphan(live.descriptor, ctl, state, step, doc))[0]
 
 
 def orphan_waits(root: Path | None) -> bool:

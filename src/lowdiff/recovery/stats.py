@@ -29,7 +29,7 @@ class RecoveryStats:
     """Damaged files, and record files of another trajectory, passed over: (path, reason)."""
     source: str = "disk"
     shard_sources: dict[int, str] = field(default_factory=dict)
-    """Under DDP, recovered from memory: where each rank's shard came from, by rank:
+    """A distributed job recovered from memory: where each rank's shard came from, by rank:
     ``"memory"`` (that rank's replica) or ``"peer memory (rank R)"`` (the copy rank R's
     replica keeps of it, when its own replica was lost with its node). Empty otherwise."""
     extra: Any = None

@@ -77,6 +77,8 @@ class Replica:
             int, tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
         ] = {}
         """Per snapshot slot (by address): what :meth:`_slot_views` returns."""
+        self._row_state: dict[int, dict[str, torch.Tensor]] = {}
+        """Per snapshot slot (by address): what :meth:`per_rank_state` returns for it."""
         self._arena_moved = False
         self._rng: Any = None
         self._grads_bound: int | None = None
@@ -284,10 +286,13 @@ class Replica:
         if row is None:
             buffers = {f"model/{n}" for n, _, _ in self.rl.buffers}
             return {k: v for k, v in self.tensors.items() if k in buffers or k.startswith("rng.")}
-        views = self.slot_rl.views(row)
-        out = {f"model/{n}": v for n, v in self.slot_rl.buffer_values(views).items()}
-        out.update(self.slot_rl.rng_tensors(views))
-        return out
+        got = self._row_state.get(row.data_ptr())
+        if got is None:  # views of the slot: built once per slot
+            views = self.slot_rl.views(row)
+            got = {f"model/{n}": v for n, v in self.slot_rl.buffer_values(views).items()}
+            got.update(self.slot_rl.rng_tensors(views))
+            self._row_state[row.data_ptr()] = got
+        return got
 
     def _scale(self, spec: Any) -> torch.Tensor | None:
         """The factor the trainer's clip multiplied the step's gradients by after they
@@ -314,6 +319,7 @@ class Replica:
         """The snapshot slots are replaced (a new trainer took the process over): drop
         every view into the old ones."""
         self._row_views.clear()
+        self._row_state.clear()
         self._grads_bound = None
         for p in self.params:
             p.grad = None

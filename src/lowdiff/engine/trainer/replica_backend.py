@@ -230,13 +230,11 @@ class ReplicaBackend:
         holder_address: tuple[str, int] = ("", 0),
         holder_key: bytes = b"",
     ) -> PeerConfig | None:
-        """The peer copy the next process keeps; by default (a request to take a process
-        over, which runs no collective) what identifies it, without addresses."""
+        """The peer copy a process keeps (None: none); without addresses, what identifies
+        it (a request to take a process over, before this trainer launched one)."""
         objects = self.objects
         if objects.peer is None:
             return None
-        if listen[1] == 0 and self.peer is not None:
-            return self.peer  # the launched process's, addresses and all
         assert objects.snapshot_layout is not None
         mirror = objects.peer_layout is None  # fully_shard: the source's rows, sent whole
         return PeerConfig(
@@ -265,7 +263,7 @@ class ReplicaBackend:
             None if objects.dist is None else list(objects.shard),
             remote=self.directory.remote_settings(opts.remote_settings()),
             mtbf=resolve_mtbf(opts.mtbf)[0] if persist_every == AUTO else DEFAULT_MTBF_S,
-            peer=self._peer_config(),
+            peer=self.peer if self.peer is not None else self._peer_config(),
         )
         return replica_main, cfg, opts.max_lag
 

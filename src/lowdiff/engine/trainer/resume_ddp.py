@@ -172,6 +172,13 @@ def shares_job_directory(s: Starter) -> bool:
     return seen
 
 
+def _downloader(rel: str, world_size: int) -> int:
+    """On a shared file system, the rank that downloads the remote folder ``rel``: shard
+    ``k`` (``rank-k``, of any generation) rank ``k mod W``, anything else rank 0."""
+    shard = re.fullmatch(r"rank-(\d+)", rel.rsplit("/", 1)[-1])
+    return 0 if shard is None else int(shard.group(1)) % world_size
+
+
 def fetch_missing_shards(s: Starter, gens: list[Generation]) -> None:
     """(all ranks) Recovery from disk reads every shard of a generation on every rank.
     Where a rank's directory lacks some (the nodes have storage of their own, and a node
@@ -192,12 +199,7 @@ def fetch_missing_shards(s: Starter, gens: list[Generation]) -> None:
     shared = shares_job_directory(s)
 
     def mine(rel: str) -> bool:
-        if rel not in lacking:
-            return False
-        if not shared:
-            return True
-        shard = re.fullmatch(r"rank-(\d+)", rel.rsplit("/", 1)[-1])
-        return shard is not None and int(shard.group(1)) % ctx.world_size == ctx.rank
+        return rel in lacking and (not shared or _downloader(rel, ctx.world_size) == ctx.rank)
 
     fetch(url, job, s.options.remote_options, mine=mine, agree_min=lambda v: ctx.all_min([v])[0])
     ctx.barrier()  # every shard is down before any rank reads the job
@@ -216,11 +218,8 @@ def fetch_job(s: Starter) -> None:
     shared = shares_job_directory(s)
 
     def mine(rel: str) -> bool:
-        if not shared:  # every node reads every shard from its own directory
-            return True
-        shard = re.fullmatch(r"rank-(\d+)", rel.rsplit("/", 1)[-1])
-        owner = 0 if shard is None else int(shard.group(1)) % ctx.world_size
-        return owner == ctx.rank
+        # on storage of its own every node reads every shard from its own directory
+        return not shared or _downloader(rel, ctx.world_size) == ctx.rank
 
     fetch(
         url,

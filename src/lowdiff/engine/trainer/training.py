@@ -83,10 +83,11 @@ class TrainingObjects:
             self.shard = [i for i, r in enumerate(owner) if r == dist.rank]
             self.foreign = {info.name for info, _ in self.params if owner[info.index] != dist.rank}
         self.peer: int | None = None
-        """Under DDP across nodes with LowDiff+'s peer copies: the rank whose shard this
+        """With LowDiff+'s peer copies (a job across nodes): the rank whose shard this
         rank's replica also keeps (:mod:`lowdiff.ddp.peers`), else None."""
         self.peer_shard: list[int] = []
-        """The optimizer indices of :attr:`peer`'s shard."""
+        """Under DDP, the optimizer indices of :attr:`peer`'s shard (empty under
+        ``fully_shard``: the copy is a mirror of that rank's replica)."""
         self.rng_layout: st.RngLayout | None = None
         self.rng_capture: st.RngCapture | None = None
         self.layout: RecordLayout | None = None

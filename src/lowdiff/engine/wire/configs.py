@@ -85,7 +85,8 @@ class PeerConfig:
     layout: dict[str, Any]
     """That shard's record layout (its own replica's)."""
     slot_layout: dict[str, Any]
-    """The snapshot slots' layout: the gradients of this rank's shard and of the source's."""
+    """The snapshot slots' layout: under DDP the gradients of this rank's shard and of the
+    source's; a mirror's, the source's own."""
     listen: tuple[str, int]
     """The address this replica takes the source's connection on."""
     key: bytes
@@ -121,4 +122,4 @@ class ReplicaConfig:
     mtbf: float = DEFAULT_MTBF_S
     """Seconds between failures that ``persist_every="auto"`` plans for (``mtbf=``)."""
     peer: PeerConfig | None = None
-    """Under DDP across nodes: the peer copy this replica keeps, or None."""
+    """In a job across nodes: the peer copy this replica keeps, or None."""
